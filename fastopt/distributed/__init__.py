@@ -1,0 +1,1 @@
+"""Layouts, batched collectives and the ZeRO wrapper."""

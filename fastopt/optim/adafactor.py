@@ -1,0 +1,86 @@
+"""fastopt.Adafactor: transformers' Adafactor, fused (math: fastopt/reference/adafactor.py)."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import ops
+from .base import FastOptimizer, check
+
+
+class Adafactor(FastOptimizer):
+    """Adafactor with the signature and semantics of `transformers.optimization.Adafactor`.
+
+    Factored second moment over the last two dims of every param with ndim >= 2 (leading dims are a batch of
+    matrices), full second moment for vectors and single elements; relative step size, parameter-RMS
+    scaling, warm-up, RMS clipping of the update, optional `beta1` momentum, decoupled weight decay.
+
+    Args:
+        params: iterable of params or param-group dicts.
+        lr: external learning rate; must be None when `relative_step=True`.
+        eps: (eps1, eps2): regularizer added to g^2, and the floor of the param RMS used as scale.
+        clip_threshold: d, the RMS above which the update is scaled down.
+        decay_rate: c in beta2_t = 1 - t^c (negative).
+        beta1: momentum coefficient in [0, 1), or None for none (and no `exp_avg` state).
+        weight_decay: decoupled decay, applied as p -= weight_decay * alpha_t * p.
+        scale_parameter: scale the step by max(eps2, RMS(p)).
+        relative_step: step size min(1e-2, 1/sqrt(t)) (or warm-up) instead of `lr`.
+        warmup_init: with relative_step, the step size grows as 1e-6 t.
+        bf16_stochastic_round: round bf16 params stochastically (unbiased) instead of to nearest.
+
+    State per param (tensors only; loads with `torch.load(weights_only=True)`): `step` (fp32 scalar on the
+    param's device), `exp_avg_sq_row` and `exp_avg_sq_col` (factored) or `exp_avg_sq`, and `exp_avg` with
+    beta1; fp32, or fp64 for fp64 params. Works with `torch.amp.GradScaler` without host sync.
+    """
+
+    _name = "Adafactor"
+
+    def __init__(self, params, lr=None, eps=(1e-30, 1e-3), clip_threshold=1.0, decay_rate=-0.8, beta1=None,
+                 weight_decay=0.0, scale_parameter=True, relative_step=True, warmup_init=False,
+                 bf16_stochastic_round=False):
+        n = self._name
+        if lr is not None and relative_step:
+            raise ValueError(f"{n}: lr={lr!r} cannot be combined with relative_step=True; "
+                             "pass lr=None, or relative_step=False with an lr")
+        if warmup_init and not relative_step:
+            raise ValueError(f"{n}: warmup_init=True requires relative_step=True")
+        if not relative_step:
+            check(isinstance(lr, (int, float)) and math.isfinite(lr) and lr >= 0, "lr", n, lr,
+                  "be a finite number >= 0 when relative_step=False")
+        if not (isinstance(eps, (tuple, list)) and len(eps) == 2):
+            raise ValueError(f"{n}: eps={eps!r} must be a pair (eps1, eps2)")
+        for k, e in enumerate(eps):
+            check(isinstance(e, (int, float)) and e >= 0, f"eps[{k}]", n, e, "be >= 0")
+        check(isinstance(clip_threshold, (int, float)) and clip_threshold > 0, "clip_threshold", n, clip_threshold,
+              "be > 0")
+        check(isinstance(decay_rate, (int, float)) and decay_rate < 0, "decay_rate", n, decay_rate, "be < 0")
+        check(beta1 is None or (isinstance(beta1, (int, float)) and 0 <= beta1 < 1), "beta1", n, beta1,
+              "be None or in [0, 1)")
+        check(isinstance(weight_decay, (int, float)) and weight_decay >= 0, "weight_decay", n, weight_decay, "be >= 0")
+        defaults = dict(lr=lr, eps=tuple(eps), clip_threshold=clip_threshold, decay_rate=decay_rate, beta1=beta1,
+                        weight_decay=weight_decay, scale_parameter=scale_parameter, relative_step=relative_step,
+                        warmup_init=warmup_init, bf16_stochastic_round=bf16_stochastic_round)
+        super().__init__(params, defaults)
+        self._plans: dict = {}
+
+    def _state_spec(self, p, group):
+        dt = self.state_dtype(p)
+        spec = {}
+        if p.dim() >= 2:
+            spec["exp_avg_sq_row"] = (tuple(p.shape[:-1]), dt)
+            spec["exp_avg_sq_col"] = (tuple(p.shape[:-2]) + (p.shape[-1],), dt)
+        else:
+            spec["exp_avg_sq"] = (tuple(p.shape), dt)
+        if group["beta1"] is not None:
+            spec["exp_avg"] = (tuple(p.shape), dt)
+        return spec
+
+    def _step_group(self, group, params, grads, states, scaler):
+        hyper = {k: group[k] for k in ("lr", "eps", "clip_threshold", "decay_rate", "beta1", "weight_decay",
+                                       "scale_parameter", "relative_step", "warmup_init", "bf16_stochastic_round")}
+        if group["lr"] is not None and group["relative_step"]:
+            raise ValueError(f"{self._name}: param group has lr={group['lr']!r} with relative_step=True")
+        cache = self._plans.setdefault((id(group), params[0].device, params[0].dtype), {})
+        ops.adafactor_step(params, grads, states, inv_scale=scaler.inv_scale, found_inf=scaler.found_inf,
+                           cache=cache, **hyper)

@@ -1,0 +1,122 @@
+"""Adafactor in plain torch: the spec, the CPU path and the oracle of the Triton kernels.
+
+Shazeer & Stern, "Adafactor: Adaptive Learning Rates with Sublinear Memory Cost" (2018), with the
+conventions of transformers' `Adafactor`. For a parameter X with gradient G at step t (a matrix over the
+last two dims; leading dims are a batch of matrices; vectors and scalars are unfactored):
+
+    rho_t   = min(1e-6 t if warmup_init else 1e-2, 1/sqrt(t))           relative step      (Alg. 4)
+    alpha_t = max(eps2, RMS(X_{t-1})) * rho_t   if scale_parameter      step size          (Alg. 4)
+    beta2_t = 1 - t^decay_rate                                          (decay_rate = -0.8, eq. 7)
+    R_t = beta2_t R_{t-1} + (1 - beta2_t) mean_cols(G^2 + eps1)         row factor         (Alg. 4)
+    C_t = beta2_t C_{t-1} + (1 - beta2_t) mean_rows(G^2 + eps1)         column factor
+    U_t = G / sqrt(R_t C_t / mean(R_t))                                 (unfactored: G / sqrt(V_t))
+    U_t = U_t / max(1, RMS(U_t) / d)                                    update clipping    (sec. 5)
+    U_t = alpha_t U_t;   M_t = beta1 M_{t-1} + (1 - beta1) U_t; U_t = M_t   if beta1 is set
+    X_t = X_{t-1} - weight_decay alpha_t X_{t-1} - U_t
+
+The step runs in phases so that a distributed caller can sum the partial statistics of every shard with
+one collective per phase: `reduce(buf)` sums a flat buffer in place over the ranks that share the params.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from .common import stochastic_round_bf16
+
+Reduce = Callable[[Tensor], None]
+
+
+def is_factored(p: Tensor) -> bool:
+    return p.dim() >= 2
+
+
+def step_size(step: Tensor, p_sq_sum: Tensor, numel: int, *, lr, eps2, relative_step, warmup_init,
+              scale_parameter) -> Tensor:
+    """alpha_t: relative or fixed step, times max(eps2, RMS(X)) when scale_parameter."""
+    if relative_step:
+        min_step = 1e-6 * step if warmup_init else torch.full_like(step, 1e-2)
+        rel = torch.minimum(min_step, step.rsqrt())
+    else:
+        rel = torch.full_like(step, lr)
+    if scale_parameter:
+        return rel * torch.clamp((p_sq_sum / numel).sqrt(), min=eps2)
+    return rel
+
+
+def _commit(dst: Tensor, new: Tensor, found_inf: Tensor | None) -> None:
+    """dst <- new, unless GradScaler found an inf this step (then dst is left as it was)."""
+    if found_inf is not None:
+        new = torch.where(found_inf > 0, dst, new.to(dst.dtype))
+    dst.copy_(new)
+
+
+def adafactor_step(params: list[Tensor], grads: list[Tensor], states: list[dict], *, lr, eps, clip_threshold,
+                   decay_rate, beta1, weight_decay, scale_parameter, relative_step, warmup_init,
+                   bf16_stochastic_round: bool = False, inv_scale: Tensor | None = None,
+                   found_inf: Tensor | None = None, reduce: Reduce | None = None,
+                   numels: list[int] | None = None) -> None:
+    """One step over a bucket of params. `numels`: each param's global element count (default: local)."""
+    eps1, eps2 = eps
+    acc = [s["exp_avg_sq_row"].dtype if is_factored(p) else s["exp_avg_sq"].dtype for p, s in zip(params, states)]
+    gs = [g.to(a) * inv_scale if inv_scale is not None else g.to(a) for g, a in zip(grads, acc)]
+
+    # Phase 1: sums of G^2 over each row and column of every factored param, in one flat buffer.
+    parts = []
+    for p, g in zip(params, gs):
+        if is_factored(p):
+            sq = g * g
+            parts += [sq.sum(-1).flatten(), sq.sum(-2).flatten()]
+    stats = torch.cat([x.to(torch.float64) for x in parts]) if parts else None
+    if stats is not None and reduce is not None:
+        reduce(stats)
+
+    # Phase 2: new factors (or second moments), the unclipped update's and the param's sums of squares.
+    updates, new_states, sums = [], [], []
+    pos = 0
+    for p, g, s in zip(params, gs, states):
+        beta2t = 1.0 - s["step"].to(g.dtype).pow(decay_rate)
+        if is_factored(p):
+            rows, cols = s["exp_avg_sq_row"], s["exp_avg_sq_col"]
+            rsum = stats[pos:pos + rows.numel()].view_as(rows).to(g.dtype)
+            pos += rows.numel()
+            csum = stats[pos:pos + cols.numel()].view_as(cols).to(g.dtype)
+            pos += cols.numel()
+            r_new = beta2t * rows + (1 - beta2t) * (rsum / g.shape[-1] + eps1)
+            c_new = beta2t * cols + (1 - beta2t) * (csum / g.shape[-2] + eps1)
+            r_fac = (r_new / r_new.mean(dim=-1, keepdim=True)).rsqrt().unsqueeze(-1)
+            c_fac = c_new.unsqueeze(-2).rsqrt()
+            u = g * r_fac * c_fac
+            new_states.append({"exp_avg_sq_row": r_new, "exp_avg_sq_col": c_new})
+        else:
+            v_new = beta2t * s["exp_avg_sq"] + (1 - beta2t) * (g * g + eps1)
+            u = g * v_new.rsqrt()
+            new_states.append({"exp_avg_sq": v_new})
+        updates.append(u)
+        pf = p.to(g.dtype)
+        sums += [(u * u).sum().to(torch.float64), (pf * pf).sum().to(torch.float64)]
+    sums = torch.stack(sums)
+    if reduce is not None:
+        reduce(sums)
+
+    # Phase 3: clip, scale, momentum, decay, write.
+    for i, (p, g, s, u) in enumerate(zip(params, gs, states, updates)):
+        numel = p.numel() if numels is None else numels[i]
+        u_sq, p_sq = sums[2 * i].to(g.dtype), sums[2 * i + 1].to(g.dtype)
+        alpha = step_size(s["step"].to(g.dtype), p_sq, numel, lr=lr, eps2=eps2, relative_step=relative_step,
+                          warmup_init=warmup_init, scale_parameter=scale_parameter)
+        clip = torch.clamp((u_sq / numel).sqrt() / clip_threshold, min=1.0)
+        u = u * (alpha / clip)
+        if beta1 is not None:
+            m_new = beta1 * s["exp_avg"] + (1 - beta1) * u
+            new_states[i]["exp_avg"] = m_new
+            u = m_new
+        pf = p.to(g.dtype)
+        p_new = pf - (weight_decay * alpha) * pf - u if weight_decay != 0 else pf - u
+        for k, v in new_states[i].items():
+            _commit(s[k], v, found_inf)
+        if bf16_stochastic_round and p.dtype == torch.bfloat16:
+            p_new = stochastic_round_bf16(p_new)
+        _commit(p, p_new, found_inf)

@@ -1,0 +1,366 @@
+"""Fused multi-tensor Adafactor (the math: fastopt/reference/adafactor.py).
+
+Launches per step, each covering every param of the bucket (their number does not grow with the params):
+
+  factored (ndim >= 2)                      unfactored (vectors, scalars)
+  1 _sq_stats_kernel   rows/col partials    -
+  2 _col_reduce_kernel col sums             -
+    [reduce(stats): one collective]
+  3 _factor_kernel     R_t, C_t, factors    -
+  4 _norm_kernel       sum U^2, sum X^2     4' _vec_stats_kernel  V_t, sum U^2, sum X^2
+  5 _segment_sum_kernel per-param sums of both
+    [reduce(sums): one collective]
+  6 _apply_kernel      clip, momentum,      6' _vec_apply_kernel
+                       decay, write X
+
+The gradient is read three times (statistics, RMS of the update, update): the RMS clip needs the sum of
+U^2 over the whole (possibly sharded) matrix before any element of X may be written.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from . import common
+from .common import (INTERPRET, load_ptr, program_table, ptr_table, segment_sum, stochastic_round_bf16, tile_shape,
+                     to_device)
+from .factored import META_WIDTH, launch_factors, launch_sq_stats, load_meta
+
+BLOCK_V = 256 if INTERPRET else 1024
+
+
+@triton.jit
+def _step_scale(step, u_sq, p_sq, numel, lr, eps2, clip_threshold, RELATIVE: tl.constexpr, WARMUP: tl.constexpr,
+                SCALE_PARAM: tl.constexpr):
+    """(alpha_t, alpha_t / max(1, RMS(U)/d)) for one param."""
+    if RELATIVE:
+        if WARMUP:
+            rel = tl.minimum(1e-6 * step, 1.0 / tl.sqrt(step))
+        else:
+            rel = tl.minimum(step * 0.0 + 1e-2, 1.0 / tl.sqrt(step))
+    else:
+        rel = step * 0.0 + lr
+    alpha = rel
+    if SCALE_PARAM:
+        alpha = rel * tl.maximum(tl.sqrt(p_sq / numel), eps2)
+    clip = tl.maximum(tl.sqrt(u_sq / numel) / clip_threshold, 1.0)
+    return alpha, alpha / clip
+
+
+@triton.jit
+def _load_step(step_ptrs, i, acc_t: tl.constexpr):
+    return tl.load(tl.load(step_ptrs + i).to(tl.pointer_type(tl.float32))).to(acc_t)
+
+
+@triton.jit
+def _norm_kernel(g_ptrs, g_ref, p_ptrs, meta_ptr, prog_param_ptr, stats_ptr, part2_ptr, inv_scale_ptr,
+                 HAS_SCALE: tl.constexpr, SCALE_PARAM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    pid = tl.program_id(0)
+    i = tl.load(prog_param_ptr + pid)
+    B, R, C, row_off, col_off, _po, prog_start, _cps, _fps = load_meta(meta_ptr, i)
+    nrb = tl.cdiv(R, BLOCK_R)
+    local = pid - prog_start
+    b = local // nrb
+    rb = local % nrb
+    acc_t = stats_ptr.dtype.element_ty
+    g_ptr = load_ptr(g_ptrs, i, g_ref)
+    p_ptr = load_ptr(p_ptrs, i, g_ref)
+    inv = 1.0
+    if HAS_SCALE:
+        inv = tl.load(inv_scale_ptr)
+    rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < R
+    rfac = tl.load(stats_ptr + row_off + b * R + rows, mask=rmask, other=0.0)
+    row_base = (b * R + rows).to(tl.int64) * C
+    u_acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=acc_t)
+    p_acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=acc_t)
+    for c0 in range(0, C, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        cmask = cols < C
+        mask = rmask[:, None] & cmask[None, :]
+        offs = row_base[:, None] + cols[None, :]
+        cfac = tl.load(stats_ptr + col_off + b * C + cols, mask=cmask, other=0.0)
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(acc_t) * inv
+        u = g * rfac[:, None] * cfac[None, :]
+        u_acc += u * u
+        if SCALE_PARAM:
+            p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(acc_t)
+            p_acc += p * p
+    tl.store(part2_ptr + pid * 2, tl.sum(tl.sum(u_acc, 1), 0))
+    tl.store(part2_ptr + pid * 2 + 1, tl.sum(tl.sum(p_acc, 1), 0))
+
+
+@triton.jit
+def _vec_stats_kernel(g_ptrs, g_ref, p_ptrs, v_ptrs, step_ptrs, vmeta_ptr, prog_param_ptr, part2_ptr, part2_base,
+                      inv_scale_ptr, found_inf_ptr, decay_rate, eps1, HAS_SCALE: tl.constexpr,
+                      HAS_INF: tl.constexpr, SCALE_PARAM: tl.constexpr, BLOCK: tl.constexpr):
+    """V_t = b V + (1-b)(G^2 + eps1); partial sums of (G/sqrt(V_t))^2 and X^2."""
+    pid = tl.program_id(0)
+    j = tl.load(prog_param_ptr + pid)
+    n = tl.load(vmeta_ptr + j * 2)
+    prog_start = tl.load(vmeta_ptr + j * 2 + 1)
+    acc_t = part2_ptr.dtype.element_ty
+    offs = (pid - prog_start).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    inv = 1.0
+    if HAS_SCALE:
+        inv = tl.load(inv_scale_ptr)
+    keep = True
+    if HAS_INF:
+        keep = tl.load(found_inf_ptr) == 0
+    step = _load_step(step_ptrs, j, acc_t)
+    bt = 1.0 - tl.exp(decay_rate * tl.log(step))
+    g = tl.load(load_ptr(g_ptrs, j, g_ref) + offs, mask=m, other=0.0).to(acc_t) * inv
+    v_ptr = load_ptr(v_ptrs, j, part2_ptr)
+    v = bt * tl.load(v_ptr + offs, mask=m, other=0.0) + (1.0 - bt) * (g * g + eps1)
+    tl.store(v_ptr + offs, v, mask=m & keep)
+    u = tl.where(m, g / tl.sqrt(v), 0.0)
+    tl.store(part2_ptr + (part2_base + pid) * 2, tl.sum(u * u, 0))
+    p_sq = tl.sum(tl.zeros([BLOCK], dtype=acc_t), 0)
+    if SCALE_PARAM:
+        p = tl.load(load_ptr(p_ptrs, j, g_ref) + offs, mask=m, other=0.0).to(acc_t)
+        p_sq = tl.sum(p * p, 0)
+    tl.store(part2_ptr + (part2_base + pid) * 2 + 1, p_sq)
+
+
+@triton.jit
+def _apply_kernel(g_ptrs, g_ref, p_ptrs, m_ptrs, step_ptrs, meta_ptr, prog_param_ptr, stats_ptr, sums_ptr,
+                  inv_scale_ptr, found_inf_ptr, lr, eps2, clip_threshold, beta1, weight_decay,
+                  HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr, RELATIVE: tl.constexpr, WARMUP: tl.constexpr,
+                  SCALE_PARAM: tl.constexpr, HAS_MOM: tl.constexpr, HAS_WD: tl.constexpr, SR: tl.constexpr,
+                  BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    pid = tl.program_id(0)
+    i = tl.load(prog_param_ptr + pid)
+    B, R, C, row_off, col_off, _po, prog_start, _cps, _fps = load_meta(meta_ptr, i)
+    nrb = tl.cdiv(R, BLOCK_R)
+    local = pid - prog_start
+    b = local // nrb
+    rb = local % nrb
+    acc_t = stats_ptr.dtype.element_ty
+    inv = 1.0
+    if HAS_SCALE:
+        inv = tl.load(inv_scale_ptr)
+    keep = True
+    if HAS_INF:
+        keep = tl.load(found_inf_ptr) == 0
+    step = _load_step(step_ptrs, i, acc_t)
+    alpha, scale = _step_scale(step, tl.load(sums_ptr + 2 * i), tl.load(sums_ptr + 2 * i + 1),
+                               (B * R * C).to(acc_t), lr, eps2, clip_threshold, RELATIVE, WARMUP, SCALE_PARAM)
+    g_ptr = load_ptr(g_ptrs, i, g_ref)
+    p_ptr = load_ptr(p_ptrs, i, g_ref)
+    rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < R
+    rfac = tl.load(stats_ptr + row_off + b * R + rows, mask=rmask, other=0.0) * scale
+    row_base = (b * R + rows).to(tl.int64) * C
+    for c0 in range(0, C, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        cmask = cols < C
+        mask = rmask[:, None] & cmask[None, :]
+        offs = row_base[:, None] + cols[None, :]
+        cfac = tl.load(stats_ptr + col_off + b * C + cols, mask=cmask, other=0.0)
+        u = tl.load(g_ptr + offs, mask=mask, other=0.0).to(acc_t) * inv * rfac[:, None] * cfac[None, :]
+        if HAS_MOM:
+            m_ptr = load_ptr(m_ptrs, i, stats_ptr)
+            u = beta1 * tl.load(m_ptr + offs, mask=mask, other=0.0) + (1.0 - beta1) * u
+            tl.store(m_ptr + offs, u, mask=mask & keep)
+        p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(acc_t)
+        if HAS_WD:
+            p = p - (weight_decay * alpha) * p - u
+        else:
+            p = p - u
+        if SR:
+            seed = step.to(tl.int32) * 7919 + i
+            out = stochastic_round_bf16(p.to(tl.float32), seed, offs)
+        else:
+            out = p.to(g_ref.dtype.element_ty)
+        tl.store(p_ptr + offs, out, mask=mask & keep)
+
+
+@triton.jit
+def _vec_apply_kernel(g_ptrs, g_ref, p_ptrs, v_ptrs, m_ptrs, step_ptrs, vmeta_ptr, prog_param_ptr, sums_ptr,
+                      sums_base, inv_scale_ptr, found_inf_ptr, lr, eps2, clip_threshold, beta1, weight_decay,
+                      HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr, RELATIVE: tl.constexpr,
+                      WARMUP: tl.constexpr, SCALE_PARAM: tl.constexpr, HAS_MOM: tl.constexpr,
+                      HAS_WD: tl.constexpr, SR: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    j = tl.load(prog_param_ptr + pid)
+    n = tl.load(vmeta_ptr + j * 2)
+    prog_start = tl.load(vmeta_ptr + j * 2 + 1)
+    acc_t = sums_ptr.dtype.element_ty
+    offs = (pid - prog_start).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    inv = 1.0
+    if HAS_SCALE:
+        inv = tl.load(inv_scale_ptr)
+    keep = True
+    if HAS_INF:
+        keep = tl.load(found_inf_ptr) == 0
+    step = _load_step(step_ptrs, j, acc_t)
+    k = sums_base + j
+    alpha, scale = _step_scale(step, tl.load(sums_ptr + 2 * k), tl.load(sums_ptr + 2 * k + 1), n.to(acc_t), lr,
+                               eps2, clip_threshold, RELATIVE, WARMUP, SCALE_PARAM)
+    v = tl.load(load_ptr(v_ptrs, j, sums_ptr) + offs, mask=mask, other=1.0)
+    g = tl.load(load_ptr(g_ptrs, j, g_ref) + offs, mask=mask, other=0.0).to(acc_t) * inv
+    u = g / tl.sqrt(v) * scale
+    if HAS_MOM:
+        m_ptr = load_ptr(m_ptrs, j, sums_ptr)
+        u = beta1 * tl.load(m_ptr + offs, mask=mask, other=0.0) + (1.0 - beta1) * u
+        tl.store(m_ptr + offs, u, mask=mask & keep)
+    p_ptr = load_ptr(p_ptrs, j, g_ref)
+    p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(acc_t)
+    if HAS_WD:
+        p = p - (weight_decay * alpha) * p - u
+    else:
+        p = p - u
+    if SR:
+        seed = step.to(tl.int32) * 7919 + 1000003 + j
+        out = stochastic_round_bf16(p.to(tl.float32), seed, offs)
+    else:
+        out = p.to(g_ref.dtype.element_ty)
+    tl.store(p_ptr + offs, out, mask=mask & keep)
+
+
+@dataclass
+class FactoredPlan:
+    """Tables for the factored kernels over a list of params viewed as (B, R, C); see kernels/factored.py."""
+    n: int
+    meta: torch.Tensor
+    prog_param: torch.Tensor
+    colprog_param: torch.Tensor
+    factprog_param: torch.Tensor
+    n_progs: int
+    n_colprogs: int
+    n_factprogs: int
+    block_r: int
+    block_c: int
+    block_col: int
+    block_vec: int
+    stats_numel: int
+    parts_numel: int
+    prog_starts: list
+
+    @staticmethod
+    def build(shapes: list[tuple[int, int, int]], device: torch.device) -> "FactoredPlan":
+        block_r, block_c = tile_shape(max(c for _, _, c in shapes))
+        if INTERPRET:
+            block_r, block_c = min(block_r, 16), min(block_c, 64)
+        block_col = 64 if INTERPRET else 256
+        meta, progs, colprogs, factprogs = [], [], [], []
+        row_off = part_off = 0
+        for b, r, c in shapes:
+            progs.append(b * triton.cdiv(r, block_r))
+            colprogs.append(b * triton.cdiv(c, block_col))
+            factprogs.append(b)
+        prog_param, prog_starts = program_table(progs, device)
+        colprog_param, colprog_starts = program_table(colprogs, device)
+        factprog_param, factprog_starts = program_table(factprogs, device)
+        col_total = sum(b * r for b, r, _ in shapes)
+        col_off = col_total
+        for k, (b, r, c) in enumerate(shapes):
+            meta += [b, r, c, row_off, col_off, part_off, prog_starts[k], colprog_starts[k], factprog_starts[k]]
+            row_off += b * r
+            col_off += b * c
+            part_off += b * triton.cdiv(r, block_r) * c
+        return FactoredPlan(len(shapes), to_device(meta, torch.int64, device), prog_param, colprog_param,
+                            factprog_param, sum(progs), sum(colprogs), sum(factprogs), block_r, block_c, block_col,
+                            256 if INTERPRET else 1024, col_off, part_off, prog_starts)
+
+
+class AdafactorPlan:
+    """Everything about a bucket that stays fixed between steps: tables and scratch buffers."""
+
+    def __init__(self, params, states, device, acc_dtype):
+        fac = [k for k, p in enumerate(params) if p.dim() >= 2]
+        vec = [k for k, p in enumerate(params) if p.dim() < 2]
+        self.order = fac + vec
+        self.n_fac = len(fac)
+        shapes = [(math.prod(params[k].shape[:-2]), params[k].shape[-2], params[k].shape[-1]) for k in fac]
+        self.fplan = FactoredPlan.build(shapes, device) if fac else None
+        ordered_states = [states[k] for k in self.order]
+        self.p_ptrs = ptr_table([params[k] for k in self.order], device)
+        self.step_ptrs = ptr_table([s["step"] for s in ordered_states], device)
+        self.m_ptrs = ptr_table([s.get("exp_avg") for s in ordered_states], device)
+        self.row_ptrs = ptr_table([s.get("exp_avg_sq_row") for s in ordered_states[:self.n_fac]], device)
+        self.col_ptrs = ptr_table([s.get("exp_avg_sq_col") for s in ordered_states[:self.n_fac]], device)
+        self.v_ptrs = ptr_table([s.get("exp_avg_sq") for s in ordered_states[self.n_fac:]], device)
+        vprogs = [triton.cdiv(params[k].numel(), BLOCK_V) for k in vec]
+        self.vprog_param, vstarts = program_table(vprogs, device)
+        self.vmeta = to_device([x for k, s in zip(vec, vstarts) for x in (params[k].numel(), s)], torch.int64,
+                               device)
+        self.n_vprogs = sum(vprogs)
+        # Per-param segments of the partial (sum U^2, sum X^2) buffer: factored programs, then vector programs.
+        fac_progs = self.fplan.n_progs if fac else 0
+        starts, lens = [], []
+        if fac:
+            starts += self.fplan.prog_starts
+            lens += [b * triton.cdiv(r, self.fplan.block_r) for b, r, _ in shapes]
+        starts += [fac_progs + s for s in vstarts]
+        lens += vprogs
+        self.seg_start = to_device(starts, torch.int64, device)
+        self.seg_len = to_device(lens, torch.int64, device)
+        self.fac_progs = fac_progs
+        n = len(params)
+        f = self.fplan
+        self.stats = torch.empty(f.stats_numel if fac else 0, dtype=acc_dtype, device=device)
+        self.parts = torch.empty(f.parts_numel if fac else 0, dtype=acc_dtype, device=device)
+        self.part2 = torch.empty(2 * (fac_progs + self.n_vprogs), dtype=acc_dtype, device=device)
+        self.sums = torch.empty(2 * n, dtype=acc_dtype, device=device)
+
+
+def adafactor_step(params, grads, states, *, lr, eps, clip_threshold, decay_rate, beta1, weight_decay,
+                   scale_parameter, relative_step, warmup_init, bf16_stochastic_round=False, inv_scale=None,
+                   found_inf=None, reduce=None, cache=None):
+    device = params[0].device
+    acc_dtype = torch.float64 if params[0].dtype == torch.float64 else torch.float32
+    key = ("adafactor",) + tuple((p.data_ptr(), tuple(p.shape)) for p in params) + tuple(
+        (k, t.data_ptr()) for s in states for k, t in s.items())
+    plan = cache.get(key) if cache is not None else None
+    if plan is None:
+        plan = AdafactorPlan(params, states, device, acc_dtype)
+        if cache is not None:
+            cache.clear()
+            cache[key] = plan
+    if common.POISON:
+        for buf in (plan.stats, plan.parts, plan.part2, plan.sums):
+            buf.fill_(float("nan"))
+    g_ptrs = ptr_table([grads[k] for k in plan.order], device)
+    g_ref = grads[0]
+    eps1, eps2 = eps
+    dummy = plan.sums
+    flags = dict(HAS_SCALE=inv_scale is not None, HAS_INF=found_inf is not None)
+    inv_arg = inv_scale if inv_scale is not None else dummy
+    inf_arg = found_inf if found_inf is not None else dummy
+    fp = plan.fplan
+    if fp is not None:
+        launch_sq_stats(g_ptrs, g_ref, fp, plan.stats, plan.parts, inv_scale)
+        if reduce is not None:
+            reduce(plan.stats)
+        launch_factors(fp, plan.stats, plan.row_ptrs, plan.col_ptrs, plan.step_ptrs, found_inf,
+                       decay_rate=decay_rate, eps=eps1, beta_from_step=True)
+        _norm_kernel[(fp.n_progs,)](g_ptrs, g_ref, plan.p_ptrs, fp.meta, fp.prog_param, plan.stats, plan.part2,
+                                    inv_arg, HAS_SCALE=flags["HAS_SCALE"], SCALE_PARAM=scale_parameter,
+                                    BLOCK_R=fp.block_r, BLOCK_C=fp.block_c)
+    nf = plan.n_fac
+    vec_args = (g_ptrs[nf:], g_ref, plan.p_ptrs[nf:])
+    if plan.n_vprogs:
+        _vec_stats_kernel[(plan.n_vprogs,)](*vec_args, plan.v_ptrs, plan.step_ptrs[nf:], plan.vmeta, plan.vprog_param,
+                                            plan.part2, plan.fac_progs, inv_arg, inf_arg, decay_rate, eps1,
+                                            SCALE_PARAM=scale_parameter, BLOCK=BLOCK_V, **flags)
+    segment_sum(plan.part2, plan.seg_start, plan.seg_len, plan.sums, 2)
+    if reduce is not None:
+        reduce(plan.sums)
+    hyper = (lr if lr is not None else 0.0, eps2, clip_threshold, beta1 if beta1 is not None else 0.0, weight_decay)
+    consts = dict(RELATIVE=relative_step, WARMUP=warmup_init, SCALE_PARAM=scale_parameter, HAS_MOM=beta1 is not None,
+                  HAS_WD=weight_decay != 0, SR=bf16_stochastic_round and params[0].dtype == torch.bfloat16, **flags)
+    if fp is not None:
+        _apply_kernel[(fp.n_progs,)](g_ptrs, g_ref, plan.p_ptrs, plan.m_ptrs, plan.step_ptrs, fp.meta, fp.prog_param,
+                                     plan.stats, plan.sums, inv_arg, inf_arg, *hyper, BLOCK_R=fp.block_r,
+                                     BLOCK_C=fp.block_c, **consts)
+    if plan.n_vprogs:
+        _vec_apply_kernel[(plan.n_vprogs,)](*vec_args, plan.v_ptrs, plan.m_ptrs[nf:], plan.step_ptrs[nf:], plan.vmeta,
+                                            plan.vprog_param, plan.sums, nf, inv_arg, inf_arg, *hyper, BLOCK=BLOCK_V,
+                                            **consts)

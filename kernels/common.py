@@ -1,0 +1,111 @@
+"""Host-side helpers for the multi-tensor Triton kernels, and device helpers several kernels share.
+
+A multi-tensor launch covers every param of a bucket with one grid: each program looks up its param in
+a small int32 table (`prog_param`), then that param's pointers in int64 pointer tables. The tables that do
+not change between steps (param and state pointers, shapes, program maps) are built once and cached by the
+optimizer; only the gradient pointers are rebuilt per step (grads are reallocated after
+`zero_grad(set_to_none=True)`), with an asynchronous copy from pinned memory: no host sync.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+# Tests set this: scratch buffers are filled with NaN before each step, so an element no kernel wrote fails loudly.
+POISON = False
+
+
+def acc_type(dtype: torch.dtype):
+    """Accumulation type of the kernels: fp64 for fp64 params, fp32 for everything else."""
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+def to_device(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    t = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def ptr_table(tensors: list, device: torch.device) -> torch.Tensor:
+    """int64 table of data pointers (0 for None) on `device`."""
+    return to_device([0 if t is None else t.data_ptr() for t in tensors], torch.int64, device)
+
+
+def program_table(counts: list[int], device: torch.device) -> tuple[torch.Tensor, list[int]]:
+    """(prog_param, starts): program `pid` works on param prog_param[pid], its starts[i]-th program is pid."""
+    starts, owner = [], []
+    for i, n in enumerate(counts):
+        starts.append(len(owner))
+        owner.extend([i] * n)
+    return to_device(owner, torch.int32, device), starts
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def tile_shape(max_cols: int, tile: int = 4096, max_cols_block: int = 1024) -> tuple[int, int]:
+    """(BLOCK_R, BLOCK_C) for row-block programs that sweep all columns of their rows."""
+    block_c = min(max_cols_block, next_pow2(max_cols))
+    block_r = max(1, min(64, tile // block_c))
+    return block_r, block_c
+
+
+def bucket_key(*tensor_lists) -> tuple:
+    """Identity of a bucket's persistent tensors: the cached tables stay valid while this is unchanged."""
+    return tuple((t.data_ptr(), tuple(t.shape)) if t is not None else None for ts in tensor_lists for t in ts)
+
+
+@triton.jit
+def load_ptr(table, i, ref):
+    """Entry `i` of an int64 pointer table, as a pointer of `ref`'s element type."""
+    return tl.load(table + i).to(ref.dtype)
+
+
+@triton.jit
+def scaler_state(inv_scale_ptr, found_inf_ptr, HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr):
+    """(gradient multiplier, keep): keep is False when GradScaler found an inf: nothing may be written."""
+    inv = 1.0
+    if HAS_SCALE:
+        inv = tl.load(inv_scale_ptr)
+    keep = True
+    if HAS_INF:
+        keep = tl.load(found_inf_ptr) == 0
+    return inv, keep
+
+
+@triton.jit
+def stochastic_round_bf16(x, seed, offs):
+    """fp32 -> bf16 rounding up or down with probability proportional to distance (unbiased)."""
+    bits = x.to(tl.int32, bitcast=True)
+    noise = (tl.randint(seed, offs.to(tl.int32)) & 0xFFFF).to(tl.int32)
+    rounded = ((bits + noise) & -65536).to(tl.float32, bitcast=True)
+    finite = (x == x) & (tl.abs(x) < float("inf"))
+    return tl.where(finite, rounded, x).to(tl.bfloat16)
+
+
+@triton.jit
+def _segment_sum_kernel(parts_ptr, seg_start_ptr, seg_len_ptr, out_ptr, WIDTH: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    """out[i, k] = sum_j parts[seg_start[i] + j, k] for j < seg_len[i]: per-param sums of per-program partials."""
+    i = tl.program_id(0)
+    start = tl.load(seg_start_ptr + i).to(tl.int64)
+    n = tl.load(seg_len_ptr + i)
+    for k in tl.static_range(WIDTH):
+        acc = tl.zeros([BLOCK], dtype=out_ptr.dtype.element_ty)
+        for j0 in range(0, n, BLOCK):
+            j = j0 + tl.arange(0, BLOCK)
+            acc += tl.load(parts_ptr + (start + j) * WIDTH + k, mask=j < n, other=0.0)
+        tl.store(out_ptr + i * WIDTH + k, tl.sum(acc, 0))
+
+
+def segment_sum(parts: torch.Tensor, seg_start: torch.Tensor, seg_len: torch.Tensor, out: torch.Tensor,
+                width: int) -> None:
+    n = seg_start.numel()
+    if n:
+        _segment_sum_kernel[(n,)](parts, seg_start, seg_len, out, WIDTH=width, BLOCK=256 if not INTERPRET else 64)

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One entry point for people and CI. Sets up .venv on first use (and again when setup.py changes), then:
+#   ./run.sh demo  [args]   the main job: the training demo (python -m fastopt.demo)
+#   ./run.sh test  [args]   the whole test suite, every Triton kernel through the interpreter on CPU
+#   ./run.sh bench [args]   the benchmark suite (reduced CPU sizes without a GPU)
+# FASTOPT_TORCH picks the torch requirement (default torch==2.13.0, the CPU build on this project's machines).
+set -euo pipefail
+cd "$(dirname "$0")"
+venv=${FASTOPT_VENV:-.venv}
+py="$venv/bin/python"
+
+setup() {
+  [ -x "$py" ] || python3 -m venv "$venv"
+  local want
+  want=$(cat setup.py run.sh | sha256sum | cut -c1-16)
+  if [ "$(cat "$venv/.fastopt-setup" 2>/dev/null)" != "$want" ]; then
+    "$py" -m pip install -q --upgrade pip
+    # torch first and pinned: an unpinned torch pulled in by an extra would fetch a multi-GB CUDA build.
+    "$py" -c "import torch" 2>/dev/null || "$py" -m pip install -q "${FASTOPT_TORCH:-torch==2.13.0}"
+    "$py" -m pip install -q -e ".[test]"
+    echo "$want" >"$venv/.fastopt-setup"
+  fi
+}
+
+cmd=${1:-}
+[ $# -gt 0 ] && shift
+case "$cmd" in
+  demo)  setup; exec "$py" -m fastopt.demo "$@" ;;
+  test)  setup; export TRITON_INTERPRET=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+         exec "$py" -m pytest tests -q -ra "$@" ;;
+  bench) setup; exec "$py" -m fastopt.bench "$@" ;;
+  setup) setup ;;
+  *) echo "usage: ./run.sh demo|test|bench|setup [args]" >&2; exit 2 ;;
+esac

@@ -1,0 +1,42 @@
+"""fastopt: fused, exact, layout-agnostic optimizers for PyTorch.
+
+`kernels/` (Triton) installs as `fastopt.kernels` (a top-level `kernels` would clash with a PyPI package).
+"""
+from setuptools import setup
+
+TEST = [
+    "pytest>=8",
+    "numpy",
+    "triton>=3.0",
+    "transformers>=4.40",
+    "came-pytorch==0.1.3",
+    "galore-torch==1.0",
+    "bitsandbytes>=0.45",
+    "ninja",
+    "tqdm",
+    "matplotlib",
+]
+
+setup(
+    name="fastopt",
+    version="0.1.0",
+    description="Fused, exact, layout-agnostic memory-efficient optimizers for PyTorch",
+    python_requires=">=3.10",
+    packages=[
+        "fastopt",
+        "fastopt.reference",
+        "fastopt.optim",
+        "fastopt.distributed",
+        "fastopt.kernels",
+    ],
+    package_dir={"fastopt.kernels": "kernels"},
+    package_data={"fastopt": ["data/*"]},
+    install_requires=["torch>=2.4", "numpy"],
+    extras_require={
+        "triton": ["triton>=3.0"],
+        "ext": ["ninja"],
+        "demo": ["tqdm", "matplotlib", "ninja"],
+        "bench": ["tqdm", "matplotlib", "ninja", "triton>=3.0"],
+        "test": TEST,
+    },
+)
