@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from . import common
-from .common import (INTERPRET, load_ptr, program_table, ptr_table, segment_sum, stochastic_round_bf16, tile_shape,
+from .common import (INTERPRET, keep_limit, load_ptr, round_to, program_table, ptr_table, segment_sum, stochastic_round_bf16, tile_shape,
                      to_device)
 from .factored import META_WIDTH, launch_factors, launch_sq_stats, load_meta
 
@@ -109,15 +109,13 @@ def _vec_stats_kernel(g_ptrs, g_ref, p_ptrs, v_ptrs, step_ptrs, vmeta_ptr, prog_
     inv = 1.0
     if HAS_SCALE:
         inv = tl.load(inv_scale_ptr)
-    keep = True
-    if HAS_INF:
-        keep = tl.load(found_inf_ptr) == 0
+    keep = offs < keep_limit(n, found_inf_ptr, HAS_INF)
     step = _load_step(step_ptrs, j, acc_t)
     bt = 1.0 - tl.exp(decay_rate * tl.log(step))
     g = tl.load(load_ptr(g_ptrs, j, g_ref) + offs, mask=m, other=0.0).to(acc_t) * inv
     v_ptr = load_ptr(v_ptrs, j, part2_ptr)
     v = bt * tl.load(v_ptr + offs, mask=m, other=0.0) + (1.0 - bt) * (g * g + eps1)
-    tl.store(v_ptr + offs, v, mask=m & keep)
+    tl.store(v_ptr + offs, v, mask=keep)
     u = tl.where(m, g / tl.sqrt(v), 0.0)
     tl.store(part2_ptr + (part2_base + pid) * 2, tl.sum(u * u, 0))
     p_sq = tl.sum(tl.zeros([BLOCK], dtype=acc_t), 0)
@@ -144,9 +142,7 @@ def _apply_kernel(g_ptrs, g_ref, p_ptrs, m_ptrs, step_ptrs, meta_ptr, prog_param
     inv = 1.0
     if HAS_SCALE:
         inv = tl.load(inv_scale_ptr)
-    keep = True
-    if HAS_INF:
-        keep = tl.load(found_inf_ptr) == 0
+    R_keep = keep_limit(R, found_inf_ptr, HAS_INF)
     step = _load_step(step_ptrs, i, acc_t)
     alpha, scale = _step_scale(step, tl.load(sums_ptr + 2 * i), tl.load(sums_ptr + 2 * i + 1),
                                (B * R * C).to(acc_t), lr, eps2, clip_threshold, RELATIVE, WARMUP, SCALE_PARAM)
@@ -160,13 +156,14 @@ def _apply_kernel(g_ptrs, g_ref, p_ptrs, m_ptrs, step_ptrs, meta_ptr, prog_param
         cols = c0 + tl.arange(0, BLOCK_C)
         cmask = cols < C
         mask = rmask[:, None] & cmask[None, :]
+        keep = (rows < R_keep)[:, None] & cmask[None, :]
         offs = row_base[:, None] + cols[None, :]
         cfac = tl.load(stats_ptr + col_off + b * C + cols, mask=cmask, other=0.0)
         u = tl.load(g_ptr + offs, mask=mask, other=0.0).to(acc_t) * inv * rfac[:, None] * cfac[None, :]
         if HAS_MOM:
             m_ptr = load_ptr(m_ptrs, i, stats_ptr)
             u = beta1 * tl.load(m_ptr + offs, mask=mask, other=0.0) + (1.0 - beta1) * u
-            tl.store(m_ptr + offs, u, mask=mask & keep)
+            tl.store(m_ptr + offs, u, mask=keep)
         p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(acc_t)
         if HAS_WD:
             p = p - (weight_decay * alpha) * p - u
@@ -176,8 +173,8 @@ def _apply_kernel(g_ptrs, g_ref, p_ptrs, m_ptrs, step_ptrs, meta_ptr, prog_param
             seed = step.to(tl.int32) * 7919 + i
             out = stochastic_round_bf16(p.to(tl.float32), seed, offs)
         else:
-            out = p.to(g_ref.dtype.element_ty)
-        tl.store(p_ptr + offs, out, mask=mask & keep)
+            out = round_to(p, g_ref.dtype.element_ty)
+        tl.store(p_ptr + offs, out, mask=keep)
 
 
 @triton.jit
@@ -196,9 +193,7 @@ def _vec_apply_kernel(g_ptrs, g_ref, p_ptrs, v_ptrs, m_ptrs, step_ptrs, vmeta_pt
     inv = 1.0
     if HAS_SCALE:
         inv = tl.load(inv_scale_ptr)
-    keep = True
-    if HAS_INF:
-        keep = tl.load(found_inf_ptr) == 0
+    keep = offs < keep_limit(n, found_inf_ptr, HAS_INF)
     step = _load_step(step_ptrs, j, acc_t)
     k = sums_base + j
     alpha, scale = _step_scale(step, tl.load(sums_ptr + 2 * k), tl.load(sums_ptr + 2 * k + 1), n.to(acc_t), lr,
@@ -209,7 +204,7 @@ def _vec_apply_kernel(g_ptrs, g_ref, p_ptrs, v_ptrs, m_ptrs, step_ptrs, vmeta_pt
     if HAS_MOM:
         m_ptr = load_ptr(m_ptrs, j, sums_ptr)
         u = beta1 * tl.load(m_ptr + offs, mask=mask, other=0.0) + (1.0 - beta1) * u
-        tl.store(m_ptr + offs, u, mask=mask & keep)
+        tl.store(m_ptr + offs, u, mask=keep)
     p_ptr = load_ptr(p_ptrs, j, g_ref)
     p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(acc_t)
     if HAS_WD:
@@ -220,8 +215,8 @@ def _vec_apply_kernel(g_ptrs, g_ref, p_ptrs, v_ptrs, m_ptrs, step_ptrs, vmeta_pt
         seed = step.to(tl.int32) * 7919 + 1000003 + j
         out = stochastic_round_bf16(p.to(tl.float32), seed, offs)
     else:
-        out = p.to(g_ref.dtype.element_ty)
-    tl.store(p_ptr + offs, out, mask=mask & keep)
+        out = round_to(p, g_ref.dtype.element_ty)
+    tl.store(p_ptr + offs, out, mask=keep)
 
 
 @dataclass

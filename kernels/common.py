@@ -68,15 +68,13 @@ def load_ptr(table, i, ref):
 
 
 @triton.jit
-def scaler_state(inv_scale_ptr, found_inf_ptr, HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr):
-    """(gradient multiplier, keep): keep is False when GradScaler found an inf: nothing may be written."""
-    inv = 1.0
-    if HAS_SCALE:
-        inv = tl.load(inv_scale_ptr)
-    keep = True
+def keep_limit(n, found_inf_ptr, HAS_INF: tl.constexpr):
+    """`n`, or 0 when GradScaler found an inf this step: stores masked with `idx < keep_limit(n, ...)` then
+    write nothing. (A limit, not a boolean: the interpreter cannot `&` a scalar boolean into a mask.)"""
     if HAS_INF:
-        keep = tl.load(found_inf_ptr) == 0
-    return inv, keep
+        return tl.where(tl.load(found_inf_ptr) == 0, n, 0)
+    else:
+        return n
 
 
 @triton.jit
@@ -87,6 +85,20 @@ def stochastic_round_bf16(x, seed, offs):
     rounded = ((bits + noise) & -65536).to(tl.float32, bitcast=True)
     finite = (x == x) & (tl.abs(x) < float("inf"))
     return tl.where(finite, rounded, x).to(tl.bfloat16)
+
+
+@triton.jit
+def round_to(x, out_ty: tl.constexpr):
+    """Round-to-nearest-even cast for stores. bf16 is rounded by hand: Triton's interpreter truncates on that
+    cast (the compiled path rounds to nearest even too, so both agree bit for bit)."""
+    if out_ty == tl.bfloat16:
+        xf = x.to(tl.float32)
+        bits = xf.to(tl.int32, bitcast=True)
+        bits = (bits + (((bits >> 16) & 1) + 0x7FFF)) & -65536
+        finite = (xf == xf) & (tl.abs(xf) < float("inf"))
+        return tl.where(finite, bits.to(tl.float32, bitcast=True), xf).to(tl.bfloat16)
+    else:
+        return x.to(out_ty)
 
 
 @triton.jit

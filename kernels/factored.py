@@ -19,7 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import load_ptr
+from .common import keep_limit, load_ptr
 
 # Columns of the int64 meta table, one row per factored param.
 # B, R, C: the matrix batch; *_OFF: offsets into the stats and partials buffers; *_START: the param's first
@@ -96,9 +96,8 @@ def _factor_kernel(meta_ptr, prog_param_ptr, stats_ptr, row_ptrs, col_ptrs, step
     B, R, C, row_off, col_off, _po, _ps, _cps, factprog_start = load_meta(meta_ptr, i)
     b = pid - factprog_start
     acc_t = stats_ptr.dtype.element_ty
-    keep = True
-    if HAS_INF:
-        keep = tl.load(found_inf_ptr) == 0
+    R_keep = keep_limit(R, found_inf_ptr, HAS_INF)
+    C_keep = keep_limit(C, found_inf_ptr, HAS_INF)
     bt = beta
     if BETA_FROM_STEP:
         step = tl.load(tl.load(step_ptrs + i).to(tl.pointer_type(tl.float32))).to(acc_t)
@@ -114,7 +113,7 @@ def _factor_kernel(meta_ptr, prog_param_ptr, stats_ptr, row_ptrs, col_ptrs, step
         new = bt * tl.load(row_state + r, mask=m, other=0.0) + (1.0 - bt) * (
             tl.load(rstats + r, mask=m, other=0.0) / C + eps)
         new = tl.where(m, new, 0.0)
-        tl.store(row_state + r, new, mask=m & keep)
+        tl.store(row_state + r, new, mask=r < R_keep)
         tl.store(rstats + r, new, mask=m)
         total += new
     mean = tl.sum(total, 0) / R
@@ -128,7 +127,7 @@ def _factor_kernel(meta_ptr, prog_param_ptr, stats_ptr, row_ptrs, col_ptrs, step
         m = c < C
         new = bt * tl.load(col_state + c, mask=m, other=0.0) + (1.0 - bt) * (
             tl.load(cstats + c, mask=m, other=0.0) / R + eps)
-        tl.store(col_state + c, new, mask=m & keep)
+        tl.store(col_state + c, new, mask=c < C_keep)
         tl.store(cstats + c, 1.0 / tl.sqrt(new), mask=m)
 
 

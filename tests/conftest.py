@@ -15,12 +15,12 @@ import torch
 from fastopt import ops
 
 # Relative error allowed against a float64 reference, measured against the size of the total update
-# (max |p_ref - p_init|), never against |p|. fp64: the math alone. fp32/bf16/fp16: see `assert_tracks`.
+# (||p_ref - p_init||), never against |p|. fp64: the math alone. fp32/bf16/fp16: see `assert_tracks`.
 TOL = {
     torch.float64: 1e-9,
     torch.float32: 2e-5,
-    torch.bfloat16: 0.1,
-    torch.float16: 0.05,
+    torch.bfloat16: 0.6,  # round-to-nearest bf16 itself loses ~half of 10 small updates (transformers: 0.49)
+    torch.float16: 0.08,
 }
 
 ALL_DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
@@ -63,9 +63,9 @@ def device(request, backend):
 
 
 def rel_update_error(ours, ref, init) -> float:
-    """max |ours - ref| / max |ref - init| over a list of tensors (compared in float64)."""
-    num = max((a.double() - b.double()).abs().max().item() for a, b in zip(ours, ref))
-    den = max((b.double() - c.double()).abs().max().item() for b, c in zip(ref, init))
+    """||ours - ref|| / ||ref - init||, norms over all elements of a list of tensors (in float64)."""
+    num = sum((a.double() - b.double()).square().sum().item() for a, b in zip(ours, ref)) ** 0.5
+    den = sum((b.double() - c.double()).square().sum().item() for b, c in zip(ref, init)) ** 0.5
     assert den > 0, "the reference did not move: the comparison would prove nothing"
     return num / den
 

@@ -1,0 +1,249 @@
+"""fastopt.Adafactor against transformers' Adafactor (float64), both back ends."""
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from conftest import TOL, assert_tracks, rel_update_error
+from transformers.optimization import Adafactor as HFAdafactor
+
+import fastopt
+
+SHAPES = [(1, 9), (9, 1), (3, 5), (2, 3, 4, 5), (7,), (1,), ()]
+OPTIONS = {
+    "default": dict(),
+    "beta1": dict(beta1=0.9),
+    "decay": dict(weight_decay=0.05),
+    "warmup": dict(warmup_init=True),
+    "no_scale": dict(scale_parameter=False),
+    "fixed_lr": dict(lr=3e-2, relative_step=False),
+    "all": dict(lr=3e-2, relative_step=False, scale_parameter=False, beta1=0.8, weight_decay=0.1,
+                clip_threshold=0.5, decay_rate=-0.6),
+}
+STEPS = 10
+
+
+def make_problem(shapes=SHAPES, steps=STEPS, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    init = [torch.randn(s, generator=g, dtype=torch.float64) for s in shapes]
+    grads = [[torch.randn(s, generator=g, dtype=torch.float64) * (1 + t) for s in shapes] for t in range(steps)]
+    return init, grads
+
+
+def run(cls, init, grads, dtype, device="cpu", **kw):
+    params = [p.detach().clone().to(device=device, dtype=dtype).requires_grad_() for p in init]
+    opt = cls(params, **kw)
+    for step_grads in grads:
+        for p, gr in zip(params, step_grads):
+            p.grad = gr.to(device=device, dtype=dtype)
+        opt.step()
+    return params, opt
+
+
+def state_tensors(opt, params, key):
+    return [opt.state[p][key] for p in params if key in opt.state[p]]
+
+
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_matches_transformers_float64(backend, device, option):
+    kw = OPTIONS[option]
+    init, grads = make_problem()
+    ours, opt = run(fastopt.Adafactor, init, grads, torch.float64, device, **kw)
+    ref, ref_opt = run(HFAdafactor, init, grads, torch.float64, **kw)
+    assert_tracks([p.cpu() for p in ours], ref, init, torch.float64)
+    for key in ("exp_avg_sq_row", "exp_avg_sq_col", "exp_avg_sq", "exp_avg"):
+        a, b = state_tensors(opt, ours, key), state_tensors(ref_opt, ref, key)
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            torch.testing.assert_close(x.cpu(), y, rtol=TOL[torch.float64], atol=0)
+    assert all(float(opt.state[p]["step"]) == STEPS for p in ours)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_low_precision_tracks_reference(backend, device, dtype):
+    kw = dict(beta1=0.9, weight_decay=0.01)
+    init, grads = make_problem(shapes=[(16, 24), (3, 8, 8), (24,)])
+    init = [p.to(dtype).double() for p in init]  # all runs start from the same representable values
+    truth, _ = run(HFAdafactor, init, grads, torch.float64, **kw)
+    ref_lowp, _ = run(HFAdafactor, init, grads, dtype, **kw)
+    ours, opt = run(fastopt.Adafactor, init, grads, dtype, device, **kw)
+    assert all(p.dtype == dtype for p in ours)
+    assert all(t.dtype == torch.float32 for p in ours for k, t in opt.state[p].items())
+    assert_tracks([p.cpu() for p in ours], truth, init, dtype, ref_lowp=ref_lowp)
+
+
+def test_bf16_stochastic_rounding_is_unbiased(backend, device):
+    """Updates far below half a bf16 ulp: round-to-nearest never moves p, stochastic rounding tracks it in mean."""
+    kw = dict(lr=2e-4, relative_step=False, scale_parameter=False)
+    g = torch.Generator().manual_seed(3)
+    init = [torch.ones(64, 64, dtype=torch.float64)]
+    grads = [[torch.rand(64, 64, generator=g, dtype=torch.float64) + 0.5] for _ in range(12)]
+    truth, _ = run(HFAdafactor, init, grads, torch.float64, **kw)
+    nearest, _ = run(fastopt.Adafactor, init, grads, torch.bfloat16, device, **kw)
+    sr, _ = run(fastopt.Adafactor, init, grads, torch.bfloat16, device, bf16_stochastic_round=True, **kw)
+    moved = (1 - truth[0]).mean().item()
+    assert moved > 0
+    assert torch.equal(nearest[0].cpu().double(), init[0])
+    sr_moved = (1 - sr[0].cpu().double()).mean().item()
+    assert abs(sr_moved - moved) < 0.1 * moved, (sr_moved, moved)
+
+
+def test_state_dict_round_trip_is_bit_identical(backend, device):
+    kw = dict(beta1=0.9, weight_decay=0.01)
+    init, grads = make_problem(shapes=[(5, 7), (2, 3, 4), (6,), ()])
+    straight, _ = run(fastopt.Adafactor, init, grads, torch.float32, device, **kw)
+    first, opt = run(fastopt.Adafactor, init, grads[:5], torch.float32, device, **kw)
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=True)
+    params = [p.detach().clone().requires_grad_() for p in first]
+    opt2 = fastopt.Adafactor(params, **kw)
+    opt2.load_state_dict(loaded)
+    assert all(t.dtype == torch.float32 and t.device == p.device for p in params for t in opt2.state[p].values())
+    for step_grads in grads[5:]:
+        for p, gr in zip(params, step_grads):
+            p.grad = gr.to(device=device, dtype=torch.float32)
+        opt2.step()
+    for a, b in zip(params, straight):
+        assert torch.equal(a, b)
+
+
+def test_grad_scaler_and_skipped_overflow(backend, device):
+    init, grads = make_problem(shapes=[(6, 5), (4,)])
+    inf_step = 3
+    ref, _ = run(fastopt.Adafactor, init, grads[:inf_step] + grads[inf_step + 1:], torch.float32, device, beta1=0.9)
+    params = [p.detach().clone().to(device=device, dtype=torch.float32).requires_grad_() for p in init]
+    opt = fastopt.Adafactor(params, beta1=0.9)
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0 ** 12)
+    for t, step_grads in enumerate(grads):
+        loss = sum((p * gr.to(device=device, dtype=torch.float32)).sum() for p, gr in zip(params, step_grads))
+        scaler.scale(loss).backward()
+        if t == inf_step:
+            params[0].grad[0, 0] = float("inf")
+            before = ([p.detach().clone() for p in params],
+                      [{k: v.clone() for k, v in opt.state[p].items()} for p in params])
+        scaler.step(opt)
+        scaler.update()
+        if t == inf_step:
+            for p, p0, s0 in zip(params, *before):
+                assert torch.equal(p, p0)
+                for k, v in s0.items():
+                    assert torch.equal(opt.state[p][k], v), k
+        opt.zero_grad(set_to_none=True)
+    assert rel_update_error([p.cpu() for p in params], [p.cpu() for p in ref], init) <= TOL[torch.float32]
+
+
+def test_lr_scheduler_drives_group_lr(backend, device):
+    kw = dict(lr=5e-2, relative_step=False, beta1=0.9)
+    init, grads = make_problem(shapes=[(4, 6), (5,)])
+    results = []
+    for cls, dev in ((fastopt.Adafactor, device), (HFAdafactor, "cpu")):
+        params = [p.detach().clone().to(dev).requires_grad_() for p in init]
+        opt = cls(params, **kw)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0 / (1 + t))
+        for step_grads in grads:
+            for p, gr in zip(params, step_grads):
+                p.grad = gr.to(dev)
+            opt.step()
+            sched.step()
+        results.append([p.detach().cpu() for p in params])
+    assert_tracks(results[0], results[1], init, torch.float64)
+
+
+def test_skips_params_without_grad_and_empty_params(backend, device):
+    a = torch.randn(3, 4, dtype=torch.float64, device=device, requires_grad=True)
+    b = torch.randn(5, dtype=torch.float64, device=device, requires_grad=True)
+    e = torch.empty(0, 3, dtype=torch.float64, device=device, requires_grad=True)
+    opt = fastopt.Adafactor([a, b, e])
+    a.grad = torch.randn_like(a)
+    e.grad = torch.empty_like(e)
+    b0 = b.detach().clone()
+    opt.step()
+    assert torch.equal(b, b0) and not opt.state[b] and not opt.state[e]
+    assert float(opt.state[a]["step"]) == 1
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(lr=1e-3), "lr"),
+    (dict(lr=-1.0, relative_step=False), "lr"),
+    (dict(eps=(-1e-30, 1e-3)), "eps[0]"),
+    (dict(eps=(1e-30, -1.0)), "eps[1]"),
+    (dict(eps=1e-3), "eps"),
+    (dict(clip_threshold=0.0), "clip_threshold"),
+    (dict(decay_rate=0.5), "decay_rate"),
+    (dict(beta1=1.0), "beta1"),
+    (dict(weight_decay=-0.1), "weight_decay"),
+    (dict(warmup_init=True, relative_step=False, lr=1e-3), "warmup_init"),
+])
+def test_bad_arguments_name_themselves(kwargs, name):
+    with pytest.raises(ValueError, match=name.replace("[", r"\[").replace("]", r"\]")):
+        fastopt.Adafactor([torch.zeros(2, 2, requires_grad=True)], **kwargs)
+
+
+def test_sparse_and_complex_refused_before_any_change(backend, device):
+    a = torch.randn(4, 3, device=device, requires_grad=True)
+    emb = torch.randn(6, 3, device=device, requires_grad=True)
+    opt = fastopt.Adafactor([a, emb])
+    a.grad = torch.randn_like(a)
+    emb.grad = torch.sparse_coo_tensor([[0, 2]], torch.ones(2, 3), (6, 3)).to(device)
+    a0 = a.detach().clone()
+    with pytest.raises(RuntimeError, match="does not support sparse gradients"):
+        opt.step()
+    assert torch.equal(a, a0) and not opt.state[a]
+    z = torch.randn(3, 3, dtype=torch.complex64, device=device, requires_grad=True)
+    opt = fastopt.Adafactor([a, z])
+    z.grad = torch.randn_like(z)
+    with pytest.raises(RuntimeError, match="complex parameters"):
+        opt.step()
+    assert torch.equal(a, a0)
+
+
+def test_bad_state_dict_fails_and_changes_nothing():
+    p = torch.randn(4, 5, requires_grad=True)
+    opt = fastopt.Adafactor([p], beta1=0.9)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    good = opt.state_dict()
+    snapshot = {k: v.clone() for k, v in opt.state[p].items()}
+    other = fastopt.Adafactor([torch.randn(5, 4, requires_grad=True)], beta1=0.9)
+    other.param_groups[0]["params"][0].grad = torch.randn(5, 4)
+    other.step()
+    bad_shape = other.state_dict()
+    wrong_keys = {"state": {0: {k: v for k, v in good["state"][0].items() if k != "exp_avg_sq_col"}},
+                  "param_groups": good["param_groups"]}
+    two = {"state": good["state"], "param_groups": [dict(good["param_groups"][0], params=[0, 1])]}
+    torch_sd = torch.optim.AdamW([torch.randn(4, 5, requires_grad=True)]).state_dict()
+    for sd, msg in ((bad_shape, "shape"), (wrong_keys, "keys"), (two, "params"), (torch_sd, "lacks")):
+        with pytest.raises(ValueError, match=msg):
+            opt.load_state_dict(sd)
+        for k, v in snapshot.items():
+            assert torch.equal(opt.state[p][k], v)
+        assert opt.param_groups[0]["beta1"] == 0.9
+
+
+def test_launches_do_not_grow_with_param_count(monkeypatch):
+    """Two buckets of 3 and 12 params launch the same number of kernels per step."""
+    pytest.importorskip("triton")
+    from fastopt import ops
+    if not (torch.cuda.is_available() or ops.interpreting()):
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    monkeypatch.setenv("FASTOPT_BACKEND", "triton")
+    import triton
+    launches = []
+    cls = type(triton.jit(lambda: None))
+    orig = cls.__getitem__
+    monkeypatch.setattr(cls, "__getitem__", lambda self, grid: launches.append(self) or orig(self, grid))
+    dev = "cuda" if torch.cuda.is_available() and not ops.interpreting() else "cpu"
+    counts = []
+    for n in (1, 4):
+        params = [torch.randn(s, device=dev, requires_grad=True) for s in [(3, 4), (5,), (2, 2, 3)] * n]
+        opt = fastopt.Adafactor(params, beta1=0.9)
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+        launches.clear()
+        opt.step()
+        counts.append(len(launches))
+    assert counts[0] == counts[1] > 0, counts
