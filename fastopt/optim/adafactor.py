@@ -6,6 +6,7 @@ import math
 import torch
 
 from .. import ops
+from ..distributed.layout import local
 from .base import FastOptimizer, check
 
 
@@ -35,6 +36,7 @@ class Adafactor(FastOptimizer):
     """
 
     _name = "Adafactor"
+    _supports_layouts = True
 
     def __init__(self, params, lr=None, eps=(1e-30, 1e-3), clip_threshold=1.0, decay_rate=-0.8, beta1=None,
                  weight_decay=0.0, scale_parameter=True, relative_step=True, warmup_init=False,
@@ -65,22 +67,25 @@ class Adafactor(FastOptimizer):
         self._plans: dict = {}
 
     def _state_spec(self, p, group):
+        """Row and column factors span the whole (global) matrix, identical on every rank that holds a piece
+        of a sharded param; the element-wise states are shaped like the local piece."""
         dt = self.state_dtype(p)
+        here = tuple(local(p).shape)
         spec = {}
         if p.dim() >= 2:
             spec["exp_avg_sq_row"] = (tuple(p.shape[:-1]), dt)
             spec["exp_avg_sq_col"] = (tuple(p.shape[:-2]) + (p.shape[-1],), dt)
         else:
-            spec["exp_avg_sq"] = (tuple(p.shape), dt)
+            spec["exp_avg_sq"] = (here, dt)
         if group["beta1"] is not None:
-            spec["exp_avg"] = (tuple(p.shape), dt)
+            spec["exp_avg"] = (here, dt)
         return spec
 
-    def _step_group(self, group, params, grads, states, scaler):
+    def _step_group(self, group, params, grads, states, scaler, layouts=None, reduce=None):
         hyper = {k: group[k] for k in ("lr", "eps", "clip_threshold", "decay_rate", "beta1", "weight_decay",
                                        "scale_parameter", "relative_step", "warmup_init", "bf16_stochastic_round")}
         if group["lr"] is not None and group["relative_step"]:
             raise ValueError(f"{self._name}: param group has lr={group['lr']!r} with relative_step=True")
         cache = self._plans.setdefault((id(group), params[0].device, params[0].dtype), {})
         ops.adafactor_step(params, grads, states, inv_scale=scaler.inv_scale, found_inf=scaler.found_inf,
-                           cache=cache, **hyper)
+                           cache=cache, layouts=layouts, reduce=reduce, **hyper)

@@ -11,7 +11,10 @@ from collections import defaultdict
 from typing import Any, Callable, Iterable
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
+
+from ..distributed.layout import layout_of, local
 
 __all__ = ["FastOptimizer", "check", "check_betas", "ScalerArgs"]
 
@@ -102,14 +105,25 @@ class FastOptimizer(torch.optim.Optimizer):
         cache[device] = ScalerArgs(inv, fi)
         return cache[device]
 
-    @staticmethod
-    def _buckets(params: Iterable[Tensor]) -> dict:
-        """Params with grads and elements, grouped by (device, dtype): one fused launch sequence each."""
+    # Subclasses whose `_step_group` takes `layouts=` and `reduce=` are exact on sharded params (DTensor).
+    _supports_layouts = False
+
+    def _layout(self, p: Tensor):
+        cache = self.__dict__.setdefault("_layout_cache", {})
+        key = id(p)
+        if key not in cache:
+            cache[key] = (p, layout_of(p))  # keep p alive so its id is not reused
+        return cache[key][1]
+
+    def _buckets(self, params: Iterable[Tensor]) -> dict:
+        """Params with grads and elements, grouped by (device, dtype, reduction group): one fused launch
+        sequence, and one collective per phase, for each."""
         out: dict = defaultdict(list)
         for p in params:
             if p.grad is None or p.numel() == 0:
                 continue
-            out[(p.device, p.dtype)].append(p)
+            lay = self._layout(p)
+            out[(p.device, p.dtype, None if lay is None else lay.group_key)].append(p)
         return out
 
     @staticmethod
@@ -129,12 +143,20 @@ class FastOptimizer(torch.optim.Optimizer):
         self._check_grads()
         scalers: dict = {}
         for group in self.param_groups:
-            for (device, _dtype), params in self._buckets(group["params"]).items():
-                grads = [p.grad for p in params]
+            for (device, _dtype, group_key), params in self._buckets(group["params"]).items():
+                if group_key is not None and not self._supports_layouts:
+                    raise NotImplementedError(f"{self._name} does not support sharded (DTensor) parameters yet")
+                grads = [local(p.grad) for p in params]
                 states = [self._init_state(p, group) for p in params]
                 scaler = self._scaler_args(device, scalers)
                 self._advance_steps([s["step"] for s in states], scaler)
-                self._step_group(group, params, grads, states, scaler)
+                if group_key is None:
+                    self._step_group(group, [local(p) for p in params], grads, states, scaler)
+                else:
+                    layouts = [self._layout(p) for p in params]
+                    pg = layouts[0].group
+                    self._step_group(group, [local(p) for p in params], grads, states, scaler, layouts=layouts,
+                                     reduce=lambda buf: dist.all_reduce(buf, group=pg))
         return loss
 
     # ---- state_dict -----------------------------------------------------------------------------

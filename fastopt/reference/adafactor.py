@@ -19,6 +19,7 @@ one collective per phase: `reduce(buf)` sums a flat buffer in place over the ran
 """
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -56,39 +57,55 @@ def _commit(dst: Tensor, new: Tensor, found_inf: Tensor | None) -> None:
 def adafactor_step(params: list[Tensor], grads: list[Tensor], states: list[dict], *, lr, eps, clip_threshold,
                    decay_rate, beta1, weight_decay, scale_parameter, relative_step, warmup_init,
                    bf16_stochastic_round: bool = False, inv_scale: Tensor | None = None,
-                   found_inf: Tensor | None = None, reduce: Reduce | None = None,
-                   numels: list[int] | None = None) -> None:
-    """One step over a bucket of params. `numels`: each param's global element count (default: local)."""
+                   found_inf: Tensor | None = None, reduce: Reduce | None = None, layouts: list | None = None) -> None:
+    """One step over a bucket of local tensors. `layouts[i]` (fastopt.distributed.layout.Layout or None)
+    places param i's local elements in its global tensor; the row and column factors are global."""
     eps1, eps2 = eps
+    layouts = layouts or [None] * len(params)
     acc = [s["exp_avg_sq_row"].dtype if is_factored(p) else s["exp_avg_sq"].dtype for p, s in zip(params, states)]
     gs = [g.to(a) * inv_scale if inv_scale is not None else g.to(a) for g, a in zip(grads, acc)]
+    shapes = [tuple(p.shape) if lay is None else lay.global_shape for p, lay in zip(params, layouts)]
 
-    # Phase 1: sums of G^2 over each row and column of every factored param, in one flat buffer.
+    # Phase 1: sums of G^2 over each (global) row and column of every factored param, in one flat buffer.
     parts = []
-    for p, g in zip(params, gs):
-        if is_factored(p):
-            sq = g * g
-            parts += [sq.sum(-1).flatten(), sq.sum(-2).flatten()]
-    stats = torch.cat([x.to(torch.float64) for x in parts]) if parts else None
+    for g, s, shape, lay in zip(gs, states, shapes, layouts):
+        if len(shape) >= 2:
+            sq = (g * g).to(torch.float64)
+            rows, cols = sq.sum(-1), sq.sum(-2)
+            if lay is not None:  # scatter the local rows and columns into zeros of the global size
+                b, r, c = (lay.batch_index(g.device), lay.dim_index(len(shape) - 2, g.device),
+                           lay.dim_index(len(shape) - 1, g.device))
+                rows_g = torch.zeros(s["exp_avg_sq_row"].shape, dtype=torch.float64, device=g.device)
+                cols_g = torch.zeros(s["exp_avg_sq_col"].shape, dtype=torch.float64, device=g.device)
+                rows_g.view(-1, shape[-2])[b[:, None], r[None, :]] = rows.reshape(len(b), len(r))
+                cols_g.view(-1, shape[-1])[b[:, None], c[None, :]] = cols.reshape(len(b), len(c))
+                rows, cols = rows_g, cols_g
+            parts += [rows.flatten(), cols.flatten()]
+    stats = torch.cat(parts) if parts else None
     if stats is not None and reduce is not None:
         reduce(stats)
 
     # Phase 2: new factors (or second moments), the unclipped update's and the param's sums of squares.
     updates, new_states, sums = [], [], []
     pos = 0
-    for p, g, s in zip(params, gs, states):
+    for p, g, s, shape, lay in zip(params, gs, states, shapes, layouts):
         beta2t = 1.0 - s["step"].to(g.dtype).pow(decay_rate)
-        if is_factored(p):
+        if len(shape) >= 2:
             rows, cols = s["exp_avg_sq_row"], s["exp_avg_sq_col"]
             rsum = stats[pos:pos + rows.numel()].view_as(rows).to(g.dtype)
             pos += rows.numel()
             csum = stats[pos:pos + cols.numel()].view_as(cols).to(g.dtype)
             pos += cols.numel()
-            r_new = beta2t * rows + (1 - beta2t) * (rsum / g.shape[-1] + eps1)
-            c_new = beta2t * cols + (1 - beta2t) * (csum / g.shape[-2] + eps1)
-            r_fac = (r_new / r_new.mean(dim=-1, keepdim=True)).rsqrt().unsqueeze(-1)
-            c_fac = c_new.unsqueeze(-2).rsqrt()
-            u = g * r_fac * c_fac
+            r_new = beta2t * rows + (1 - beta2t) * (rsum / shape[-1] + eps1)
+            c_new = beta2t * cols + (1 - beta2t) * (csum / shape[-2] + eps1)
+            r_fac = (r_new / r_new.mean(dim=-1, keepdim=True)).rsqrt()
+            c_fac = c_new.rsqrt()
+            if lay is not None:  # the factors of the local rows and columns
+                b, r, c = (lay.batch_index(g.device), lay.dim_index(len(shape) - 2, g.device),
+                           lay.dim_index(len(shape) - 1, g.device))
+                r_fac = r_fac.reshape(-1, shape[-2])[b[:, None], r[None, :]].reshape(g.shape[:-1])
+                c_fac = c_fac.reshape(-1, shape[-1])[b[:, None], c[None, :]].reshape(g.shape[:-2] + g.shape[-1:])
+            u = g * r_fac.unsqueeze(-1) * c_fac.unsqueeze(-2)
             new_states.append({"exp_avg_sq_row": r_new, "exp_avg_sq_col": c_new})
         else:
             v_new = beta2t * s["exp_avg_sq"] + (1 - beta2t) * (g * g + eps1)
@@ -102,8 +119,8 @@ def adafactor_step(params: list[Tensor], grads: list[Tensor], states: list[dict]
         reduce(sums)
 
     # Phase 3: clip, scale, momentum, decay, write.
-    for i, (p, g, s, u) in enumerate(zip(params, gs, states, updates)):
-        numel = p.numel() if numels is None else numels[i]
+    for i, (p, g, s, u, shape) in enumerate(zip(params, gs, states, updates, shapes)):
+        numel = math.prod(shape)
         u_sq, p_sq = sums[2 * i].to(g.dtype), sums[2 * i + 1].to(g.dtype)
         alpha = step_size(s["step"].to(g.dtype), p_sq, numel, lr=lr, eps2=eps2, relative_step=relative_step,
                           warmup_init=warmup_init, scale_parameter=scale_parameter)
