@@ -12,7 +12,7 @@ import os
 
 import torch
 
-__all__ = ["backend", "use_triton", "triton_available", "adafactor_step"]
+__all__ = ["backend", "use_triton", "triton_available", "adafactor_step", "lamb_step", "came_step"]
 
 _BACKENDS = ("auto", "torch", "triton")
 
@@ -54,13 +54,158 @@ def use_triton(t: torch.Tensor) -> bool:
                        "TRITON_INTERPRET=1 before Python starts (Triton's interpreter), or use FASTOPT_BACKEND=torch")
 
 
-def adafactor_step(params, grads, states, *, inv_scale=None, found_inf=None, reduce=None, cache=None, **hyper):
-    """One Adafactor step over a bucket (same device and dtype). `reduce(buf)` sums a flat buffer across the
-    ranks that share these params (None: single process); `cache` keeps the kernels' tables between steps."""
-    if use_triton(params[0]):
+def adafactor_step(params, grads, states, *, inv_scale=None, found_inf=None, reduce=None, cache=None, layouts=None,
+                   **hyper):
+    """One Adafactor step over a bucket (same device and dtype) of local tensors. `layouts[i]` maps param i's
+    local elements onto its global tensor (None: it is all here); `reduce(buf)` sums a flat buffer across the
+    ranks that share these params (None: single process); `cache` keeps the kernels' tables between steps.
+    Sharded buckets take the reference path for now: the kernels learn index maps in TODO(#7)."""
+    sharded = layouts is not None and any(lay is not None for lay in layouts)
+    if use_triton(params[0]) and not sharded:
         from .kernels import adafactor as k
         k.adafactor_step(params, grads, states, inv_scale=inv_scale, found_inf=found_inf, reduce=reduce,
                          cache=cache, **hyper)
     else:
         from .reference import adafactor as r
-        r.adafactor_step(params, grads, states, inv_scale=inv_scale, found_inf=found_inf, reduce=reduce, **hyper)
+        r.adafactor_step(params, grads, states, inv_scale=inv_scale, found_inf=found_inf, reduce=reduce,
+                         layouts=layouts, **hyper)
+
+
+def lamb_step(params, grads, states, *, inv_scale=None, found_inf=None, reduce=None, cache=None, **hyper):
+    """One LAMB step over a bucket (same device and dtype). `reduce(buf)` sums the flat buffer of per-param
+    squared norms [||p_0||^2, ||a_0||^2, ...] across the ranks that share these params (None: single
+    process); `cache` keeps the kernels' tables between steps."""
+    if use_triton(params[0]):
+        from .kernels import lamb as k
+        k.lamb_step(params, grads, states, inv_scale=inv_scale, found_inf=found_inf, reduce=reduce, cache=cache,
+                    **hyper)
+    else:
+        from .reference import lamb as r
+        r.lamb_step(params, grads, states, inv_scale=inv_scale, found_inf=found_inf, reduce=reduce, **hyper)
+
+
+def came_step(params, grads, states, *, inv_scale=None, found_inf=None, reduce=None, cache=None, **hyper):
+    """One CAME step over a bucket (same device and dtype). `reduce(buf)` sums a flat buffer across the ranks
+    that share these params, once per phase: the G^2 row/column sums, the per-param sums of U^2, the
+    instability row/column sums (None: single process); `cache` keeps the kernels' tables between steps."""
+    if use_triton(params[0]):
+        from .kernels import came as k
+        k.came_step(params, grads, states, inv_scale=inv_scale, found_inf=found_inf, reduce=reduce, cache=cache,
+                    **hyper)
+    else:
+        from .reference import came as r
+        r.came_step(params, grads, states, inv_scale=inv_scale, found_inf=found_inf, reduce=reduce, **hyper)
+
+
+# ---- 8-bit block-wise state: the compiled extension (csrc/, built by fastopt.ext) ------------------------
+# Every backend but `torch` runs these in the extension, on CPU (C++ kernels) and CUDA alike: there are no
+# Triton kernels for them. `torch` runs fastopt.reference.quant / .adamw8bit. Formats: see reference/quant.py.
+
+__all__ += ["use_extension", "quantize_blockwise", "dequantize_blockwise", "quantize_blockwise_",
+            "dequantize_blockwise_", "adamw8bit_step"]
+
+
+def use_extension() -> bool:
+    """Whether the 8-bit ops run in the compiled extension (every FASTOPT_BACKEND but `torch`)."""
+    return backend() != "torch"
+
+
+def _ext_ops():
+    from . import ext
+    ext.load()
+    return torch.ops.fastopt
+
+
+def quantize_blockwise(x: torch.Tensor, block_size: int = 256, signed: bool = True):
+    """(codes uint8 [x.shape], absmax fp32 [ceil(n / block_size)]) of any float tensor."""
+    from .reference import quant as q
+    q.check_block_size(block_size)
+    q.check_float(x)
+    if not use_extension():
+        return q.quantize_blockwise(x, block_size, signed)
+    return _ext_ops().quantize_blockwise(x, q.dynamic_map(signed, x.device), block_size)
+
+
+def dequantize_blockwise(codes: torch.Tensor, absmax: torch.Tensor, block_size: int = 256, signed: bool = True,
+                         dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """map[codes] * absmax of each block, as `dtype`, in codes' shape."""
+    from .reference import quant as q
+    if not use_extension():
+        return q.dequantize_blockwise(codes, absmax, block_size, signed, dtype)
+    q.check_block_size(block_size, "dequantize_blockwise")
+    if dtype not in q.FLOAT_DTYPES:
+        raise ValueError(f"dequantize_blockwise: dtype={dtype} must be a floating-point dtype "
+                         "(float32, float64, bfloat16 or float16)")
+    if codes.dtype != torch.uint8:
+        raise ValueError(f"dequantize_blockwise: codes has dtype {codes.dtype}; expected torch.uint8")
+    return _ext_ops().dequantize_blockwise(codes, absmax, q.dynamic_map(signed, codes.device), block_size, dtype)
+
+
+def dequantize_blockwise_(codes: list, absmax: list, out: list, *, block_size: int = 256, signed: bool = True):
+    """out[i] <- dequantized (codes[i], absmax[i]) for every i, in one launch (out: one float dtype, contiguous).
+
+    With `quantize_blockwise_` this is the generic way for an optimizer to keep any state in 8 bits:
+    dequantize into fp32 scratch, run its own fp32 math, requantize in place."""
+    from .reference import quant as q
+    q.check_block_size(block_size, "dequantize_blockwise_")
+    if not codes:
+        return
+    if not use_extension():
+        for c, a, o in zip(codes, absmax, out):
+            o.copy_(q.dequantize_blockwise(c, a, block_size, signed, o.dtype))
+        return
+    _ext_ops().dequantize_blockwise_multi_(codes, absmax, out, q.dynamic_map(signed, codes[0].device), block_size)
+
+
+def quantize_blockwise_(xs: list, codes: list, absmax: list, *, block_size: int = 256, signed: bool = True,
+                        found_inf: torch.Tensor | None = None):
+    """codes[i], absmax[i] <- quantized xs[i] for every i, in place and in one launch; nothing is written when
+    `found_inf` (GradScaler's, on the device) is nonzero. xs: one float dtype; codes, absmax contiguous."""
+    from .reference import quant as q
+    q.check_block_size(block_size, "quantize_blockwise_")
+    if not xs:
+        return
+    for x in xs:
+        q.check_float(x, "quantize_blockwise_", "xs[i]")
+    if not use_extension():
+        from .reference.adamw8bit import _commit
+        for x, c, a in zip(xs, codes, absmax):
+            c_new, a_new = q.quantize_blockwise(x, block_size, signed)
+            _commit(c, c_new.view_as(c), found_inf)
+            _commit(a, a_new.view_as(a), found_inf)
+        return
+    _ext_ops().quantize_blockwise_multi_([x.contiguous() for x in xs], codes, absmax,
+                                         q.dynamic_map(signed, xs[0].device), block_size, found_inf)
+
+
+def adamw8bit_step(params, grads, states, *, lr, betas, eps, weight_decay, block_size, inv_scale=None,
+                   found_inf=None):
+    """One AdamW step over a bucket (same device and dtype): 8-bit states (keys state1, state2, absmax1,
+    absmax2) and full-precision ones (state1, state2) alike; each state's `step` is already advanced.
+    The extension runs one fused launch for the 8-bit params and one for the others."""
+    if not use_extension():
+        from .reference import adamw8bit as r
+        r.adamw8bit_step(params, grads, states, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                         block_size=block_size, inv_scale=inv_scale, found_inf=found_inf)
+        return
+    from .reference import quant as q
+    fo = _ext_ops()
+    beta1, beta2 = betas
+    work = [p if p.is_contiguous() else p.contiguous() for p in params]
+    grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
+    eight = [i for i, s in enumerate(states) if "absmax1" in s]
+    full = [i for i, s in enumerate(states) if "absmax1" not in s]
+    if eight:
+        dev = params[0].device
+        fo.adamw8bit_step_([work[i] for i in eight], [grads[i] for i in eight],
+                           [states[i]["state1"] for i in eight], [states[i]["state2"] for i in eight],
+                           [states[i]["absmax1"] for i in eight], [states[i]["absmax2"] for i in eight],
+                           [states[i]["step"] for i in eight], q.dynamic_map(True, dev), q.dynamic_map(False, dev),
+                           lr, beta1, beta2, eps, weight_decay, block_size, inv_scale, found_inf)
+    if full:
+        fo.adamw32_step_([work[i] for i in full], [grads[i] for i in full], [states[i]["state1"] for i in full],
+                         [states[i]["state2"] for i in full], [states[i]["step"] for i in full],
+                         lr, beta1, beta2, eps, weight_decay, inv_scale, found_inf)
+    for p, w in zip(params, work):
+        if w is not p:
+            p.copy_(w)

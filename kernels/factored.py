@@ -86,10 +86,14 @@ def _col_reduce_kernel(meta_ptr, prog_param_ptr, stats_ptr, parts_ptr, BLOCK_R: 
 
 @triton.jit
 def _factor_kernel(meta_ptr, prog_param_ptr, stats_ptr, row_ptrs, col_ptrs, step_ptrs, found_inf_ptr, beta, decay_rate, eps,
-                   BETA_FROM_STEP: tl.constexpr, HAS_INF: tl.constexpr, BLOCK: tl.constexpr):
+                   hyper_ptr, BETA_FROM_STEP: tl.constexpr, HAS_INF: tl.constexpr, HYPER_FROM_PTR: tl.constexpr,
+                   BLOCK: tl.constexpr):
     """R_t = b R + (1-b)(rowsum/C + eps), C_t likewise; stats <- rsqrt(R_t/mean R_t), rsqrt(C_t).
 
-    b is `beta`, or 1 - step^decay_rate with BETA_FROM_STEP (Adafactor's schedule, eq. 7).
+    b is `beta`, or 1 - step^decay_rate with BETA_FROM_STEP (Adafactor's schedule, eq. 7). With
+    HYPER_FROM_PTR, (b, 1 - b, eps) are read from hyper_ptr[0:3] instead, a tensor of the stats dtype
+    filled on the host in float64: compiled Triton passes Python floats as fp32, and 1 - b formed from an
+    fp32 b = 0.9999 is off by 1.7e-4 relative.
     """
     pid = tl.program_id(0)
     i = tl.load(prog_param_ptr + pid)
@@ -102,6 +106,11 @@ def _factor_kernel(meta_ptr, prog_param_ptr, stats_ptr, row_ptrs, col_ptrs, step
     if BETA_FROM_STEP:
         step = tl.load(tl.load(step_ptrs + i).to(tl.pointer_type(tl.float32))).to(acc_t)
         bt = 1.0 - tl.exp(decay_rate * tl.log(step))
+    omb = 1.0 - bt
+    if HYPER_FROM_PTR:
+        bt = tl.load(hyper_ptr).to(acc_t)
+        omb = tl.load(hyper_ptr + 1).to(acc_t)
+        eps = tl.load(hyper_ptr + 2).to(acc_t)
     row_state = load_ptr(row_ptrs, i, stats_ptr) + b * R
     col_state = load_ptr(col_ptrs, i, stats_ptr) + b * C
     rstats = stats_ptr + row_off + b * R
@@ -110,7 +119,7 @@ def _factor_kernel(meta_ptr, prog_param_ptr, stats_ptr, row_ptrs, col_ptrs, step
     for r0 in range(0, R, BLOCK):
         r = r0 + tl.arange(0, BLOCK)
         m = r < R
-        new = bt * tl.load(row_state + r, mask=m, other=0.0) + (1.0 - bt) * (
+        new = bt * tl.load(row_state + r, mask=m, other=0.0) + omb * (
             tl.load(rstats + r, mask=m, other=0.0) / C + eps)
         new = tl.where(m, new, 0.0)
         tl.store(row_state + r, new, mask=r < R_keep)
@@ -125,7 +134,7 @@ def _factor_kernel(meta_ptr, prog_param_ptr, stats_ptr, row_ptrs, col_ptrs, step
     for c0 in range(0, C, BLOCK):
         c = c0 + tl.arange(0, BLOCK)
         m = c < C
-        new = bt * tl.load(col_state + c, mask=m, other=0.0) + (1.0 - bt) * (
+        new = bt * tl.load(col_state + c, mask=m, other=0.0) + omb * (
             tl.load(cstats + c, mask=m, other=0.0) / R + eps)
         tl.store(col_state + c, new, mask=c < C_keep)
         tl.store(cstats + c, 1.0 / tl.sqrt(new), mask=m)
@@ -139,9 +148,11 @@ def launch_sq_stats(x_ptrs, x_ref, plan, stats, parts, inv_scale):
                                            BLOCK=plan.block_col)
 
 
-def launch_factors(plan, stats, row_ptrs, col_ptrs, step_ptrs, found_inf, *, beta=0.0, decay_rate=0.0, eps,
-                   beta_from_step: bool):
+def launch_factors(plan, stats, row_ptrs, col_ptrs, step_ptrs, found_inf, *, beta=0.0, decay_rate=0.0, eps=0.0,
+                   beta_from_step: bool, hyper=None):
+    """`hyper`: optional tensor of stats' dtype holding (beta, 1 - beta, eps), used instead of the floats."""
     _factor_kernel[(plan.n_factprogs,)](plan.meta, plan.factprog_param, stats, row_ptrs, col_ptrs, step_ptrs,
                                              found_inf if found_inf is not None else stats, beta, decay_rate, eps,
+                                             hyper if hyper is not None else stats,
                                              BETA_FROM_STEP=beta_from_step, HAS_INF=found_inf is not None,
-                                             BLOCK=plan.block_vec)
+                                             HYPER_FROM_PTR=hyper is not None, BLOCK=plan.block_vec)

@@ -1,0 +1,181 @@
+// CUDA kernels: fused multi-tensor AdamW with 8-bit block-wise state, and with full-precision state.
+//
+// 8-bit, per element in one pass: dequantize m (signed map) and v (unsigned map) with the block's old absmax,
+// AdamW in fp32 (fp64 for fp64 params), write p; then the block's new absmax (a group max over the threads of
+// the block) and requantize m and v. The update uses the unquantized new m and v, as bitsandbytes does.
+#include "cuda_common.cuh"
+#include "cuda_kernels.h"
+
+namespace fastopt {
+namespace cuda {
+
+template <typename T, int KMAX>
+__global__ void __launch_bounds__(kThreads, KMAX == 4 ? 4 : 2)
+    adamw8bit_kernel(const int64_t* __restrict__ tile_start, const AdamWEntry* __restrict__ entries, int n_tensors,
+                     int64_t total_tiles, int B, const float* __restrict__ map1, const float* __restrict__ map2,
+                     AdamWHyper h, const float* __restrict__ inv_scale, const float* __restrict__ found_inf) {
+  using C = typename ComputeOf<T>::type;
+  if (found_inf != nullptr && *found_inf != 0.0f) return;
+  __shared__ SearchTables tab1, tab2;
+  __shared__ float red[kThreads / 32];
+  fill_search_entry(tab1, map1, threadIdx.x);
+  fill_search_entry(tab2, map2, threadIdx.x);
+  __syncthreads();
+  const C inv = inv_scale != nullptr ? (C)*inv_scale : (C)1;
+  const QuantLayout L(B);
+  const int grp = threadIdx.x / L.G, lane = threadIdx.x % L.G;
+  int last = -1;
+  AdamWScalars<C> s{};
+  for (int64_t tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
+    const int i = find_tensor(tile_start, n_tensors, tile);
+    const AdamWEntry e = entries[i];
+    if (i != last) {
+      s = adamw_scalars<C>(h, *e.step);
+      last = i;
+    }
+    T* p = static_cast<T*>(e.p);
+    const T* g = static_cast<const T*>(e.g);
+    uint8_t* c1 = static_cast<uint8_t*>(e.s1);
+    uint8_t* c2 = static_cast<uint8_t*>(e.s2);
+    const int64_t qb = (tile - tile_start[i]) * L.Q + grp;
+    const int64_t start = qb * B;
+    const bool active = start < e.n;
+    const float old1 = active ? e.a1[qb] : 0.0f;
+    const float old2 = active ? e.a2[qb] : 0.0f;
+    float mq[KMAX], vq[KMAX];
+    float new1 = 0.0f, new2 = 0.0f;
+#pragma unroll
+    for (int k = 0; k < KMAX; ++k) {
+      mq[k] = 0.0f;
+      vq[k] = 0.0f;
+      const int64_t j = start + lane + (int64_t)k * L.G;
+      if (k < L.K && j < e.n) {
+        C m = (C)(dequantize_code(tab1, c1[j]) * old1);
+        C v = (C)(dequantize_code(tab2, c2[j]) * old2);
+        const C pn = adamw_element<C>((C)ld(p, j), (C)ld(g, j) * inv, m, v, s);
+        st(p, j, pn);
+        mq[k] = (float)m;
+        vq[k] = (float)v;
+      }
+      new1 = fmaxf(new1, fabsf(mq[k]));
+      new2 = fmaxf(new2, fabsf(vq[k]));
+    }
+    // Every thread of the group has read the old absmax (its value feeds new1/new2) before lane 0 writes.
+    new1 = group_max(new1, L.G, red);
+    new2 = group_max(new2, L.G, red);
+    if (active) {
+      if (lane == 0) {
+        e.a1[qb] = new1;
+        e.a2[qb] = new2;
+      }
+#pragma unroll
+      for (int k = 0; k < KMAX; ++k) {
+        const int64_t j = start + lane + (int64_t)k * L.G;
+        if (k < L.K && j < e.n) {
+          c1[j] = quantize_nearest(tab1, normalize(mq[k], new1));
+          c2[j] = quantize_nearest(tab2, normalize(vq[k], new2));
+        }
+      }
+    }
+  }
+}
+
+// Full-precision state: tiles of kTile32 elements, kTile32 / kThreads per thread.
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    adamw32_kernel(const int64_t* __restrict__ tile_start, const AdamWEntry* __restrict__ entries, int n_tensors,
+                   int64_t total_tiles, AdamWHyper h, const float* __restrict__ inv_scale,
+                   const float* __restrict__ found_inf) {
+  using C = typename ComputeOf<T>::type;
+  constexpr int K = (int)(kTile32 / kThreads);
+  if (found_inf != nullptr && *found_inf != 0.0f) return;
+  const C inv = inv_scale != nullptr ? (C)*inv_scale : (C)1;
+  int last = -1;
+  AdamWScalars<C> s{};
+  for (int64_t tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
+    const int i = find_tensor(tile_start, n_tensors, tile);
+    const AdamWEntry e = entries[i];
+    if (i != last) {
+      s = adamw_scalars<C>(h, *e.step);
+      last = i;
+    }
+    T* p = static_cast<T*>(e.p);
+    const T* g = static_cast<const T*>(e.g);
+    C* m = static_cast<C*>(e.s1);
+    C* v = static_cast<C*>(e.s2);
+    const int64_t base = (tile - tile_start[i]) * kTile32 + threadIdx.x;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int64_t j = base + (int64_t)k * kThreads;
+      if (j < e.n) {
+        C mj = m[j], vj = v[j];
+        st(p, j, adamw_element<C>((C)ld(p, j), (C)ld(g, j) * inv, mj, vj, s));
+        m[j] = mj;
+        v[j] = vj;
+      }
+    }
+  }
+}
+
+namespace {
+
+template <typename T, int KMAX>
+cudaError_t launch8(const int64_t* ts, const AdamWEntry* e, int n, int64_t total, int B, const float* m1,
+                    const float* m2, const AdamWHyper& h, const float* inv, const float* fi, cudaStream_t stream) {
+  auto kernel = adamw8bit_kernel<T, KMAX>;
+  kernel<<<persistent_grid(kernel, total), kThreads, 0, stream>>>(ts, e, n, total, B, m1, m2, h, inv, fi);
+  return cudaGetLastError();
+}
+
+template <int KMAX>
+cudaError_t adamw8bit_k(DType dtype, const int64_t* ts, const AdamWEntry* e, int n, int64_t total, int B,
+                        const float* m1, const float* m2, const AdamWHyper& h, const float* inv, const float* fi,
+                        cudaStream_t s) {
+  switch (dtype) {
+    case DType::F32: return launch8<float, KMAX>(ts, e, n, total, B, m1, m2, h, inv, fi, s);
+    case DType::F64: return launch8<double, KMAX>(ts, e, n, total, B, m1, m2, h, inv, fi, s);
+    case DType::BF16: return launch8<__nv_bfloat16, KMAX>(ts, e, n, total, B, m1, m2, h, inv, fi, s);
+    case DType::F16: return launch8<__half, KMAX>(ts, e, n, total, B, m1, m2, h, inv, fi, s);
+  }
+  return cudaErrorInvalidValue;
+}
+
+template <typename T>
+cudaError_t launch32(const int64_t* ts, const AdamWEntry* e, int n, int64_t total, const AdamWHyper& h,
+                     const float* inv, const float* fi, cudaStream_t stream) {
+  auto kernel = adamw32_kernel<T>;
+  kernel<<<persistent_grid(kernel, total), kThreads, 0, stream>>>(ts, e, n, total, h, inv, fi);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t adamw8bit(DType dtype, const int64_t* tile_start, const AdamWEntry* entries, int n_tensors,
+                      int64_t total_tiles, int64_t block_size, const float* map1, const float* map2,
+                      const AdamWHyper& h, const float* inv_scale, const float* found_inf, cudaStream_t stream) {
+  if (!valid_block_size(block_size)) return cudaErrorInvalidValue;
+  if (total_tiles == 0) return cudaSuccess;
+  const int B = (int)block_size;
+  if (B <= kTileMin)
+    return adamw8bit_k<4>(dtype, tile_start, entries, n_tensors, total_tiles, B, map1, map2, h, inv_scale, found_inf,
+                          stream);
+  return adamw8bit_k<16>(dtype, tile_start, entries, n_tensors, total_tiles, B, map1, map2, h, inv_scale, found_inf,
+                         stream);
+}
+
+cudaError_t adamw32(DType dtype, const int64_t* tile_start, const AdamWEntry* entries, int n_tensors,
+                    int64_t total_tiles, const AdamWHyper& h, const float* inv_scale, const float* found_inf,
+                    cudaStream_t stream) {
+  if (total_tiles == 0) return cudaSuccess;
+  switch (dtype) {
+    case DType::F32: return launch32<float>(tile_start, entries, n_tensors, total_tiles, h, inv_scale, found_inf, stream);
+    case DType::F64: return launch32<double>(tile_start, entries, n_tensors, total_tiles, h, inv_scale, found_inf, stream);
+    case DType::BF16:
+      return launch32<__nv_bfloat16>(tile_start, entries, n_tensors, total_tiles, h, inv_scale, found_inf, stream);
+    case DType::F16: return launch32<__half>(tile_start, entries, n_tensors, total_tiles, h, inv_scale, found_inf, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace cuda
+}  // namespace fastopt

@@ -1,0 +1,67 @@
+// Device helpers shared by the CUDA kernels (torch-free).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "fastopt_core.h"
+
+namespace fastopt {
+namespace cuda {
+
+template <typename T> struct ComputeOf { using type = float; };
+template <> struct ComputeOf<double> { using type = double; };
+
+__device__ __forceinline__ float ld(const float* p, int64_t i) { return p[i]; }
+__device__ __forceinline__ double ld(const double* p, int64_t i) { return p[i]; }
+__device__ __forceinline__ float ld(const __nv_bfloat16* p, int64_t i) { return __bfloat162float(p[i]); }
+__device__ __forceinline__ float ld(const __half* p, int64_t i) { return __half2float(p[i]); }
+
+__device__ __forceinline__ void st(float* p, int64_t i, float v) { p[i] = v; }
+__device__ __forceinline__ void st(double* p, int64_t i, double v) { p[i] = v; }
+__device__ __forceinline__ void st(__nv_bfloat16* p, int64_t i, float v) { p[i] = __float2bfloat16_rn(v); }
+__device__ __forceinline__ void st(__half* p, int64_t i, float v) { p[i] = __float2half_rn(v); }
+
+// How a CUDA block of kThreads threads covers one tile of quant_tile(B) elements: Q quantization blocks per
+// tile, G threads per quantization block, K elements per thread (strided by G, so that each load of a warp
+// is contiguous).
+struct QuantLayout {
+  int Q, G, K;
+  __device__ __forceinline__ explicit QuantLayout(int B) {
+    Q = B >= (int)kTileMin ? 1 : (int)kTileMin / B;
+    G = kThreads / Q;
+    K = B / G;
+  }
+};
+
+// Max of v over each aligned group of G threads (G a power of two, 16..256). Every thread of the block
+// must call it (it may hold __syncthreads). `red` holds kThreads / 32 floats.
+__device__ __forceinline__ float group_max(float v, int G, float* red) {
+  const int width = G < 32 ? G : 32;
+  for (int o = width >> 1; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  if (G > 32) {
+    const int warp = threadIdx.x >> 5, per_group = G >> 5, first = (warp / per_group) * per_group;
+    __syncthreads();  // the previous call's readers are done with `red`
+    if ((threadIdx.x & 31) == 0) red[warp] = v;
+    __syncthreads();
+    v = red[first];
+    for (int w = 1; w < per_group; ++w) v = fmaxf(v, red[first + w]);
+  }
+  return v;
+}
+
+// Blocks of a persistent grid: enough to fill every SM at the kernel's occupancy, at most one per tile.
+template <typename Kernel>
+inline int persistent_grid(Kernel kernel, int64_t total_tiles) {
+  int dev = 0, sms = 1, per_sm = 1;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0);
+  if (per_sm < 1) per_sm = 1;
+  const int64_t g = (int64_t)sms * per_sm;
+  return (int)(g < total_tiles ? g : total_tiles);
+}
+
+}  // namespace cuda
+}  // namespace fastopt

@@ -1,0 +1,137 @@
+// CUDA kernels: multi-tensor block-wise 8-bit quantize / dequantize (see fastopt_core.h for the format).
+#include "cuda_common.cuh"
+#include "cuda_kernels.h"
+
+namespace fastopt {
+namespace cuda {
+
+// KMAX: the largest K the instantiation handles (4 for B <= 1024, 16 above), so that the per-thread value
+// arrays stay in registers.
+template <typename T, int KMAX>
+__global__ void __launch_bounds__(kThreads, KMAX == 4 ? 4 : 2)
+    quantize_kernel(const int64_t* __restrict__ tile_start, const QuantEntry* __restrict__ entries, int n_tensors,
+                    int64_t total_tiles, int B, const float* __restrict__ map, const float* __restrict__ found_inf) {
+  if (found_inf != nullptr && *found_inf != 0.0f) return;
+  __shared__ SearchTables tab;
+  __shared__ float red[kThreads / 32];
+  fill_search_entry(tab, map, threadIdx.x);
+  __syncthreads();
+  const QuantLayout L(B);
+  const int grp = threadIdx.x / L.G, lane = threadIdx.x % L.G;
+  for (int64_t tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
+    const int i = find_tensor(tile_start, n_tensors, tile);
+    const QuantEntry e = entries[i];
+    const T* x = static_cast<const T*>(e.x);
+    const int64_t qb = (tile - tile_start[i]) * L.Q + grp;
+    const int64_t start = qb * B;
+    float vals[KMAX];
+    float amax = 0.0f;
+#pragma unroll
+    for (int k = 0; k < KMAX; ++k) {
+      vals[k] = 0.0f;
+      const int64_t j = start + lane + (int64_t)k * L.G;
+      if (k < L.K && j < e.n) vals[k] = (float)ld(x, j);
+      amax = fmaxf(amax, fabsf(vals[k]));
+    }
+    amax = group_max(amax, L.G, red);
+    if (start < e.n) {
+      if (lane == 0) e.absmax[qb] = amax;
+#pragma unroll
+      for (int k = 0; k < KMAX; ++k) {
+        const int64_t j = start + lane + (int64_t)k * L.G;
+        if (k < L.K && j < e.n) e.codes[j] = quantize_nearest(tab, normalize(vals[k], amax));
+      }
+    }
+  }
+}
+
+template <typename T, int KMAX>
+__global__ void __launch_bounds__(kThreads)
+    dequantize_kernel(const int64_t* __restrict__ tile_start, const QuantEntry* __restrict__ entries,
+                      int n_tensors, int64_t total_tiles, int B, const float* __restrict__ map) {
+  __shared__ SearchTables tab;
+  fill_search_entry(tab, map, threadIdx.x);
+  __syncthreads();
+  const QuantLayout L(B);
+  const int grp = threadIdx.x / L.G, lane = threadIdx.x % L.G;
+  for (int64_t tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
+    const int i = find_tensor(tile_start, n_tensors, tile);
+    const QuantEntry e = entries[i];
+    T* out = static_cast<T*>(e.out);
+    const int64_t qb = (tile - tile_start[i]) * L.Q + grp;
+    const int64_t start = qb * B;
+    if (start >= e.n) continue;
+    const float scale = e.absmax[qb];
+#pragma unroll
+    for (int k = 0; k < KMAX; ++k) {
+      const int64_t j = start + lane + (int64_t)k * L.G;
+      if (k < L.K && j < e.n) st(out, j, (typename ComputeOf<T>::type)(dequantize_code(tab, e.codes[j]) * scale));
+    }
+  }
+}
+
+namespace {
+
+template <typename T, int KMAX>
+cudaError_t launch_quantize(const int64_t* tile_start, const QuantEntry* entries, int n, int64_t total, int B,
+                            const float* map, const float* found_inf, cudaStream_t stream) {
+  auto kernel = quantize_kernel<T, KMAX>;
+  kernel<<<persistent_grid(kernel, total), kThreads, 0, stream>>>(tile_start, entries, n, total, B, map, found_inf);
+  return cudaGetLastError();
+}
+
+template <typename T, int KMAX>
+cudaError_t launch_dequantize(const int64_t* tile_start, const QuantEntry* entries, int n, int64_t total, int B,
+                              const float* map, cudaStream_t stream) {
+  auto kernel = dequantize_kernel<T, KMAX>;
+  kernel<<<persistent_grid(kernel, total), kThreads, 0, stream>>>(tile_start, entries, n, total, B, map);
+  return cudaGetLastError();
+}
+
+template <int KMAX>
+cudaError_t quantize_k(DType dtype, const int64_t* ts, const QuantEntry* e, int n, int64_t total, int B,
+                       const float* map, const float* fi, cudaStream_t s) {
+  switch (dtype) {
+    case DType::F32: return launch_quantize<float, KMAX>(ts, e, n, total, B, map, fi, s);
+    case DType::F64: return launch_quantize<double, KMAX>(ts, e, n, total, B, map, fi, s);
+    case DType::BF16: return launch_quantize<__nv_bfloat16, KMAX>(ts, e, n, total, B, map, fi, s);
+    case DType::F16: return launch_quantize<__half, KMAX>(ts, e, n, total, B, map, fi, s);
+  }
+  return cudaErrorInvalidValue;
+}
+
+template <int KMAX>
+cudaError_t dequantize_k(DType dtype, const int64_t* ts, const QuantEntry* e, int n, int64_t total, int B,
+                         const float* map, cudaStream_t s) {
+  switch (dtype) {
+    case DType::F32: return launch_dequantize<float, KMAX>(ts, e, n, total, B, map, s);
+    case DType::F64: return launch_dequantize<double, KMAX>(ts, e, n, total, B, map, s);
+    case DType::BF16: return launch_dequantize<__nv_bfloat16, KMAX>(ts, e, n, total, B, map, s);
+    case DType::F16: return launch_dequantize<__half, KMAX>(ts, e, n, total, B, map, s);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace
+
+cudaError_t quantize(DType dtype, const int64_t* tile_start, const QuantEntry* entries, int n_tensors,
+                     int64_t total_tiles, int64_t block_size, const float* map, const float* found_inf,
+                     cudaStream_t stream) {
+  if (!valid_block_size(block_size)) return cudaErrorInvalidValue;
+  if (total_tiles == 0) return cudaSuccess;
+  const int B = (int)block_size;
+  if (B <= kTileMin) return quantize_k<4>(dtype, tile_start, entries, n_tensors, total_tiles, B, map, found_inf, stream);
+  return quantize_k<16>(dtype, tile_start, entries, n_tensors, total_tiles, B, map, found_inf, stream);
+}
+
+cudaError_t dequantize(DType dtype, const int64_t* tile_start, const QuantEntry* entries, int n_tensors,
+                       int64_t total_tiles, int64_t block_size, const float* map, cudaStream_t stream) {
+  if (!valid_block_size(block_size)) return cudaErrorInvalidValue;
+  if (total_tiles == 0) return cudaSuccess;
+  const int B = (int)block_size;
+  if (B <= kTileMin) return dequantize_k<4>(dtype, tile_start, entries, n_tensors, total_tiles, B, map, stream);
+  return dequantize_k<16>(dtype, tile_start, entries, n_tensors, total_tiles, B, map, stream);
+}
+
+}  // namespace cuda
+}  // namespace fastopt

@@ -1,0 +1,298 @@
+// C++ unit tests of the torch-free core and CPU kernels (no framework, no torch; run by ctest).
+// Each check prints what failed; the exit status is the number of failed checks (capped at 100).
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+#include <algorithm>
+#include <random>
+#include <vector>
+
+#include "cpu_kernels.h"
+
+using namespace fastopt;
+
+static int failures = 0;
+
+#define CHECK(cond, ...)                                          \
+  do {                                                            \
+    if (!(cond)) {                                                \
+      ++failures;                                                 \
+      fprintf(stderr, "%s:%d: CHECK(%s) failed: ", __FILE__, __LINE__, #cond); \
+      fprintf(stderr, __VA_ARGS__);                               \
+      fprintf(stderr, "\n");                                      \
+    }                                                             \
+  } while (0)
+
+// bitsandbytes' dynamic map, rebuilt in C++ (fp32 means of a linspace, like create_dynamic_map; the exact
+// values of the Python map are checked against bitsandbytes by the Python tests). Sorted, 256 values.
+static std::vector<float> dynamic_map(bool is_signed) {
+  std::vector<float> data;
+  for (int i = 0; i < 7; ++i) {
+    const int items = is_signed ? (1 << i) + 1 : (1 << (i + 1)) + 1;
+    const float step = (1.0f - 0.1f) / (float)(items - 1);
+    for (int j = 0; j + 1 < items; ++j) {
+      const float lo = 0.1f + step * (float)j, hi = 0.1f + step * (float)(j + 1);
+      const float mean = (lo + hi) / 2.0f * (float)pow(10.0, -6 + i);
+      data.push_back(mean);
+      if (is_signed) data.push_back(-mean);
+    }
+  }
+  data.push_back(0.0f);
+  data.push_back(1.0f);
+  while (data.size() < 256) data.push_back(0.0f);
+  std::sort(data.begin(), data.end());
+  return data;
+}
+
+// The specification: lowest index among the nearest (fp32 distance), scanning every code.
+static int brute_nearest(const std::vector<float>& map, float x) {
+  int best = 0;
+  for (int j = 1; j < 256; ++j)
+    if (fabsf(x - map[j]) < fabsf(x - map[best])) best = j;
+  return best;
+}
+
+static void test_block_sizes() {
+  for (int64_t b : {64, 128, 256, 512, 1024, 2048, 4096}) CHECK(valid_block_size(b), "%lld", (long long)b);
+  for (int64_t b : {0, 1, 32, 63, 65, 100, 255, 8192, -256}) CHECK(!valid_block_size(b), "%lld", (long long)b);
+  CHECK(quant_tile(64) == 1024 && quant_tile(1024) == 1024 && quant_tile(4096) == 4096, "quant_tile");
+}
+
+static void test_search() {
+  for (bool is_signed : {true, false}) {
+    const std::vector<float> map = dynamic_map(is_signed);
+    for (int j = 1; j < 256; ++j) CHECK(map[j - 1] < map[j], "map not strictly increasing at %d", j);
+    SearchTables t;
+    cpu::build_search_tables(map.data(), &t);
+    std::vector<float> xs = {-1.0f, 1.0f, 0.0f, -0.0f, 1e-9f, -1e-9f, 0.5f, -0.5f};
+    for (int j = 0; j < 256; ++j) {  // every code, its neighbours in fp32 and the midpoints to the next code
+      xs.push_back(map[j]);
+      xs.push_back(nextafterf(map[j], -2.0f));
+      xs.push_back(nextafterf(map[j], 2.0f));
+      if (j < 255) {
+        const float mid = map[j] + (map[j + 1] - map[j]) / 2.0f;
+        xs.push_back(mid);
+        xs.push_back(nextafterf(mid, -2.0f));
+        xs.push_back(nextafterf(mid, 2.0f));
+      }
+    }
+    std::mt19937 rng(1234);
+    std::uniform_real_distribution<float> u(is_signed ? -1.0f : 0.0f, 1.0f);
+    for (int k = 0; k < 200000; ++k) xs.push_back(u(rng));
+    std::normal_distribution<float> tiny(0.0f, 1e-4f);
+    for (int k = 0; k < 20000; ++k) xs.push_back(is_signed ? tiny(rng) : fabsf(tiny(rng)));
+    int bad = 0;
+    for (float x : xs) {
+      const int got = quantize_nearest(t, x), want = brute_nearest(map, x);
+      if (got != want && bad++ < 5) CHECK(got == want, "signed=%d x=%.9g got %d want %d", (int)is_signed, x, got, want);
+    }
+    CHECK(bad == 0, "%d of %zu searches differ from the brute-force nearest code", bad, xs.size());
+    for (int j = 0; j < 256; ++j) CHECK(dequantize_code(t, (uint8_t)j) == map[j], "dequantize_code(%d)", j);
+  }
+}
+
+static void test_quantize_roundtrip() {
+  const std::vector<float> map = dynamic_map(true);
+  SearchTables t;
+  cpu::build_search_tables(map.data(), &t);
+  float max_gap = 0.0f;
+  for (int j = 1; j < 256; ++j) max_gap = std::max(max_gap, map[j] - map[j - 1]);
+  std::mt19937 rng(7);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (int64_t B : {64, 256, 4096}) {
+    for (int64_t n : {1, 63, 64, 65, 1000, 4097, 9000}) {
+      std::vector<float> x(n), back(n);
+      for (auto& v : x) v = nd(rng);
+      if (n >= 2 * B) std::fill(x.begin() + B, x.begin() + 2 * B, 0.0f);  // a block of zeros
+      std::vector<uint8_t> codes(n, 0xAB);
+      std::vector<float> absmax(ceil_div(n, B), NAN);
+      QuantEntry e{x.data(), codes.data(), absmax.data(), back.data(), n};
+      int64_t ts[2];
+      const int64_t total = cpu::fill_tile_start(&n, 1, quant_tile(B), ts);
+      cpu::quantize_tiles(DType::F32, &e, ts, 1, B, t, 0, total);
+      cpu::dequantize_tiles(DType::F32, &e, ts, 1, B, t, 0, total);
+      for (int64_t b = 0; b < ceil_div(n, B); ++b) {
+        float amax = 0.0f;
+        for (int64_t i = b * B; i < std::min(n, (b + 1) * B); ++i) amax = std::max(amax, fabsf(x[i]));
+        CHECK(absmax[b] == amax, "B=%lld n=%lld block %lld absmax %g want %g", (long long)B, (long long)n,
+              (long long)b, absmax[b], amax);
+      }
+      int bad = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        const float a = absmax[i / B];
+        const int want = brute_nearest(map, a > 0 ? x[i] / a : 0.0f);
+        if (codes[i] != want || fabsf(back[i] - x[i]) > 0.5f * max_gap * a * 1.0001f) ++bad;
+      }
+      CHECK(bad == 0, "B=%lld n=%lld: %d elements wrong", (long long)B, (long long)n, bad);
+      if (n >= 2 * B) CHECK(absmax[1] == 0.0f && codes[B] == 127 && back[B] == 0.0f, "zero block: code %d", codes[B]);
+    }
+  }
+}
+
+static void test_multi_tensor() {
+  const std::vector<float> map = dynamic_map(false);
+  SearchTables t;
+  cpu::build_search_tables(map.data(), &t);
+  std::mt19937 rng(3);
+  std::uniform_real_distribution<float> u(0.0f, 3.0f);
+  const int64_t B = 128;
+  std::vector<int64_t> ns = {0, 5000, 1, 0, 2049, 128};
+  std::vector<std::vector<double>> xs;
+  std::vector<std::vector<uint8_t>> codes, codes1;
+  std::vector<std::vector<float>> absmax, absmax1;
+  std::vector<QuantEntry> entries;
+  for (int64_t n : ns) {
+    std::vector<double> x(n);
+    for (auto& v : x) v = u(rng);
+    xs.push_back(x);
+    codes.emplace_back(n, 0);
+    codes1.emplace_back(n, 0);
+    absmax.emplace_back(ceil_div(n, B), -1.0f);
+    absmax1.emplace_back(ceil_div(n, B), -1.0f);
+  }
+  for (size_t i = 0; i < ns.size(); ++i) entries.push_back({xs[i].data(), codes[i].data(), absmax[i].data(), nullptr, ns[i]});
+  std::vector<int64_t> ts(ns.size() + 1);
+  const int64_t total = cpu::fill_tile_start(ns.data(), (int)ns.size(), quant_tile(B), ts.data());
+  CHECK(total == 0 + 5 + 1 + 0 + 3 + 1, "total tiles %lld", (long long)total);
+  CHECK(find_tensor(ts.data(), (int)ns.size(), 0) == 1 && find_tensor(ts.data(), (int)ns.size(), 5) == 2 &&
+            find_tensor(ts.data(), (int)ns.size(), 6) == 4 && find_tensor(ts.data(), (int)ns.size(), 9) == 5,
+        "find_tensor skips empty tensors");
+  for (int64_t b = 0; b < total; b += 2)  // uneven chunks, as parallel_for would cut them
+    cpu::quantize_tiles(DType::F64, entries.data(), ts.data(), (int)ns.size(), B, t, b, std::min(total, b + 2));
+  for (size_t i = 0; i < ns.size(); ++i) {  // each tensor alone, fp32-rounded input: the same codes
+    std::vector<float> xf(xs[i].begin(), xs[i].end());
+    QuantEntry e{xf.data(), codes1[i].data(), absmax1[i].data(), nullptr, ns[i]};
+    int64_t ts1[2];
+    const int64_t tot1 = cpu::fill_tile_start(&ns[i], 1, quant_tile(B), ts1);
+    cpu::quantize_tiles(DType::F32, &e, ts1, 1, B, t, 0, tot1);
+    CHECK(codes[i] == codes1[i] && absmax[i] == absmax1[i], "tensor %zu differs from its single-tensor run", i);
+  }
+}
+
+static void test_conversions() {
+  int bad = 0;
+  for (uint32_t h = 0; h < 65536; ++h) {  // every fp16 value round-trips
+    const float f = cpu::f16_to_float((uint16_t)h);
+    if (isnan(f)) continue;
+    if (cpu::float_to_f16(f) != h) ++bad;
+  }
+  CHECK(bad == 0, "%d fp16 values do not round-trip", bad);
+  for (uint32_t h = 0; h < 0x7bff; ++h) {  // halfway between neighbours rounds to even; just off it, to nearest
+    const float a = cpu::f16_to_float((uint16_t)h), b = cpu::f16_to_float((uint16_t)(h + 1));
+    const float mid = a + (b - a) / 2.0f;
+    const uint16_t even = (h & 1u) ? (uint16_t)(h + 1) : (uint16_t)h;
+    if (cpu::float_to_f16(mid) != even || cpu::float_to_f16(nextafterf(mid, 0.0f)) != h ||
+        cpu::float_to_f16(nextafterf(mid, 1e9f)) != h + 1)
+      ++bad;
+  }
+  CHECK(bad == 0, "%d fp16 rounding errors", bad);
+  CHECK(cpu::float_to_f16(65520.0f) == 0x7c00 && cpu::float_to_f16(65519.0f) == 0x7bff, "fp16 overflow");
+  CHECK(cpu::float_to_f16(-INFINITY) == 0xfc00 && isnan(cpu::f16_to_float(cpu::float_to_f16(NAN))), "fp16 inf/nan");
+  for (uint32_t b = 0; b < 65536; ++b) {
+    const float f = cpu::bf16_to_float((uint16_t)b);
+    if (!isnan(f) && cpu::float_to_bf16(f) != b) ++bad;
+  }
+  CHECK(bad == 0, "%d bf16 values do not round-trip", bad);
+  CHECK(cpu::float_to_bf16(1.0f + 1.0f / 256.0f) == 0x3f80 && cpu::float_to_bf16(1.0f + 3.0f / 256.0f) == 0x3f82,
+        "bf16 ties to even");
+}
+
+// The fused 8-bit step against a plain restatement of it (dequantize, AdamW in double, quantize), 12 steps.
+static void test_adamw8bit() {
+  const std::vector<float> m1 = dynamic_map(true), m2 = dynamic_map(false);
+  SearchTables t1, t2;
+  cpu::build_search_tables(m1.data(), &t1);
+  cpu::build_search_tables(m2.data(), &t2);
+  const int64_t B = 64, n = 1000;
+  const AdamWHyper h{1e-2, 0.9, 0.999, 1e-8, 0.1};
+  std::mt19937 rng(11);
+  std::normal_distribution<double> nd(0.0, 1.0);
+  std::vector<double> p(n), pr(n), g(n);
+  for (int64_t i = 0; i < n; ++i) p[i] = pr[i] = nd(rng);
+  std::vector<uint8_t> c1(n, 0), c2(n, 0), r1(n, 0), r2(n, 0);
+  std::vector<float> a1(ceil_div(n, B), 0.0f), a2(ceil_div(n, B), 0.0f), q1 = a1, q2 = a2;
+  float step = 0.0f;
+  AdamWEntry e{p.data(), g.data(), c1.data(), c2.data(), a1.data(), a2.data(), &step, n};
+  int64_t ts[2];
+  const int64_t total = cpu::fill_tile_start(&n, 1, quant_tile(B), ts);
+  double moved = 0.0, diff = 0.0;
+  for (int it = 0; it < 12; ++it) {
+    for (auto& v : g) v = nd(rng);
+    step += 1.0f;
+    cpu::adamw8bit_tiles(DType::F64, &e, ts, 1, B, t1, t2, h, 0.5f, 0, total);
+    const double bc1 = 1.0 - pow(0.9, step), bc2 = 1.0 - pow(0.999, step);
+    for (int64_t b = 0; b < ceil_div(n, B); ++b) {
+      const int64_t lo = b * B, hi = std::min(n, lo + B);
+      std::vector<float> mf, vf;
+      float n1 = 0.0f, n2 = 0.0f;
+      for (int64_t i = lo; i < hi; ++i) {
+        double m = (double)(m1[r1[i]] * q1[b]), v = (double)(m2[r2[i]] * q2[b]);
+        const double gi = g[i] * 0.5;
+        m = 0.9 * m + (1.0 - 0.9) * gi;
+        v = 0.999 * v + (1.0 - 0.999) * gi * gi;
+        pr[i] = pr[i] * (1.0 - 1e-2 * 0.1) - 1e-2 / bc1 * (m / (sqrt(v) / sqrt(bc2) + 1e-8));
+        mf.push_back((float)m);
+        vf.push_back((float)v);
+        n1 = std::max(n1, fabsf((float)m));
+        n2 = std::max(n2, (float)v);
+      }
+      q1[b] = n1;
+      q2[b] = n2;
+      for (int64_t i = lo; i < hi; ++i) {
+        r1[i] = (uint8_t)brute_nearest(m1, n1 > 0 ? mf[i - lo] / n1 : 0.0f);
+        r2[i] = (uint8_t)brute_nearest(m2, n2 > 0 ? vf[i - lo] / n2 : 0.0f);
+      }
+    }
+  }
+  int code_diff = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    diff = std::max(diff, fabs(p[i] - pr[i]));
+    code_diff += (c1[i] != r1[i]) + (c2[i] != r2[i]);
+  }
+  for (int64_t i = 0; i < n; ++i) moved = std::max(moved, fabs(pr[i]));
+  CHECK(code_diff == 0, "%d codes differ from the restatement", code_diff);
+  CHECK(diff <= 1e-12 * moved, "params differ by %g", diff);
+  CHECK(a1 == q1 && a2 == q2, "absmax differs from the restatement");
+}
+
+// The full-precision step against torch.optim.AdamW's formula in double, with a found_inf-free inv_scale.
+static void test_adamw32() {
+  const int64_t n = 3000;
+  const AdamWHyper h{3e-3, 0.8, 0.99, 1e-6, 0.05};
+  std::mt19937 rng(5);
+  std::normal_distribution<double> nd(0.0, 1.0);
+  std::vector<double> p(n), pr(n), g(n), m(n, 0.0), v(n, 0.0), mr(n, 0.0), vr(n, 0.0);
+  for (int64_t i = 0; i < n; ++i) p[i] = pr[i] = nd(rng);
+  float step = 0.0f;
+  AdamWEntry e{p.data(), g.data(), m.data(), v.data(), nullptr, nullptr, &step, n};
+  int64_t ts[2];
+  const int64_t total = cpu::fill_tile_start(&n, 1, kTile32, ts);
+  double err = 0.0;
+  for (int it = 0; it < 10; ++it) {
+    for (auto& x : g) x = nd(rng);
+    step += 1.0f;
+    cpu::adamw32_tiles(DType::F64, &e, ts, 1, h, 1.0f, 0, total);
+    for (int64_t i = 0; i < n; ++i) {
+      pr[i] *= 1.0 - 3e-3 * 0.05;
+      mr[i] = 0.8 * mr[i] + 0.2 * g[i];
+      vr[i] = 0.99 * vr[i] + (1.0 - 0.99) * g[i] * g[i];
+      pr[i] -= 3e-3 / (1.0 - pow(0.8, step)) * mr[i] / (sqrt(vr[i]) / sqrt(1.0 - pow(0.99, step)) + 1e-6);
+    }
+  }
+  for (int64_t i = 0; i < n; ++i) err = std::max(err, fabs(p[i] - pr[i]) + fabs(m[i] - mr[i]) + fabs(v[i] - vr[i]));
+  CHECK(err < 1e-13, "adamw32 differs from the formula by %g", err);
+}
+
+int main() {
+  test_block_sizes();
+  test_search();
+  test_quantize_roundtrip();
+  test_multi_tensor();
+  test_conversions();
+  test_adamw8bit();
+  test_adamw32();
+  if (failures) fprintf(stderr, "%d check(s) failed\n", failures);
+  else printf("all core tests passed\n");
+  return failures > 100 ? 100 : failures;
+}

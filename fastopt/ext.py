@@ -1,0 +1,234 @@
+"""Just-in-time build of the C++/CUDA extension in `csrc/` (8-bit block-wise quantization, fused 8-bit AdamW).
+
+`load()` builds the extension with `torch.utils.cpp_extension` and ninja the first time it is needed, then
+loads the shared library, which registers the ops under `torch.ops.fastopt` (TORCH_LIBRARY; no Python
+module). The build is cached under `$TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions`) in a folder
+named by a hash of the sources, the torch version, the CUDA version and the CUDA architectures, so a change
+of any of them rebuilds and a warm cache loads in about the time it takes to `dlopen` the library.
+
+Several processes (ranks) starting together on a cold cache take an exclusive file lock (`fcntl.flock`,
+released by the kernel even if the holder dies): one builds, the others wait and then load its result.
+
+CUDA kernels are compiled when `torch.cuda.is_available()` (for the visible GPUs' architectures unless
+`TORCH_CUDA_ARCH_LIST` is set); otherwise the build is CPU-only. `FASTOPT_EXT_CUDA=0|1` overrides that,
+`FASTOPT_EXT_VERBOSE=1` shows the compiler output. Nothing is downloaded at run time: a missing compiler,
+ninja or nvcc raises an error that says what to install.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import shutil
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+__all__ = ["load", "is_available", "load_error", "how_loaded", "has_cuda_kernels", "source_dir", "build_key"]
+
+_lock = threading.Lock()
+_loaded = False
+_error: BaseException | None = None
+_how: str | None = None
+
+_SOURCES_CPU = ("bindings.cpp", "cpu_kernels.cpp")
+_SOURCES_CUDA = ("quant_cuda.cu", "adamw_cuda.cu")
+_HEADERS = ("fastopt_core.h", "cpu_kernels.h", "cuda_kernels.h", "cuda_common.cuh")
+
+
+def source_dir() -> Path:
+    """csrc/: inside the installed package (`fastopt/csrc`), or next to the package in a source checkout."""
+    here = Path(__file__).resolve().parent
+    for cand in (here / "csrc", here.parent / "csrc"):
+        if (cand / "bindings.cpp").is_file():
+            return cand
+    raise RuntimeError(f"fastopt.ext: the C++ sources (csrc/bindings.cpp) are not in {here / 'csrc'} or "
+                       f"{here.parent / 'csrc'}; reinstall fastopt (pip install fastopt) so that csrc/ ships with it")
+
+
+def _with_cuda() -> bool:
+    flag = os.environ.get("FASTOPT_EXT_CUDA", "").strip()
+    if flag in ("0", "1"):
+        return flag == "1"
+    return torch.cuda.is_available() and torch.version.cuda is not None
+
+
+def _cuda_arch_list() -> str:
+    env = os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip()
+    if env:
+        return env
+    caps = sorted({torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
+    return ";".join(f"{a}.{b}" for a, b in caps)
+
+
+def build_key(with_cuda: bool | None = None) -> str:
+    """Hash of everything the built library depends on: sources, torch and CUDA versions, architectures."""
+    with_cuda = _with_cuda() if with_cuda is None else with_cuda
+    h = hashlib.sha256()
+    src = source_dir()
+    for name in _SOURCES_CPU + _HEADERS + (_SOURCES_CUDA if with_cuda else ()):
+        h.update(name.encode())
+        h.update((src / name).read_bytes())
+    parts = [torch.__version__, str(torch.version.cuda), f"py{sys.version_info[0]}{sys.version_info[1]}",
+             os.environ.get("CXX", "c++"), f"cuda={with_cuda}"]
+    if with_cuda:
+        parts.append(_cuda_arch_list())
+    h.update("|".join(parts).encode())
+    return h.hexdigest()[:16]
+
+
+def _extensions_root() -> Path:
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root:
+        return Path(root)
+    return Path(os.path.expanduser("~")) / ".cache" / "torch_extensions"
+
+
+def _check_toolchain(with_cuda: bool) -> None:
+    from torch.utils import cpp_extension
+
+    try:
+        cpp_extension.verify_ninja_availability()
+    except RuntimeError as e:
+        raise RuntimeError("fastopt.ext: building the C++ extension needs ninja: pip install ninja") from e
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        raise RuntimeError(f"fastopt.ext: building the C++ extension needs a C++17 compiler ({cxx!r} is not on "
+                           "PATH): install g++ (e.g. apt-get install g++) or set CXX")
+    if with_cuda and cpp_extension.CUDA_HOME is None:
+        raise RuntimeError(f"fastopt.ext: CUDA tensors need the CUDA kernels, which need nvcc from the CUDA toolkit "
+                           f"{torch.version.cuda} (set CUDA_HOME, or install the toolkit); FASTOPT_EXT_CUDA=0 builds "
+                           "the CPU kernels only")
+
+
+def _build_and_load(verbose: bool) -> str:
+    from torch.utils import cpp_extension
+
+    with_cuda = _with_cuda()
+    key = build_key(with_cuda)
+    name = f"fastopt_ext_{key}"
+    root = _extensions_root()
+    build_dir = root / name
+    lib = build_dir / f"{name}.so"
+    done = build_dir / "BUILD_OK"
+    if done.is_file() and lib.is_file():  # warm cache: no compiler, no ninja, no lock
+        torch.ops.load_library(str(lib))
+        return "cache"
+    _check_toolchain(with_cuda)
+    build_dir.mkdir(parents=True, exist_ok=True)
+    src = source_dir()
+    sources = [str(src / s) for s in _SOURCES_CPU + (_SOURCES_CUDA if with_cuda else ())]
+    defines = ["-DFASTOPT_WITH_CUDA"] if with_cuda else []
+    with _FileLock(root / f"{name}.lock"):
+        if done.is_file() and lib.is_file():  # another process built it while we waited
+            torch.ops.load_library(str(lib))
+            return "waited"
+        old_arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
+        if with_cuda:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = _cuda_arch_list()
+        try:
+            cpp_extension.load(
+                name=name, sources=sources, build_directory=str(build_dir), is_python_module=False,
+                with_cuda=with_cuda, extra_cflags=["-O3", *defines], extra_cuda_cflags=["-O3", *defines],
+                extra_include_paths=[str(src)], verbose=verbose)
+        finally:
+            if with_cuda:
+                if old_arch is None:
+                    os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
+                else:
+                    os.environ["TORCH_CUDA_ARCH_LIST"] = old_arch
+        done.write_text(key + "\n")
+    return "built"
+
+
+class _FileLock:
+    """Exclusive advisory lock on a file (POSIX flock; on other systems no lock beyond torch's own)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.fd = None
+
+    def __enter__(self):
+        try:
+            import fcntl
+        except ImportError:
+            return self
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc):
+        if self.fd is not None:
+            import fcntl
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = None
+
+
+def _register_fakes() -> None:
+    """Shapes for torch.compile / meta tensors."""
+    lib = torch.library
+
+    @lib.register_fake("fastopt::quantize_blockwise")
+    def _(x, map, block_size):
+        return (x.new_empty(x.shape, dtype=torch.uint8),
+                x.new_empty((math.ceil(x.numel() / block_size),), dtype=torch.float32))
+
+    @lib.register_fake("fastopt::dequantize_blockwise")
+    def _(codes, absmax, map, block_size, dtype):
+        return codes.new_empty(codes.shape, dtype=dtype)
+
+    for op in ("quantize_blockwise_multi_", "dequantize_blockwise_multi_", "adamw8bit_step_", "adamw32_step_"):
+        lib.register_fake(f"fastopt::{op}")(lambda *args, **kwargs: None)
+
+
+def load(verbose: bool | None = None) -> None:
+    """Build (first use) and load the extension; after it returns, `torch.ops.fastopt.*` exist.
+
+    Raises the build's error, the same one on every later call in this process.
+    """
+    global _loaded, _error, _how
+    if _loaded:
+        return
+    with _lock:
+        if _loaded:
+            return
+        if _error is not None:
+            raise _error
+        if verbose is None:
+            verbose = os.environ.get("FASTOPT_EXT_VERBOSE", "0") not in ("", "0")
+        try:
+            _how = _build_and_load(verbose)
+            _register_fakes()
+        except Exception as e:  # remembered so that every caller sees the real cause
+            _error = e
+            raise
+        _loaded = True
+
+
+def is_available() -> bool:
+    """Whether the extension loads here (builds it on first call); the cause of a failure: `load_error()`."""
+    try:
+        load()
+    except Exception:
+        return False
+    return True
+
+
+def load_error() -> BaseException | None:
+    return _error
+
+
+def how_loaded() -> str | None:
+    """'built' (this process compiled it), 'waited' (another process did, this one waited on the lock),
+    'cache' (found built), or None (not loaded)."""
+    return _how
+
+
+def has_cuda_kernels() -> bool:
+    """Whether the loaded extension was built with its CUDA kernels."""
+    load()
+    return bool(torch.ops.fastopt.has_cuda())

@@ -1,0 +1,71 @@
+"""fastopt.AdamW8bit: torch's AdamW with bitsandbytes' 8-bit block-wise states (math: reference/adamw8bit.py)."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import ops
+from ..reference.quant import check_block_size
+from .base import FastOptimizer, check, check_betas
+
+
+class AdamW8bit(FastOptimizer):
+    """AdamW (decoupled weight decay, torch.optim.AdamW's update) whose two moments are stored in 8 bits.
+
+    Tensors with at least `min_8bit_size` elements keep m and v as uint8 codes of bitsandbytes' dynamic maps
+    (signed for m, unsigned for v) with one fp32 absmax per block of `block_size` elements: 2 bytes per
+    element plus 8 bytes per block (2.03 bytes per element at the default block of 256). Smaller tensors keep
+    full-precision state (fp32; fp64 for fp64 params). The fused step dequantizes, updates and requantizes in
+    one pass per element, one launch for all 8-bit params of a device and dtype (compiled extension, CPU and
+    CUDA; `FASTOPT_BACKEND=torch` runs the plain-torch reference instead).
+
+    Args:
+        params: iterable of params or param-group dicts.
+        lr: learning rate.
+        betas: (beta1, beta2), decay rates of the first and second moments.
+        eps: added to sqrt(v) / sqrt(1 - beta2^t).
+        weight_decay: decoupled decay, p <- p (1 - lr weight_decay).
+        block_size: elements per quantization block, a power of two from 64 to 4096.
+        min_8bit_size: tensors with fewer elements keep full-precision state.
+
+    State per param (tensors only; loads with `torch.load(weights_only=True)`), with bitsandbytes' key names:
+    `step` (fp32 scalar on the param's device); 8-bit: `state1`, `state2` (uint8, the param's shape),
+    `absmax1`, `absmax2` (fp32, ceil(numel / block_size)); full precision: `state1` (m), `state2` (v).
+    bitsandbytes also stores `qmap1`/`qmap2`; here the maps are fixed (fastopt.reference.quant.dynamic_map),
+    so a bitsandbytes state converts by dropping those two keys and making `step` a tensor. Works with
+    `torch.amp.GradScaler` without host sync: a step with a non-finite gradient changes nothing.
+    """
+
+    _name = "AdamW8bit"
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, block_size=256,
+                 min_8bit_size=4096):
+        n = self._name
+        check(isinstance(lr, (int, float)) and not isinstance(lr, bool) and math.isfinite(lr) and lr >= 0,
+              "lr", n, lr, "be a finite number >= 0")
+        betas = check_betas(n, betas, 2)
+        check(isinstance(eps, (int, float)) and math.isfinite(eps) and eps >= 0, "eps", n, eps, "be a finite number >= 0")
+        check(isinstance(weight_decay, (int, float)) and math.isfinite(weight_decay) and weight_decay >= 0,
+              "weight_decay", n, weight_decay, "be a finite number >= 0")
+        check_block_size(block_size, n)
+        check(isinstance(min_8bit_size, int) and not isinstance(min_8bit_size, bool) and min_8bit_size >= 0,
+              "min_8bit_size", n, min_8bit_size, "be an int >= 0")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, block_size=block_size,
+                        min_8bit_size=min_8bit_size)
+        super().__init__(params, defaults)
+
+    def _state_spec(self, p, group):
+        shape = tuple(p.shape)
+        if p.numel() >= group["min_8bit_size"]:
+            blocks = (math.ceil(p.numel() / group["block_size"]),)
+            return {"state1": (shape, torch.uint8), "state2": (shape, torch.uint8),
+                    "absmax1": (blocks, torch.float32), "absmax2": (blocks, torch.float32)}
+        dt = self.state_dtype(p)
+        return {"state1": (shape, dt), "state2": (shape, dt)}
+
+    def _step_group(self, group, params, grads, states, scaler):
+        check_block_size(group["block_size"], self._name)
+        ops.adamw8bit_step(params, grads, states, lr=group["lr"], betas=group["betas"], eps=group["eps"],
+                           weight_decay=group["weight_decay"], block_size=group["block_size"],
+                           inv_scale=scaler.inv_scale, found_inf=scaler.found_inf)

@@ -1,0 +1,102 @@
+"""fastopt.CAME: came-pytorch's CAME, fused (math: fastopt/reference/came.py)."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import ops
+from ..reference import quant
+from ..reference.came import QBLOCK
+from .base import FastOptimizer, check, check_betas
+
+# Group keys of came-pytorch's CAME; a state_dict whose groups hold only these comes from came-pytorch.
+_CAME_PYTORCH_KEYS = ("lr", "eps", "clip_threshold", "betas", "weight_decay")
+
+
+class CAME(FastOptimizer):
+    """CAME with the signature and semantics of came-pytorch's `CAME`.
+
+    Factored second moment of g^2 + eps1 over the last two dims of every param with ndim >= 2 (leading dims
+    are a batch of matrices), RMS clipping of the update, momentum on the clipped update, the factored
+    instability (u - m)^2 + eps2 that scales the momentum into the update (confidence); vectors and single
+    elements keep a full second moment and step by the momentum alone. No bias correction; decoupled weight
+    decay scaled by lr.
+
+    Args:
+        params: iterable of params or param-group dicts.
+        lr: learning rate (required, > 0).
+        eps: (eps1, eps2): regularizers added to g^2 and to the instability.
+        clip_threshold: d, the RMS above which the update is scaled down.
+        betas: (b1, b2, b3): momentum, second moment and instability decay rates, each in [0, 1).
+        weight_decay: decoupled decay, applied as p -= lr * weight_decay * p.
+        bf16_stochastic_round: round bf16 params stochastically (unbiased) instead of to nearest.
+        nbits: 32, or 8 to keep the momentum `exp_avg` in 8-bit block-wise form (`exp_avg` holds the codes,
+            `exp_avg_absmax` the per-block scales).
+
+    State per param (tensors only; loads with `torch.load(weights_only=True)`): `step` (fp32 scalar on the
+    param's device), `exp_avg`, and `exp_avg_sq_row`, `exp_avg_sq_col`, `exp_avg_res_row`, `exp_avg_res_col`
+    (factored) or `exp_avg_sq`: came-pytorch's names, so its state_dicts load here. fp32, or fp64 for fp64
+    params. Works with `torch.amp.GradScaler` without host sync.
+    """
+
+    _name = "CAME"
+
+    def __init__(self, params, lr=None, eps=(1e-30, 1e-16), clip_threshold=1.0, betas=(0.9, 0.999, 0.9999),
+                 weight_decay=0.0, bf16_stochastic_round=False, nbits=32):
+        n = self._name
+        check(isinstance(lr, (int, float)) and not isinstance(lr, bool) and math.isfinite(lr) and lr > 0, "lr", n,
+              lr, "be a finite number > 0 (CAME has no relative step size: pass lr)")
+        if not (isinstance(eps, (tuple, list)) and len(eps) == 2):
+            raise ValueError(f"{n}: eps={eps!r} must be a pair (eps1, eps2)")
+        for k, e in enumerate(eps):
+            check(isinstance(e, (int, float)) and math.isfinite(e) and e >= 0, f"eps[{k}]", n, e, "be >= 0")
+        betas = check_betas(n, betas, 3)
+        check(isinstance(clip_threshold, (int, float)) and math.isfinite(clip_threshold) and clip_threshold > 0,
+              "clip_threshold", n, clip_threshold, "be > 0")
+        check(isinstance(weight_decay, (int, float)) and math.isfinite(weight_decay) and weight_decay >= 0,
+              "weight_decay", n, weight_decay, "be >= 0")
+        check(nbits in (32, 8), "nbits", n, nbits, "be 32 or 8")
+        defaults = dict(lr=lr, eps=tuple(float(e) for e in eps), clip_threshold=clip_threshold, betas=betas,
+                        weight_decay=weight_decay, bf16_stochastic_round=bf16_stochastic_round, nbits=nbits)
+        super().__init__(params, defaults)
+        self._plans: dict = {}
+
+    def _state_spec(self, p, group):
+        dt = self.state_dtype(p)
+        spec = {}
+        if group["nbits"] == 8:
+            spec["exp_avg"] = (tuple(p.shape), torch.uint8)
+            spec["exp_avg_absmax"] = ((quant.num_blocks(p.numel(), QBLOCK),), torch.float32)
+        else:
+            spec["exp_avg"] = (tuple(p.shape), dt)
+        if p.dim() >= 2:
+            rows, cols = tuple(p.shape[:-1]), tuple(p.shape[:-2]) + (p.shape[-1],)
+            spec.update(exp_avg_sq_row=(rows, dt), exp_avg_sq_col=(cols, dt), exp_avg_res_row=(rows, dt),
+                        exp_avg_res_col=(cols, dt))
+        else:
+            spec["exp_avg_sq"] = (tuple(p.shape), dt)
+        return spec
+
+    def _step_group(self, group, params, grads, states, scaler):
+        hyper = {k: group[k] for k in ("lr", "eps", "clip_threshold", "betas", "weight_decay",
+                                       "bf16_stochastic_round", "nbits")}
+        cache = self._plans.setdefault((id(group), params[0].device, params[0].dtype), {})
+        ops.came_step(params, grads, states, inv_scale=scaler.inv_scale, found_inf=scaler.found_inf, cache=cache,
+                      **hyper)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Also takes came-pytorch's state_dicts: their int `step` becomes a tensor, their `RMS` (recomputed
+        there every step, unused by the math) is dropped, and the groups get this optimizer's fastopt-only
+        options."""
+        if isinstance(state_dict, dict) and isinstance(state_dict.get("param_groups"), list) and all(
+                isinstance(g, dict) and set(_CAME_PYTORCH_KEYS) <= set(g) and "nbits" not in g
+                for g in state_dict["param_groups"]) and len(state_dict["param_groups"]) == len(self.param_groups):
+            extra = ("bf16_stochastic_round", "nbits")
+            groups = [{**g, **{k: ours[k] for k in extra}} for g, ours in
+                      zip(state_dict["param_groups"], self.param_groups)]
+            state = {pid: {k: (torch.tensor(float(v)) if k == "step" and not isinstance(v, torch.Tensor) else v)
+                           for k, v in st.items() if k != "RMS"}
+                     for pid, st in state_dict.get("state", {}).items()}
+            state_dict = {"state": state, "param_groups": groups}
+        super().load_state_dict(state_dict)

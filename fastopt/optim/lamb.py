@@ -1,0 +1,93 @@
+"""fastopt.Lamb: LAMB with a per-tensor trust ratio, fused (math: fastopt/reference/lamb.py)."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import ops
+from ..reference.quant import check_block_size, num_blocks
+from .base import FastOptimizer, check, check_betas
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+class Lamb(FastOptimizer):
+    """LAMB (You et al., 2020) with the signature and semantics of the LAMB in ColossalAI's
+    distributed-optimizers documentation, plus an optional clamp of the trust ratio.
+
+    Per parameter p with gradient g at step t: m and v as in Adam; the update
+    a = m / (sqrt(v) + eps) + weight_decay * p; the trust ratio r = ||p|| / ||a|| (1 where either norm is
+    zero), clamped to at most `max_trust_ratio` when given; p -= eta * r * a with
+    eta = lr * sqrt(1 - beta2^t) / (1 - beta1^t) (bias_correction) or lr. The norms are over the whole
+    parameter; the fused step computes them without a host sync.
+
+    Args:
+        params: iterable of params or param-group dicts.
+        lr: learning rate (>= 0).
+        betas: (beta1, beta2), each in [0, 1).
+        eps: added to sqrt(v) (>= 0).
+        weight_decay: L2 term added to the update before the trust ratio (>= 0).
+        bias_correction: fold Adam's bias corrections into the step size.
+        max_trust_ratio: upper bound of the trust ratio (> 0), or None for none. It also bounds the ratio 1
+            used where a norm is zero.
+        bf16_stochastic_round: round bf16 params stochastically (unbiased) instead of to nearest.
+        nbits: 32 (fp32 m and v; fp64 for fp64 params) or 8 (m and v in the 8-bit block-wise format of
+            `fastopt.quantize_blockwise`: signed map for m, unsigned for v). The trust ratio is the real one:
+            the norms of p and of the update computed from the exact m_t, v_t before they are requantized.
+        block_size: elements per quantization block with nbits=8 (a power of two from 64 to 4096).
+        min_8bit_size: with nbits=8, params with fewer elements keep 32-bit state.
+
+    State per param (tensors only; loads with `torch.load(weights_only=True)`): `step` (fp32 scalar on the
+    param's device), `exp_avg`, `exp_avg_sq` (fp32, or fp64 for fp64 params; with 8-bit state uint8 codes
+    of the param's shape plus `exp_avg_absmax`, `exp_avg_sq_absmax`, fp32, one per block). Works with
+    `torch.amp.GradScaler` without host sync: a step with an inf gradient changes nothing.
+    """
+
+    _name = "Lamb"
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0, bias_correction=True,
+                 max_trust_ratio=None, bf16_stochastic_round=False, nbits=32, block_size=256, min_8bit_size=4096):
+        n = self._name
+        check(_number(lr) and lr >= 0, "lr", n, lr, "be a finite number >= 0")
+        betas = check_betas(n, betas, 2)
+        check(_number(eps) and eps >= 0, "eps", n, eps, "be a finite number >= 0")
+        check(_number(weight_decay) and weight_decay >= 0, "weight_decay", n, weight_decay, "be a finite number >= 0")
+        check(isinstance(bias_correction, bool), "bias_correction", n, bias_correction, "be True or False")
+        check(max_trust_ratio is None or (_number(max_trust_ratio) and max_trust_ratio > 0), "max_trust_ratio", n,
+              max_trust_ratio, "be None or a finite number > 0")
+        check(isinstance(bf16_stochastic_round, bool), "bf16_stochastic_round", n, bf16_stochastic_round,
+              "be True or False")
+        check(nbits in (32, 8) and not isinstance(nbits, bool), "nbits", n, nbits, "be 32 or 8")
+        check_block_size(block_size, n)
+        check(isinstance(min_8bit_size, int) and not isinstance(min_8bit_size, bool) and min_8bit_size >= 0,
+              "min_8bit_size", n, min_8bit_size, "be an int >= 0")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
+                        max_trust_ratio=max_trust_ratio, bf16_stochastic_round=bf16_stochastic_round, nbits=nbits,
+                        block_size=block_size, min_8bit_size=min_8bit_size)
+        super().__init__(params, defaults)
+        self._plans: dict = {}
+
+    def _state_spec(self, p, group):
+        shape = tuple(p.shape)
+        if group["nbits"] == 8 and p.numel() >= group["min_8bit_size"]:
+            blocks = (num_blocks(p.numel(), group["block_size"]),)
+            return {"exp_avg": (shape, torch.uint8), "exp_avg_absmax": (blocks, torch.float32),
+                    "exp_avg_sq": (shape, torch.uint8), "exp_avg_sq_absmax": (blocks, torch.float32)}
+        dt = self.state_dtype(p)
+        return {"exp_avg": (shape, dt), "exp_avg_sq": (shape, dt)}
+
+    def _check_grads(self) -> None:
+        super()._check_grads()
+        for gi, group in enumerate(self.param_groups):  # an lr scheduler or a user may have changed it
+            lr = group["lr"]
+            check(_number(lr) and lr >= 0, f"param_groups[{gi}]['lr']", self._name, lr, "be a finite number >= 0")
+
+    def _step_group(self, group, params, grads, states, scaler):
+        hyper = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay", "bias_correction", "max_trust_ratio",
+                                       "bf16_stochastic_round", "block_size")}
+        cache = self._plans.setdefault((id(group), params[0].device, params[0].dtype), {})
+        ops.lamb_step(params, grads, states, inv_scale=scaler.inv_scale, found_inf=scaler.found_inf, cache=cache,
+                      **hyper)

@@ -1,0 +1,144 @@
+"""CAME in plain torch: the spec, the CPU path and the oracle of the Triton kernels.
+
+Luo et al., "CAME: Confidence-guided Adaptive Memory Efficient Optimization" (ACL 2023), Algorithm 1, with
+the conventions of came-pytorch's `CAME` (no bias correction, decoupled weight decay scaled by lr). For a
+parameter X with gradient G (a matrix over the last two dims; leading dims are a batch of matrices;
+vectors and scalars are unfactored):
+
+    R_t = b2 R_{t-1} + (1 - b2) mean_cols(G^2 + eps1)                   row factor          (Alg. 1, l. 5)
+    C_t = b2 C_{t-1} + (1 - b2) mean_rows(G^2 + eps1)                   column factor       (l. 6)
+    U_t = G / sqrt(R_t C_t / mean(R_t))                                 (unfactored: G / sqrt(V_t), l. 7-8)
+    U_t = U_t / max(1, RMS(U_t) / d)                                    update clipping     (l. 9)
+    M_t = b1 M_{t-1} + (1 - b1) U_t                                     momentum            (l. 10)
+    S_t = (U_t - M_t)^2 + eps2                                          instability         (l. 11)
+    R'_t = b3 R'_{t-1} + (1 - b3) mean_cols(S_t)                        (l. 12)
+    C'_t = b3 C'_{t-1} + (1 - b3) mean_rows(S_t)                        (l. 13)
+    X_t = X_{t-1} - lr wd X_{t-1} - lr M_t / sqrt(R'_t C'_t / mean(R'_t))   (unfactored: - lr M_t; l. 14-15)
+
+The step runs in phases so that a distributed caller can sum the partial statistics of every shard with
+one collective per phase: `reduce(buf)` sums a flat buffer in place over the ranks that share the params.
+CAME has three: the row/column sums of G^2, the sums of U^2 (for the RMS clip), the row/column sums of
+(U - M)^2.
+
+`nbits=8` keeps M in the 8-bit block-wise format of `fastopt.reference.quant` (bitsandbytes' signed dynamic
+map, blocks of QBLOCK elements of the flattened param): M_{t-1} is dequantized, M_t is computed in full
+precision and used as above, then quantized for storage.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from . import quant
+from .adafactor import _commit, is_factored
+from .common import stochastic_round_bf16
+
+QBLOCK = 256  # bitsandbytes' block size for 8-bit optimizer states
+
+Reduce = Callable[[Tensor], None]
+
+
+def _row_col_sums(xs: list[Tensor]) -> Tensor | None:
+    """One flat fp64 buffer: for every matrix batch x, its row sums then its column sums."""
+    parts = []
+    for x in xs:
+        parts += [x.sum(-1).flatten(), x.sum(-2).flatten()]
+    return torch.cat([t.to(torch.float64) for t in parts]) if parts else None
+
+
+def _factors(stats: Tensor, pos: int, row: Tensor, col: Tensor, beta: float, eps: float, shape) -> tuple:
+    """EMA of the row/column means of x (+ eps) from their sums at stats[pos:]; the update's multipliers
+    rsqrt(R_t / mean(R_t)) (unsqueezed over columns) and rsqrt(C_t) (over rows); the new R_t, C_t; new pos."""
+    rsum = stats[pos:pos + row.numel()].view_as(row).to(row.dtype)
+    pos += row.numel()
+    csum = stats[pos:pos + col.numel()].view_as(col).to(col.dtype)
+    pos += col.numel()
+    r_new = beta * row + (1 - beta) * (rsum / shape[-1] + eps)
+    c_new = beta * col + (1 - beta) * (csum / shape[-2] + eps)
+    r_fac = (r_new / r_new.mean(dim=-1, keepdim=True)).rsqrt().unsqueeze(-1)
+    c_fac = c_new.unsqueeze(-2).rsqrt()
+    return r_fac, c_fac, r_new, c_new, pos
+
+
+def came_step(params: list[Tensor], grads: list[Tensor], states: list[dict], *, lr, eps, clip_threshold, betas,
+              weight_decay, bf16_stochastic_round: bool = False, nbits: int = 32, inv_scale: Tensor | None = None,
+              found_inf: Tensor | None = None, reduce: Reduce | None = None) -> None:
+    """One step over a bucket of params (one device, one dtype)."""
+    eps1, eps2 = eps
+    beta1, beta2, beta3 = betas
+    acc = [s["exp_avg_sq_row"].dtype if is_factored(p) else s["exp_avg_sq"].dtype for p, s in zip(params, states)]
+    gs = [g.to(a) * inv_scale if inv_scale is not None else g.to(a) for g, a in zip(grads, acc)]
+
+    # Phase 1: sums of G^2 over each row and column of every factored param, in one flat buffer.
+    stats = _row_col_sums([g * g for p, g in zip(params, gs) if is_factored(p)])
+    if stats is not None and reduce is not None:
+        reduce(stats)
+
+    # Phase 2: new second-moment factors (or V_t) and the unclipped update's sum of squares.
+    updates, new_states, sums = [], [], []
+    pos = 0
+    for p, g, s in zip(params, gs, states):
+        if is_factored(p):
+            r_fac, c_fac, r_new, c_new, pos = _factors(stats, pos, s["exp_avg_sq_row"], s["exp_avg_sq_col"], beta2,
+                                                       eps1, g.shape)
+            u = g * r_fac * c_fac
+            new_states.append({"exp_avg_sq_row": r_new, "exp_avg_sq_col": c_new})
+        else:
+            v_new = beta2 * s["exp_avg_sq"] + (1 - beta2) * (g * g + eps1)
+            u = g * v_new.rsqrt()
+            new_states.append({"exp_avg_sq": v_new})
+        updates.append(u)
+        sums.append((u * u).sum().to(torch.float64))
+    sums = torch.stack(sums)
+    if reduce is not None:
+        reduce(sums)
+
+    # Phase 3: clip, momentum, and the sums of the instability (U - M)^2 of every factored param.
+    moms, res = [], []
+    for i, (p, g, s) in enumerate(zip(params, gs, states)):
+        clip = torch.clamp((sums[i].to(g.dtype) / p.numel()).sqrt() / clip_threshold, min=1.0)
+        u = updates[i] / clip
+        m_old = _load_momentum(s, g.dtype, nbits)
+        m_new = beta1 * m_old + (1 - beta1) * u
+        moms.append(m_new)
+        if is_factored(p):
+            res.append((u - m_new).square())
+    res_stats = _row_col_sums(res)
+    if res_stats is not None and reduce is not None:
+        reduce(res_stats)
+
+    # Phase 4: instability factors, confidence-scaled update, decay, write.
+    pos = 0
+    for p, g, s, m_new, ns in zip(params, gs, states, moms, new_states):
+        if is_factored(p):
+            r_fac, c_fac, r_new, c_new, pos = _factors(res_stats, pos, s["exp_avg_res_row"], s["exp_avg_res_col"],
+                                                       beta3, eps2, g.shape)
+            ns.update(exp_avg_res_row=r_new, exp_avg_res_col=c_new)
+            u = m_new * r_fac * c_fac
+        else:
+            u = m_new
+        pf = p.to(g.dtype)
+        p_new = pf - (lr * weight_decay) * pf - lr * u if weight_decay != 0 else pf - lr * u
+        for k, v in ns.items():
+            _commit(s[k], v, found_inf)
+        _store_momentum(s, m_new, nbits, found_inf)
+        if bf16_stochastic_round and p.dtype == torch.bfloat16:
+            p_new = stochastic_round_bf16(p_new)
+        _commit(p, p_new, found_inf)
+
+
+def _load_momentum(s: dict, dtype: torch.dtype, nbits: int) -> Tensor:
+    if nbits == 32:
+        return s["exp_avg"].to(dtype)
+    return quant.dequantize_blockwise(s["exp_avg"], s["exp_avg_absmax"], QBLOCK).to(dtype)
+
+
+def _store_momentum(s: dict, m_new: Tensor, nbits: int, found_inf: Tensor | None) -> None:
+    if nbits == 32:
+        _commit(s["exp_avg"], m_new, found_inf)
+        return
+    codes, absmax = quant.quantize_blockwise(m_new.to(torch.float32), QBLOCK)
+    _commit(s["exp_avg"], codes, found_inf)
+    _commit(s["exp_avg_absmax"], absmax, found_inf)

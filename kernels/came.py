@@ -1,0 +1,493 @@
+"""Fused multi-tensor CAME (the math: fastopt/reference/came.py).
+
+Launches per step, each covering every param of the bucket (their number does not grow with the params):
+
+  factored (ndim >= 2)                           unfactored (vectors, scalars)
+  1 _sq_stats_kernel   G^2 rows/col partials     -
+  2 _col_reduce_kernel col sums                  -
+    [reduce(stats): one collective]
+  3 _factor_kernel     R_t, C_t, factors (b2)    -
+  4 _usq_kernel        partial sums of U^2       4' _vec_stats_kernel  V_t, partial sums of U^2
+  5 _segment_sum_kernel per-param sums of U^2
+    [reduce(sums): one collective]
+  6 _res_stats_kernel  clip, M_t (stored),       6' _vec_apply_kernel  clip, M_t, decay, write X
+                       (U-M)^2 rows/col partials
+  7 _col_reduce_kernel col sums of (U-M)^2
+    [reduce(res): one collective]
+  8 _factor_kernel     R'_t, C'_t, factors (b3)
+  9 _apply_kernel      decay, write X
+
+The gradient is read three times (statistics, RMS of the update, update and instability) and M twice: the
+RMS clip needs the sum of U^2 over the whole (possibly sharded) matrix before M may be formed, and the
+confidence factors need the instability of the whole matrix before any element of X may be written.
+Kernels 1-3 and 7-8 are the shared factored-statistics kernels of kernels/factored.py; kernel 6 writes the
+instability statistics in exactly the layout of _sq_stats_kernel, so 7 and 8 reuse them unchanged.
+
+nbits=8 (M as uint8 codes of bitsandbytes' signed dynamic map plus one fp32 absmax per QBLOCK elements of the
+flattened param): 6 reads the codes instead of M and stores nothing; 9 and 6' become _apply8_kernel, flat
+programs of whole quantization blocks that form U and M_t again from the gradient and the old codes (one more
+read of the gradient, but no full-precision copy of M anywhere), write X and store M_t's codes and scales.
+The codes are those of fastopt.reference.quant, bit for bit.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from fastopt.reference.came import QBLOCK as QBLOCK_
+from fastopt.reference.quant import dynamic_map
+
+from . import common
+from .adafactor import FactoredPlan
+from .common import (INTERPRET, keep_limit, load_ptr, program_table, ptr_table, round_to, segment_sum,
+                     stochastic_round_bf16, to_device)
+from .factored import _col_reduce_kernel, launch_factors, launch_sq_stats, load_meta
+
+BLOCK_V = 256 if INTERPRET else 1024
+QBLOCK = tl.constexpr(QBLOCK_)  # elements per 8-bit quantization block (one fp32 absmax each)
+QB_PER_PROG = 1 if INTERPRET else 4
+# Hyperparameters live in a small tensor of the accumulation dtype, filled on the host in float64 with the
+# 1 - beta terms and lr * weight_decay formed there, as came-pytorch forms them (compiled Triton passes
+# Python floats as fp32: fp64 params would lose precision, and 1 - beta from an fp32 beta is off by up to
+# 1.7e-4 relative for beta = 0.9999). H_* index it; the two _factor_kernel launches read (beta, 1 - beta, eps)
+# at H_BETA2 and H_BETA3.
+(H_BETA2, H_OMB2, H_EPS1, H_BETA3, H_OMB3, H_EPS2, H_BETA1, H_OMB1, H_LR, H_LR_WD,
+ H_CLIP) = (tl.constexpr(k) for k in range(11))
+
+
+def hyper_values(lr, eps, clip_threshold, betas, weight_decay) -> tuple:
+    """The H_* entries, in float64."""
+    (b1, b2, b3), (e1, e2) = (float(b) for b in betas), (float(e) for e in eps)
+    return (b2, 1.0 - b2, e1, b3, 1.0 - b3, e2, b1, 1.0 - b1, float(lr), float(lr) * float(weight_decay),
+            float(clip_threshold))
+
+
+@triton.jit
+def _load_step(step_ptrs, i, acc_t: tl.constexpr):
+    return tl.load(tl.load(step_ptrs + i).to(tl.pointer_type(tl.float32))).to(acc_t)
+
+
+@triton.jit
+def _clip_scale(u_sq, numel, clip_threshold):
+    """1 / max(1, RMS(U) / d)."""
+    return 1.0 / tl.maximum(tl.sqrt(u_sq / numel) / clip_threshold, 1.0)
+
+
+@triton.jit
+def _store_param(p_ptr, offs, p, mask, step, salt, SR: tl.constexpr):
+    if SR:
+        out = stochastic_round_bf16(p.to(tl.float32), step.to(tl.int32) * 7919 + salt, offs)
+    else:
+        out = round_to(p, p_ptr.dtype.element_ty)
+    tl.store(p_ptr + offs, out, mask=mask)
+
+
+@triton.jit
+def _dequant8(code_ptr, absmax_ptr, qmap_ptr, offs, mask):
+    """map[code] * absmax of the element's block, in fp32 (fastopt.reference.quant.dequantize_blockwise)."""
+    code = tl.load(code_ptr + offs, mask=mask, other=0).to(tl.int32)
+    absmax = tl.load(absmax_ptr + offs // QBLOCK, mask=mask, other=0.0)
+    return tl.load(qmap_ptr + code, mask=mask, other=0.0) * absmax
+
+
+@triton.jit
+def _quant8(x, mask, qmap_ptr):
+    """(codes, absmax) of the rows of a [blocks, QBLOCK] fp32 tile, as fastopt.reference.quant.quantize_blockwise
+    makes them: x / absmax (fp32) to the nearest value of the sorted map, ties to the lower code."""
+    x = tl.where(mask, x, 0.0)
+    absmax = tl.max(tl.abs(x), axis=1)
+    xn = tl.where(absmax[:, None] > 0, x / absmax[:, None], 0.0)
+    idx = tl.zeros(x.shape, dtype=tl.int32)
+    for k in tl.static_range(8):  # binary search: the largest j with map[j] <= xn (map[0] = -1 <= xn)
+        cand = idx + (128 >> k)
+        idx = tl.where(tl.load(qmap_ptr + cand) <= xn, cand, idx)
+    left = tl.load(qmap_ptr + idx)
+    right = tl.load(qmap_ptr + tl.minimum(idx + 1, 255))
+    up = (tl.abs(xn - right) < tl.abs(xn - left)) & (idx < 255)
+    return (idx + up.to(tl.int32)).to(tl.uint8), absmax
+
+
+@triton.jit
+def _usq_kernel(g_ptrs, g_ref, meta_ptr, prog_param_ptr, stats_ptr, part_ptr, inv_scale_ptr,
+                HAS_SCALE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """part[pid] = sum over the program's rows of U^2, U = G rsqrt(R_t / mean R_t) rsqrt(C_t)."""
+    pid = tl.program_id(0)
+    i = tl.load(prog_param_ptr + pid)
+    B, R, C, row_off, col_off, _po, prog_start, _cps, _fps = load_meta(meta_ptr, i)
+    nrb = tl.cdiv(R, BLOCK_R)
+    local = pid - prog_start
+    b = local // nrb
+    rb = local % nrb
+    acc_t = stats_ptr.dtype.element_ty
+    g_ptr = load_ptr(g_ptrs, i, g_ref)
+    inv = 1.0
+    if HAS_SCALE:
+        inv = tl.load(inv_scale_ptr)
+    rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < R
+    rfac = tl.load(stats_ptr + row_off + b * R + rows, mask=rmask, other=0.0)
+    row_base = (b * R + rows).to(tl.int64) * C
+    acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=acc_t)
+    for c0 in range(0, C, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        cmask = cols < C
+        mask = rmask[:, None] & cmask[None, :]
+        cfac = tl.load(stats_ptr + col_off + b * C + cols, mask=cmask, other=0.0)
+        g = tl.load(g_ptr + row_base[:, None] + cols[None, :], mask=mask, other=0.0).to(acc_t) * inv
+        u = g * rfac[:, None] * cfac[None, :]
+        acc += u * u
+    tl.store(part_ptr + pid, tl.sum(tl.sum(acc, 1), 0))
+
+
+@triton.jit
+def _res_stats_kernel(g_ptrs, g_ref, m_ptrs, m_ref, absmax_ptrs, qmap_ptr, meta_ptr, prog_param_ptr, stats_ptr,
+                      sums_ptr, res_ptr, parts_ptr, inv_scale_ptr, found_inf_ptr, hyper_ptr, HAS_SCALE: tl.constexpr,
+                      HAS_INF: tl.constexpr, Q8: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """U = clip(G rfac cfac); M_t = b1 M + (1-b1) U (stored, except with Q8: _apply8_kernel recomputes M_t
+    and stores its codes); row sums and column partials of (U - M_t)^2 into `res` / `parts`, laid out as
+    _sq_stats_kernel lays out those of G^2."""
+    pid = tl.program_id(0)
+    i = tl.load(prog_param_ptr + pid)
+    B, R, C, row_off, col_off, part_off, prog_start, _cps, _fps = load_meta(meta_ptr, i)
+    nrb = tl.cdiv(R, BLOCK_R)
+    local = pid - prog_start
+    b = local // nrb
+    rb = local % nrb
+    acc_t = stats_ptr.dtype.element_ty
+    inv = 1.0
+    if HAS_SCALE:
+        inv = tl.load(inv_scale_ptr)
+    R_keep = keep_limit(R, found_inf_ptr, HAS_INF)
+    beta1 = tl.load(hyper_ptr + H_BETA1)
+    omb1 = tl.load(hyper_ptr + H_OMB1)
+    scale = _clip_scale(tl.load(sums_ptr + i), (B * R * C).to(acc_t), tl.load(hyper_ptr + H_CLIP))
+    g_ptr = load_ptr(g_ptrs, i, g_ref)
+    m_ptr = load_ptr(m_ptrs, i, m_ref)
+    absmax_ptr = load_ptr(absmax_ptrs, i, qmap_ptr)
+    rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < R
+    rfac = tl.load(stats_ptr + row_off + b * R + rows, mask=rmask, other=0.0) * scale
+    row_base = (b * R + rows).to(tl.int64) * C
+    part_base = part_off + (b * nrb + rb).to(tl.int64) * C
+    acc_r = tl.zeros([BLOCK_R], dtype=acc_t)
+    for c0 in range(0, C, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        cmask = cols < C
+        mask = rmask[:, None] & cmask[None, :]
+        offs = row_base[:, None] + cols[None, :]
+        cfac = tl.load(stats_ptr + col_off + b * C + cols, mask=cmask, other=0.0)
+        u = tl.load(g_ptr + offs, mask=mask, other=0.0).to(acc_t) * inv * rfac[:, None] * cfac[None, :]
+        if Q8:
+            m = beta1 * _dequant8(m_ptr, absmax_ptr, qmap_ptr, offs, mask).to(acc_t) + omb1 * u
+        else:
+            m = beta1 * tl.load(m_ptr + offs, mask=mask, other=0.0) + omb1 * u
+            tl.store(m_ptr + offs, m, mask=(rows < R_keep)[:, None] & cmask[None, :])
+        d = u - m
+        sq = d * d
+        acc_r += tl.sum(sq, 1)
+        tl.store(parts_ptr + part_base + cols, tl.sum(sq, 0), mask=cmask)
+    tl.store(res_ptr + row_off + b * R + rows, acc_r, mask=rmask)
+
+
+@triton.jit
+def _apply_kernel(p_ptrs, p_ref, m_ptrs, step_ptrs, meta_ptr, prog_param_ptr, res_ptr, found_inf_ptr, hyper_ptr,
+                  HAS_INF: tl.constexpr, HAS_WD: tl.constexpr, SR: tl.constexpr,
+                  BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """X_t = X - lr wd X - lr M_t rsqrt(R'_t / mean R'_t) rsqrt(C'_t)."""
+    pid = tl.program_id(0)
+    i = tl.load(prog_param_ptr + pid)
+    B, R, C, row_off, col_off, _po, prog_start, _cps, _fps = load_meta(meta_ptr, i)
+    nrb = tl.cdiv(R, BLOCK_R)
+    local = pid - prog_start
+    b = local // nrb
+    rb = local % nrb
+    acc_t = res_ptr.dtype.element_ty
+    R_keep = keep_limit(R, found_inf_ptr, HAS_INF)
+    lr = tl.load(hyper_ptr + H_LR)
+    lr_wd = tl.load(hyper_ptr + H_LR_WD)
+    step = _load_step(step_ptrs, i, acc_t)
+    p_ptr = load_ptr(p_ptrs, i, p_ref)
+    m_ptr = load_ptr(m_ptrs, i, res_ptr)
+    rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < R
+    rfac = tl.load(res_ptr + row_off + b * R + rows, mask=rmask, other=0.0) * lr
+    row_base = (b * R + rows).to(tl.int64) * C
+    for c0 in range(0, C, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        cmask = cols < C
+        mask = rmask[:, None] & cmask[None, :]
+        offs = row_base[:, None] + cols[None, :]
+        cfac = tl.load(res_ptr + col_off + b * C + cols, mask=cmask, other=0.0)
+        u = tl.load(m_ptr + offs, mask=mask, other=0.0) * rfac[:, None] * cfac[None, :]
+        p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(acc_t)
+        if HAS_WD:
+            p = p - lr_wd * p - u
+        else:
+            p = p - u
+        _store_param(p_ptr, offs, p, (rows < R_keep)[:, None] & cmask[None, :], step, i, SR)
+
+
+@triton.jit
+def _vec_stats_kernel(g_ptrs, g_ref, v_ptrs, vmeta_ptr, prog_param_ptr, part_ptr, part_base, inv_scale_ptr,
+                      found_inf_ptr, hyper_ptr, HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr,
+                      BLOCK: tl.constexpr):
+    """V_t = b2 V + (1-b2)(G^2 + eps1) (stored); partial sums of (G / sqrt(V_t))^2."""
+    pid = tl.program_id(0)
+    j = tl.load(prog_param_ptr + pid)
+    n = tl.load(vmeta_ptr + j * 2)
+    prog_start = tl.load(vmeta_ptr + j * 2 + 1)
+    offs = (pid - prog_start).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    inv = 1.0
+    if HAS_SCALE:
+        inv = tl.load(inv_scale_ptr)
+    keep = offs < keep_limit(n, found_inf_ptr, HAS_INF)
+    beta2 = tl.load(hyper_ptr + H_BETA2)
+    omb2 = tl.load(hyper_ptr + H_OMB2)
+    eps1 = tl.load(hyper_ptr + H_EPS1)
+    acc_t = part_ptr.dtype.element_ty
+    g = tl.load(load_ptr(g_ptrs, j, g_ref) + offs, mask=m, other=0.0).to(acc_t) * inv
+    v_ptr = load_ptr(v_ptrs, j, part_ptr)
+    v = beta2 * tl.load(v_ptr + offs, mask=m, other=0.0) + omb2 * (g * g + eps1)
+    tl.store(v_ptr + offs, v, mask=keep)
+    u = tl.where(m, g / tl.sqrt(v), 0.0)
+    tl.store(part_ptr + part_base + pid, tl.sum(u * u, 0))
+
+
+@triton.jit
+def _vec_apply_kernel(g_ptrs, g_ref, p_ptrs, p_ref, v_ptrs, m_ptrs, step_ptrs, vmeta_ptr, prog_param_ptr, sums_ptr,
+                      sums_base, inv_scale_ptr, found_inf_ptr, hyper_ptr, HAS_SCALE: tl.constexpr,
+                      HAS_INF: tl.constexpr, HAS_WD: tl.constexpr, SR: tl.constexpr, BLOCK: tl.constexpr):
+    """U = clip(G / sqrt(V_t)); M_t = b1 M + (1-b1) U (stored); X_t = X - lr wd X - lr M_t."""
+    pid = tl.program_id(0)
+    j = tl.load(prog_param_ptr + pid)
+    n = tl.load(vmeta_ptr + j * 2)
+    prog_start = tl.load(vmeta_ptr + j * 2 + 1)
+    acc_t = sums_ptr.dtype.element_ty
+    offs = (pid - prog_start).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    inv = 1.0
+    if HAS_SCALE:
+        inv = tl.load(inv_scale_ptr)
+    keep = offs < keep_limit(n, found_inf_ptr, HAS_INF)
+    beta1 = tl.load(hyper_ptr + H_BETA1)
+    omb1 = tl.load(hyper_ptr + H_OMB1)
+    lr = tl.load(hyper_ptr + H_LR)
+    lr_wd = tl.load(hyper_ptr + H_LR_WD)
+    step = _load_step(step_ptrs, j, acc_t)
+    scale = _clip_scale(tl.load(sums_ptr + sums_base + j), n.to(acc_t), tl.load(hyper_ptr + H_CLIP))
+    v = tl.load(load_ptr(v_ptrs, j, sums_ptr) + offs, mask=mask, other=1.0)
+    g = tl.load(load_ptr(g_ptrs, j, g_ref) + offs, mask=mask, other=0.0).to(acc_t) * inv
+    u = g / tl.sqrt(v) * scale
+    m_ptr = load_ptr(m_ptrs, j, sums_ptr)
+    u = beta1 * tl.load(m_ptr + offs, mask=mask, other=0.0) + omb1 * u
+    tl.store(m_ptr + offs, u, mask=keep)
+    p_ptr = load_ptr(p_ptrs, j, p_ref)
+    p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(acc_t)
+    if HAS_WD:
+        p = p - lr_wd * p - lr * u
+    else:
+        p = p - lr * u
+    _store_param(p_ptr, offs, p, keep, step, 1000003 + j, SR)
+
+
+@triton.jit
+def _apply8_kernel(g_ptrs, g_ref, p_ptrs, p_ref, code_ptrs, code_ref, absmax_ptrs, v_ptrs, step_ptrs, qmeta_ptr,
+                   prog_param_ptr, meta_ptr, stats_ptr, res_ptr, sums_ptr, sums_base, qmap_ptr, inv_scale_ptr,
+                   found_inf_ptr, hyper_ptr, FACTORED: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr,
+                   HAS_WD: tl.constexpr, SR: tl.constexpr, QB_PER_PROG: tl.constexpr):
+    """nbits=8, one program per QB_PER_PROG quantization blocks of a param (flat, any shape): U = clip(G rfac
+    cfac) (or clip(G / sqrt(V_t))), M_t = b1 M + (1-b1) U from the dequantized M, X_t = X - lr wd X -
+    lr M_t rres cres (or - lr M_t), and M_t's codes and block scales stored. U and M_t are formed exactly as
+    _res_stats_kernel formed them, so the instability statistics describe this M_t."""
+    pid = tl.program_id(0)
+    j = tl.load(prog_param_ptr + pid)
+    n = tl.load(qmeta_ptr + j * 2)
+    prog_start = tl.load(qmeta_ptr + j * 2 + 1)
+    acc_t = sums_ptr.dtype.element_ty
+    blk = (pid - prog_start).to(tl.int64) * QB_PER_PROG + tl.arange(0, QB_PER_PROG)
+    offs = blk[:, None] * QBLOCK + tl.arange(0, QBLOCK)[None, :]
+    mask = offs < n
+    inv = 1.0
+    if HAS_SCALE:
+        inv = tl.load(inv_scale_ptr)
+    n_keep = keep_limit(n, found_inf_ptr, HAS_INF)
+    beta1 = tl.load(hyper_ptr + H_BETA1)
+    omb1 = tl.load(hyper_ptr + H_OMB1)
+    lr = tl.load(hyper_ptr + H_LR)
+    lr_wd = tl.load(hyper_ptr + H_LR_WD)
+    step = _load_step(step_ptrs, j, acc_t)
+    scale = _clip_scale(tl.load(sums_ptr + sums_base + j), n.to(acc_t), tl.load(hyper_ptr + H_CLIP))
+    g = tl.load(load_ptr(g_ptrs, j, g_ref) + offs, mask=mask, other=0.0).to(acc_t) * inv
+    if FACTORED:
+        B, R, C, row_off, col_off, _po, _ps, _cps, _fps = load_meta(meta_ptr, j)
+        row = offs // C                        # b * R + r
+        col = (offs // (R * C)) * C + offs % C  # b * C + c
+        rfac = tl.load(stats_ptr + row_off + row, mask=mask, other=0.0) * scale
+        u = g * rfac * tl.load(stats_ptr + col_off + col, mask=mask, other=0.0)
+    else:
+        v = tl.load(load_ptr(v_ptrs, j, sums_ptr) + offs, mask=mask, other=1.0)
+        u = g / tl.sqrt(v) * scale
+    code_ptr = load_ptr(code_ptrs, j, code_ref)
+    absmax_ptr = load_ptr(absmax_ptrs, j, qmap_ptr)
+    m = beta1 * _dequant8(code_ptr, absmax_ptr, qmap_ptr, offs, mask).to(acc_t) + omb1 * u
+    if FACTORED:
+        upd = m * (tl.load(res_ptr + row_off + row, mask=mask, other=0.0) * lr) * tl.load(
+            res_ptr + col_off + col, mask=mask, other=0.0)
+    else:
+        upd = lr * m
+    p_ptr = load_ptr(p_ptrs, j, p_ref)
+    p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(acc_t)
+    if HAS_WD:
+        p = p - lr_wd * p - upd
+    else:
+        p = p - upd
+    keep = offs < n_keep
+    salt = j
+    if not FACTORED:
+        salt = 1000003 + j
+    _store_param(p_ptr, offs, p, keep, step, salt, SR)
+    codes, absmax = _quant8(m.to(tl.float32), mask, qmap_ptr)
+    tl.store(code_ptr + offs, codes, mask=keep)
+    tl.store(absmax_ptr + blk, absmax, mask=blk * QBLOCK < n_keep)
+
+
+class CAMEPlan:
+    """Everything about a bucket that stays fixed between steps: tables and scratch buffers."""
+
+    def __init__(self, params, states, device, acc_dtype, nbits):
+        fac = [k for k, p in enumerate(params) if p.dim() >= 2]
+        vec = [k for k, p in enumerate(params) if p.dim() < 2]
+        self.order = fac + vec
+        self.n_fac = len(fac)
+        shapes = [(math.prod(params[k].shape[:-2]), params[k].shape[-2], params[k].shape[-1]) for k in fac]
+        self.fplan = FactoredPlan.build(shapes, device) if fac else None
+        st = [states[k] for k in self.order]
+        nf = self.n_fac
+        self.p_ptrs = ptr_table([params[k] for k in self.order], device)
+        self.step_ptrs = ptr_table([s["step"] for s in st], device)
+        self.m_ptrs = ptr_table([s["exp_avg"] for s in st], device)
+        self.sq_row_ptrs = ptr_table([s["exp_avg_sq_row"] for s in st[:nf]], device)
+        self.sq_col_ptrs = ptr_table([s["exp_avg_sq_col"] for s in st[:nf]], device)
+        self.res_row_ptrs = ptr_table([s["exp_avg_res_row"] for s in st[:nf]], device)
+        self.res_col_ptrs = ptr_table([s["exp_avg_res_col"] for s in st[:nf]], device)
+        self.v_ptrs = ptr_table([s["exp_avg_sq"] for s in st[nf:]], device)
+        vprogs = [triton.cdiv(params[k].numel(), BLOCK_V) for k in vec]
+        self.vprog_param, vstarts = program_table(vprogs, device)
+        self.vmeta = to_device([x for k, s in zip(vec, vstarts) for x in (params[k].numel(), s)], torch.int64,
+                               device)
+        self.n_vprogs = sum(vprogs)
+        # Per-param segments of the partial sum-of-U^2 buffer: factored programs, then vector programs.
+        f = self.fplan
+        self.fac_progs = f.n_progs if fac else 0
+        starts = (f.prog_starts if fac else []) + [self.fac_progs + s for s in vstarts]
+        lens = [b * triton.cdiv(r, f.block_r) for b, r, _ in shapes] + vprogs
+        self.seg_start = to_device(starts, torch.int64, device)
+        self.seg_len = to_device(lens, torch.int64, device)
+        self.stats = torch.empty(f.stats_numel if fac else 0, dtype=acc_dtype, device=device)
+        self.res = torch.empty(f.stats_numel if fac else 0, dtype=acc_dtype, device=device)
+        self.parts = torch.empty(f.parts_numel if fac else 0, dtype=acc_dtype, device=device)
+        self.part1 = torch.empty(self.fac_progs + self.n_vprogs, dtype=acc_dtype, device=device)
+        self.sums = torch.empty(len(params), dtype=acc_dtype, device=device)
+        if nbits == 8:
+            self.absmax_ptrs = ptr_table([s["exp_avg_absmax"] for s in st], device)
+            self.qmap = dynamic_map(True, device)
+            per_prog = QBLOCK_ * QB_PER_PROG
+            self.qtables = []
+            for ks in (fac, vec):
+                progs = [triton.cdiv(params[k].numel(), per_prog) for k in ks]
+                prog_param, qstarts = program_table(progs, device)
+                qmeta = to_device([x for k, q in zip(ks, qstarts) for x in (params[k].numel(), q)], torch.int64,
+                                  device)
+                self.qtables.append((sum(progs), prog_param, qmeta))
+
+        self._hyper_key = None
+
+    def scratch(self):
+        return (self.stats, self.res, self.parts, self.part1, self.sums)
+
+    def hyper(self, values) -> torch.Tensor:
+        """The hyperparameter tensor (H_* order), rebuilt only when a value changed (an lr schedule)."""
+        if values != self._hyper_key:
+            self._hyper = to_device(list(values), self.sums.dtype, self.sums.device)
+            self._hyper_key = values
+        return self._hyper
+
+
+def came_step(params, grads, states, *, lr, eps, clip_threshold, betas, weight_decay, bf16_stochastic_round=False,
+              nbits=32, inv_scale=None, found_inf=None, reduce=None, cache=None):
+    device = params[0].device
+    acc_dtype = torch.float64 if params[0].dtype == torch.float64 else torch.float32
+    key = ("came",) + tuple((p.data_ptr(), tuple(p.shape)) for p in params) + tuple(
+        (k, t.data_ptr()) for s in states for k, t in s.items())
+    plan = cache.get(key) if cache is not None else None
+    if plan is None:
+        plan = CAMEPlan(params, states, device, acc_dtype, nbits)
+        if cache is not None:
+            cache.clear()
+            cache[key] = plan
+    if common.POISON:
+        for buf in plan.scratch():
+            buf.fill_(float("nan"))
+    hyper = plan.hyper(hyper_values(lr, eps, clip_threshold, betas, weight_decay))
+    g_ptrs = ptr_table([grads[k] for k in plan.order], device)
+    g_ref = grads[0]
+    p_ref = params[0]
+    flags = dict(HAS_SCALE=inv_scale is not None, HAS_INF=found_inf is not None)
+    inv_arg = inv_scale if inv_scale is not None else plan.sums
+    inf_arg = found_inf if found_inf is not None else plan.sums
+    sr = bf16_stochastic_round and p_ref.dtype == torch.bfloat16
+    fp = plan.fplan
+    nf = plan.n_fac
+    if fp is not None:
+        blocks = dict(BLOCK_R=fp.block_r, BLOCK_C=fp.block_c)
+        launch_sq_stats(g_ptrs, g_ref, fp, plan.stats, plan.parts, inv_scale)
+        if reduce is not None:
+            reduce(plan.stats)
+        launch_factors(fp, plan.stats, plan.sq_row_ptrs, plan.sq_col_ptrs, plan.step_ptrs, found_inf,
+                       beta_from_step=False, hyper=hyper[H_BETA2:])
+        _usq_kernel[(fp.n_progs,)](g_ptrs, g_ref, fp.meta, fp.prog_param, plan.stats, plan.part1, inv_arg,
+                                   HAS_SCALE=flags["HAS_SCALE"], **blocks)
+    if plan.n_vprogs:
+        _vec_stats_kernel[(plan.n_vprogs,)](g_ptrs[nf:], g_ref, plan.v_ptrs, plan.vmeta, plan.vprog_param, plan.part1,
+                                            plan.fac_progs, inv_arg, inf_arg, hyper, BLOCK=BLOCK_V, **flags)
+    segment_sum(plan.part1, plan.seg_start, plan.seg_len, plan.sums, 1)
+    if reduce is not None:
+        reduce(plan.sums)
+    q8 = nbits == 8
+    m_ref = states[plan.order[0]]["exp_avg"]
+    absmax_ptrs = plan.absmax_ptrs if q8 else plan.m_ptrs
+    qmap = plan.qmap if q8 else plan.sums
+    consts = dict(HAS_WD=weight_decay != 0, SR=sr, **flags)
+    if plan.n_vprogs and not q8:
+        _vec_apply_kernel[(plan.n_vprogs,)](g_ptrs[nf:], g_ref, plan.p_ptrs[nf:], p_ref, plan.v_ptrs, plan.m_ptrs[nf:],
+                                            plan.step_ptrs[nf:], plan.vmeta, plan.vprog_param, plan.sums, nf, inv_arg,
+                                            inf_arg, hyper, BLOCK=BLOCK_V, **consts)
+    if q8 and plan.qtables[1][0]:
+        n_progs, prog_param, qmeta = plan.qtables[1]
+        _apply8_kernel[(n_progs,)](g_ptrs[nf:], g_ref, plan.p_ptrs[nf:], p_ref, plan.m_ptrs[nf:], m_ref,
+                                   absmax_ptrs[nf:], plan.v_ptrs, plan.step_ptrs[nf:], qmeta, prog_param, plan.sums,
+                                   plan.sums, plan.sums, plan.sums, nf, qmap, inv_arg, inf_arg, hyper, FACTORED=False,
+                                   QB_PER_PROG=QB_PER_PROG, **consts)
+    if fp is not None:
+        _res_stats_kernel[(fp.n_progs,)](g_ptrs, g_ref, plan.m_ptrs, m_ref, absmax_ptrs, qmap, fp.meta, fp.prog_param,
+                                         plan.stats, plan.sums, plan.res, plan.parts, inv_arg, inf_arg, hyper, Q8=q8,
+                                         **flags, **blocks)
+        _col_reduce_kernel[(fp.n_colprogs,)](fp.meta, fp.colprog_param, plan.res, plan.parts, BLOCK_R=fp.block_r,
+                                             BLOCK=fp.block_col)
+        if reduce is not None:
+            reduce(plan.res)
+        launch_factors(fp, plan.res, plan.res_row_ptrs, plan.res_col_ptrs, plan.step_ptrs, found_inf,
+                       beta_from_step=False, hyper=hyper[H_BETA3:])
+        if q8:
+            n_progs, prog_param, qmeta = plan.qtables[0]
+            _apply8_kernel[(n_progs,)](g_ptrs, g_ref, plan.p_ptrs, p_ref, plan.m_ptrs, m_ref, absmax_ptrs, plan.v_ptrs,
+                                       plan.step_ptrs, qmeta, prog_param, fp.meta, plan.stats, plan.res, plan.sums, 0,
+                                       qmap, inv_arg, inf_arg, hyper, FACTORED=True, QB_PER_PROG=QB_PER_PROG, **consts)
+        else:
+            _apply_kernel[(fp.n_progs,)](plan.p_ptrs, p_ref, plan.m_ptrs, plan.step_ptrs, fp.meta, fp.prog_param,
+                                         plan.res, inf_arg, hyper, HAS_INF=flags["HAS_INF"], HAS_WD=weight_decay != 0,
+                                         SR=sr, **blocks)

@@ -1,0 +1,393 @@
+"""Fused multi-tensor LAMB (the math: fastopt/reference/lamb.py).
+
+Launches per step, each covering every param of the bucket (their number does not grow with the params):
+
+  32-bit state (fp32 / fp64 m, v)              8-bit state (nbits=8: block-wise codes + absmax)
+  1 _lamb_stats_kernel   m_t, v_t (stored),    1' _lamb8_stats_kernel   m_t, v_t from the old codes and g
+                         partials of p^2, a^2                          (nothing stored), partials of p^2, a^2
+  2 _segment_sum_kernel  per-param ||p||^2, ||a||^2 of both kinds (kernels/common.py), in ONE flat buffer
+    [reduce(sums): one collective]
+  3 _lamb_apply_kernel   r, p -= eta r a, a    3' _lamb8_apply_kernel   m_t, v_t again from the old codes and
+                         recomputed from the                           g, r, p -= eta r a, then m_t, v_t
+                         stored m_t, v_t, p                            requantized and stored
+
+Every param is treated as a flat vector (LAMB is elementwise but for the two norms), so one program table
+serves every shape. 32-bit: recomputing a in pass 3 reads m and v again instead of writing and re-reading a
+param-sized scratch buffer. 8-bit: pass 1 stores nothing, so pass 3 can rebuild the exact m_t, v_t (not
+their 8-bit images) from the old codes and the gradient: the update and its norm use the same unquantized
+a, as bitsandbytes' 8-bit optimizers do, at the price of a second read of g (1 byte codes are cheap to
+re-read). Partial sums are written per program and added in a fixed order (no atomics): every step is
+deterministic, so a resumed run is bit-identical to an uninterrupted one.
+
+The 8-bit format is fastopt/reference/quant.py's (bitsandbytes' block-wise format): each program holds
+whole quantization blocks, takes their absmax, and finds each element's nearest map value by a binary
+search of the 256 sorted map values (ties to the lower index, as the reference and csrc/ do).
+
+Hyperparameters travel as a small float64 tensor, not as kernel scalars: Triton passes Python floats as
+fp32, which is too coarse for fp64 params and for 1 - beta2 (0.999 in fp32 is off by 3e-5 of 1 - 0.999).
+The bias corrections 1 - beta^t are computed per program in fp64 for the same reason.
+
+No autotuning: the kernels update m, v and p in place through pointer tables, so a tuner's repeated
+launches would apply the step several times.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from . import common
+from .common import (INTERPRET, keep_limit, load_ptr, program_table, ptr_table, round_to, segment_sum,
+                     stochastic_round_bf16, to_device)
+
+# Elements per program. Small under the interpreter so that the tests' small params span several programs.
+BLOCK = 128 if INTERPRET else 2048
+NUM_WARPS = 4
+# 8-bit: elements per program (whole quantization blocks; at least one block).
+TILE8 = 512 if INTERPRET else 2048
+
+# Slots of the float64 hyperparameter tensor.
+HYPER = ("lr", "beta1", "beta2", "1-beta1", "1-beta2", "log(beta1)", "log(beta2)", "eps", "weight_decay",
+         "max_trust_ratio")
+# Columns of the int64 meta tables: numel, first program, index of the param in the bucket (its slot in sums).
+META_WIDTH = 3
+
+
+@triton.jit
+def _param_of_program(meta_ptr, prog_param_ptr):
+    """(index in this kernel's tables, numel, first program, index in the bucket) of this program's param."""
+    pid = tl.program_id(0)
+    j = tl.load(prog_param_ptr + pid)
+    n = tl.load(meta_ptr + j * 3)
+    prog_start = tl.load(meta_ptr + j * 3 + 1)
+    k = tl.load(meta_ptr + j * 3 + 2)
+    return j, n, prog_start, k
+
+
+@triton.jit
+def _adam_update(m, v, p, eps, weight_decay, HAS_WD: tl.constexpr):
+    a = m / (tl.sqrt(v) + eps)
+    if HAS_WD:
+        a += weight_decay * p
+    return a
+
+
+@triton.jit
+def _trust_scale(step, k, hyper_ptr, sums_ptr, BIAS_CORRECTION: tl.constexpr, HAS_MAX: tl.constexpr):
+    """eta * r for the param in slot k of the (reduced) sums: eta in fp64, r = ||p|| / ||a|| or 1."""
+    acc_t = sums_ptr.dtype.element_ty
+    eta = tl.load(hyper_ptr)
+    if BIAS_CORRECTION:
+        t = step.to(tl.float64)
+        eta = eta * tl.sqrt(1.0 - tl.exp(t * tl.load(hyper_ptr + 6))) / (1.0 - tl.exp(t * tl.load(hyper_ptr + 5)))
+    p_sq = tl.load(sums_ptr + 2 * k)
+    a_sq = tl.load(sums_ptr + 2 * k + 1)
+    ratio = tl.where((p_sq > 0) & (a_sq > 0), tl.sqrt(p_sq) / tl.sqrt(tl.where(a_sq > 0, a_sq, 1.0)), 1.0)
+    if HAS_MAX:
+        ratio = tl.minimum(ratio, tl.load(hyper_ptr + 9).to(acc_t))
+    return (eta * ratio.to(tl.float64)).to(acc_t)
+
+
+@triton.jit
+def _store_param(p_ptr, offs, p, keep, step, k, SR: tl.constexpr):
+    if SR:
+        out = stochastic_round_bf16(p.to(tl.float32), step.to(tl.int32) * 7919 + k, offs)
+    else:
+        out = round_to(p, p_ptr.dtype.element_ty)
+    tl.store(p_ptr + offs, out, mask=keep)
+
+
+@triton.jit
+def _u8_ptr(table, j):
+    return tl.load(table + j).to(tl.pointer_type(tl.uint8))
+
+
+@triton.jit
+def _f32_ptr(table, j):
+    return tl.load(table + j).to(tl.pointer_type(tl.float32))
+
+
+@triton.jit
+def _load_step(step_ptrs, j):
+    return tl.load(tl.load(step_ptrs + j).to(tl.pointer_type(tl.float32)))
+
+
+# ---- 32-bit state ---------------------------------------------------------------------------------------
+@triton.jit
+def _lamb_stats_kernel(g_ptrs, g_ref, p_ptrs, p_ref, m_ptrs, v_ptrs, meta_ptr, prog_param_ptr, hyper_ptr, parts_ptr,
+                       inv_scale_ptr, found_inf_ptr, HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr,
+                       HAS_WD: tl.constexpr, BLOCK: tl.constexpr):
+    """m_t, v_t of this program's elements (stored unless GradScaler found an inf) and partial sums of p^2, a^2."""
+    pid = tl.program_id(0)
+    j, n, prog_start, _k = _param_of_program(meta_ptr, prog_param_ptr)
+    offs = (pid - prog_start).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    keep = offs < keep_limit(n, found_inf_ptr, HAS_INF)
+    acc_t = parts_ptr.dtype.element_ty
+    inv = 1.0
+    if HAS_SCALE:
+        inv = tl.load(inv_scale_ptr)
+    g = tl.load(load_ptr(g_ptrs, j, g_ref) + offs, mask=mask, other=0.0).to(acc_t) * inv
+    p = tl.load(load_ptr(p_ptrs, j, p_ref) + offs, mask=mask, other=0.0).to(acc_t)
+    m_ptr = load_ptr(m_ptrs, j, parts_ptr)
+    v_ptr = load_ptr(v_ptrs, j, parts_ptr)
+    m = tl.load(hyper_ptr + 1).to(acc_t) * tl.load(m_ptr + offs, mask=mask, other=0.0) + \
+        tl.load(hyper_ptr + 3).to(acc_t) * g
+    v = tl.load(hyper_ptr + 2).to(acc_t) * tl.load(v_ptr + offs, mask=mask, other=0.0) + \
+        tl.load(hyper_ptr + 4).to(acc_t) * (g * g)
+    tl.store(m_ptr + offs, m, mask=keep)
+    tl.store(v_ptr + offs, v, mask=keep)
+    a = _adam_update(m, v, p, tl.load(hyper_ptr + 7).to(acc_t), tl.load(hyper_ptr + 8).to(acc_t), HAS_WD)
+    a = tl.where(mask, a, 0.0)
+    tl.store(parts_ptr + pid * 2, tl.sum(p * p, 0))
+    tl.store(parts_ptr + pid * 2 + 1, tl.sum(a * a, 0))
+
+
+@triton.jit
+def _lamb_apply_kernel(p_ptrs, p_ref, m_ptrs, v_ptrs, step_ptrs, meta_ptr, prog_param_ptr, hyper_ptr, sums_ptr,
+                       found_inf_ptr, HAS_INF: tl.constexpr, HAS_WD: tl.constexpr, BIAS_CORRECTION: tl.constexpr,
+                       HAS_MAX: tl.constexpr, SR: tl.constexpr, BLOCK: tl.constexpr):
+    """p -= eta * r * a, with r = ||p|| / ||a|| from the (reduced) sums and a recomputed from m_t, v_t, p."""
+    pid = tl.program_id(0)
+    j, n, prog_start, k = _param_of_program(meta_ptr, prog_param_ptr)
+    offs = (pid - prog_start).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    acc_t = sums_ptr.dtype.element_ty
+    step = _load_step(step_ptrs, j)
+    scale = _trust_scale(step, k, hyper_ptr, sums_ptr, BIAS_CORRECTION, HAS_MAX)
+    p_ptr = load_ptr(p_ptrs, j, p_ref)
+    p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(acc_t)
+    m = tl.load(load_ptr(m_ptrs, j, sums_ptr) + offs, mask=mask, other=0.0)
+    v = tl.load(load_ptr(v_ptrs, j, sums_ptr) + offs, mask=mask, other=1.0)
+    p = p - scale * _adam_update(m, v, p, tl.load(hyper_ptr + 7).to(acc_t), tl.load(hyper_ptr + 8).to(acc_t), HAS_WD)
+    _store_param(p_ptr, offs, p, offs < keep_limit(n, found_inf_ptr, HAS_INF), step, k, SR)
+
+
+# ---- 8-bit state ----------------------------------------------------------------------------------------
+@triton.jit
+def _nearest_code(x, map_ptr):
+    """Index of the nearest of the 256 sorted map values for each fp32 x; ties go to the lower index."""
+    idx = tl.zeros(x.shape, dtype=tl.int32)
+    for s in tl.static_range(7):
+        cand = idx + (128 >> s)
+        idx = tl.where(tl.load(map_ptr + cand) <= x, cand, idx)  # largest j >= 1 with map[j] <= x, else 0
+    left = tl.load(map_ptr + idx)
+    right = tl.load(map_ptr + tl.minimum(idx + 1, 255))
+    up = (tl.abs(x - right) < tl.abs(x - left)) & (idx < 255)
+    return idx + up.to(tl.int32)
+
+
+@triton.jit
+def _quantize_store(x, codes_ptr, absmax_ptr, offs, blk, keep, bkeep, map_ptr):
+    """Quantize an [NQ, QB] tile of whole blocks (zeros past the end) and store codes and block absmax."""
+    xf = x.to(tl.float32)
+    amax = tl.max(tl.abs(xf), axis=1)
+    safe = tl.where(amax > 0, amax, 1.0)
+    xn = tl.where(amax[:, None] > 0, tl.math.div_rn(xf, safe[:, None]), 0.0)
+    tl.store(codes_ptr + offs, _nearest_code(xn, map_ptr).to(tl.uint8), mask=keep)
+    tl.store(absmax_ptr + blk, amax, mask=bkeep)
+
+
+@triton.jit
+def _dequantize(codes_ptr, absmax_ptr, offs, mask, blk, bmask, map_ptr):
+    codes = tl.load(codes_ptr + offs, mask=mask, other=0).to(tl.int32)
+    amax = tl.load(absmax_ptr + blk, mask=bmask, other=0.0)
+    return tl.load(map_ptr + codes) * amax[:, None]
+
+
+@triton.jit
+def _moments8(j, g_ptrs, g_ref, m_ptrs, v_ptrs, ma_ptrs, va_ptrs, offs, mask, blk, bmask, hyper_ptr, inv,
+              map_s_ptr, map_u_ptr, acc_t: tl.constexpr):
+    """m_t, v_t (acc_t, zero past the end) from the stored 8-bit m_{t-1}, v_{t-1} and the gradient."""
+    g = tl.load(load_ptr(g_ptrs, j, g_ref) + offs, mask=mask, other=0.0).to(acc_t) * inv
+    m_old = _dequantize(_u8_ptr(m_ptrs, j), _f32_ptr(ma_ptrs, j), offs, mask, blk, bmask, map_s_ptr).to(acc_t)
+    v_old = _dequantize(_u8_ptr(v_ptrs, j), _f32_ptr(va_ptrs, j), offs, mask, blk, bmask, map_u_ptr).to(acc_t)
+    m = tl.load(hyper_ptr + 1).to(acc_t) * m_old + tl.load(hyper_ptr + 3).to(acc_t) * g
+    v = tl.load(hyper_ptr + 2).to(acc_t) * v_old + tl.load(hyper_ptr + 4).to(acc_t) * (g * g)
+    return tl.where(mask, m, 0.0), tl.where(mask, v, 0.0)
+
+
+@triton.jit
+def _tile8(meta_ptr, prog_param_ptr, QB: tl.constexpr, NQ: tl.constexpr):
+    """This program's param and its [NQ, QB] tile: element offsets (int64), block indices, masks."""
+    pid = tl.program_id(0)
+    j, n, prog_start, k = _param_of_program(meta_ptr, prog_param_ptr)
+    blk = (pid - prog_start).to(tl.int64) * NQ + tl.arange(0, NQ)
+    offs = blk[:, None] * QB + tl.arange(0, QB)[None, :]
+    return j, k, n, blk, offs
+
+
+@triton.jit
+def _lamb8_stats_kernel(g_ptrs, g_ref, p_ptrs, p_ref, m_ptrs, v_ptrs, ma_ptrs, va_ptrs, meta_ptr, prog_param_ptr,
+                        hyper_ptr, parts_ptr, parts_base, inv_scale_ptr, map_s_ptr, map_u_ptr,
+                        HAS_SCALE: tl.constexpr, HAS_WD: tl.constexpr, QB: tl.constexpr, NQ: tl.constexpr):
+    """Partial sums of p^2 and a^2 over this program's blocks; a from the exact m_t, v_t. Stores no state."""
+    j, _k, n, blk, offs = _tile8(meta_ptr, prog_param_ptr, QB, NQ)
+    mask = offs < n
+    bmask = blk * QB < n
+    acc_t = parts_ptr.dtype.element_ty
+    inv = 1.0
+    if HAS_SCALE:
+        inv = tl.load(inv_scale_ptr)
+    m, v = _moments8(j, g_ptrs, g_ref, m_ptrs, v_ptrs, ma_ptrs, va_ptrs, offs, mask, blk, bmask, hyper_ptr, inv,
+                     map_s_ptr, map_u_ptr, acc_t)
+    p = tl.load(load_ptr(p_ptrs, j, p_ref) + offs, mask=mask, other=0.0).to(acc_t)
+    a = tl.where(mask, _adam_update(m, v, p, tl.load(hyper_ptr + 7).to(acc_t), tl.load(hyper_ptr + 8).to(acc_t),
+                                    HAS_WD), 0.0)
+    slot = parts_base + tl.program_id(0)
+    tl.store(parts_ptr + slot * 2, tl.sum(tl.sum(p * p, 1), 0))
+    tl.store(parts_ptr + slot * 2 + 1, tl.sum(tl.sum(a * a, 1), 0))
+
+
+@triton.jit
+def _lamb8_apply_kernel(g_ptrs, g_ref, p_ptrs, p_ref, m_ptrs, v_ptrs, ma_ptrs, va_ptrs, step_ptrs, meta_ptr,
+                        prog_param_ptr, hyper_ptr, sums_ptr, inv_scale_ptr, found_inf_ptr, map_s_ptr, map_u_ptr,
+                        HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr, HAS_WD: tl.constexpr,
+                        BIAS_CORRECTION: tl.constexpr, HAS_MAX: tl.constexpr, SR: tl.constexpr, QB: tl.constexpr,
+                        NQ: tl.constexpr):
+    """m_t, v_t again, p -= eta * r * a, then m_t, v_t requantized (new block absmax) and stored."""
+    j, k, n, blk, offs = _tile8(meta_ptr, prog_param_ptr, QB, NQ)
+    mask = offs < n
+    bmask = blk * QB < n
+    limit = keep_limit(n, found_inf_ptr, HAS_INF)
+    keep = offs < limit
+    bkeep = blk * QB < limit
+    acc_t = sums_ptr.dtype.element_ty
+    inv = 1.0
+    if HAS_SCALE:
+        inv = tl.load(inv_scale_ptr)
+    m, v = _moments8(j, g_ptrs, g_ref, m_ptrs, v_ptrs, ma_ptrs, va_ptrs, offs, mask, blk, bmask, hyper_ptr, inv,
+                     map_s_ptr, map_u_ptr, acc_t)
+    step = _load_step(step_ptrs, j)
+    scale = _trust_scale(step, k, hyper_ptr, sums_ptr, BIAS_CORRECTION, HAS_MAX)
+    p_ptr = load_ptr(p_ptrs, j, p_ref)
+    p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(acc_t)
+    p = p - scale * _adam_update(m, v, p, tl.load(hyper_ptr + 7).to(acc_t), tl.load(hyper_ptr + 8).to(acc_t), HAS_WD)
+    _store_param(p_ptr, offs, p, keep, step, k, SR)
+    _quantize_store(m, _u8_ptr(m_ptrs, j), _f32_ptr(ma_ptrs, j), offs, blk, keep, bkeep, map_s_ptr)
+    _quantize_store(v, _u8_ptr(v_ptrs, j), _f32_ptr(va_ptrs, j), offs, blk, keep, bkeep, map_u_ptr)
+
+
+# ---- host side ------------------------------------------------------------------------------------------
+def is_8bit(state: dict) -> bool:
+    return state["exp_avg"].dtype == torch.uint8
+
+
+class _Tables:
+    """Program table, meta and pointer tables of one kind of param (32-bit or 8-bit state) of a bucket."""
+
+    def __init__(self, idx, params, states, per_prog, device, keys):
+        self.idx = idx
+        counts = [triton.cdiv(params[k].numel(), per_prog) for k in idx]
+        self.counts = counts
+        self.prog_param, self.starts = program_table(counts, device)
+        self.n_progs = sum(counts)
+        self.meta = to_device([x for k, s in zip(idx, self.starts) for x in (params[k].numel(), s, k)], torch.int64,
+                              device)
+        self.p_ptrs = ptr_table([params[k] for k in idx], device)
+        self.step_ptrs = ptr_table([states[k]["step"] for k in idx], device)
+        self.state_ptrs = {key: ptr_table([states[k][key] for k in idx], device) for key in keys}
+
+
+class LambPlan:
+    """Everything about a bucket that stays fixed between steps: tables and scratch buffers."""
+
+    def __init__(self, params, states, device, acc_dtype, block_size):
+        idx32 = [k for k, s in enumerate(states) if not is_8bit(s)]
+        idx8 = [k for k, s in enumerate(states) if is_8bit(s)]
+        self.t32 = _Tables(idx32, params, states, BLOCK, device, ("exp_avg", "exp_avg_sq")) if idx32 else None
+        self.block_size = block_size
+        self.nq = max(1, TILE8 // block_size)
+        self.t8 = (_Tables(idx8, params, states, block_size * self.nq, device,
+                           ("exp_avg", "exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax")) if idx8 else None)
+        n32 = self.t32.n_progs if idx32 else 0
+        n8 = self.t8.n_progs if idx8 else 0
+        # Per-param segments of the partials, in the bucket's param order: the reduced buffer's layout does
+        # not depend on which params have 8-bit state.
+        start, length = [0] * len(params), [0] * len(params)
+        if idx32:
+            for k, s, c in zip(idx32, self.t32.starts, self.t32.counts):
+                start[k], length[k] = s, c
+        if idx8:
+            for k, s, c in zip(idx8, self.t8.starts, self.t8.counts):
+                start[k], length[k] = n32 + s, c
+        self.n32_progs = n32
+        self.seg_start = to_device(start, torch.int64, device)
+        self.seg_len = to_device(length, torch.int64, device)
+        self.parts = torch.empty(2 * (n32 + n8), dtype=acc_dtype, device=device)
+        self.sums = torch.empty(2 * len(params), dtype=acc_dtype, device=device)
+        self.hyper_key = None
+        self.hyper = None
+        if idx8:
+            from fastopt.reference.quant import dynamic_map
+            self.map_s = dynamic_map(True, device)
+            self.map_u = dynamic_map(False, device)
+
+    def hyperparameters(self, lr, betas, eps, weight_decay, max_trust_ratio, device) -> torch.Tensor:
+        """The float64 hyperparameter tensor (see HYPER), rebuilt only when a value changed (e.g. lr)."""
+        key = (lr, betas, eps, weight_decay, max_trust_ratio)
+        if key != self.hyper_key:
+            b1, b2 = betas
+            values = [lr, b1, b2, 1.0 - b1, 1.0 - b2, math.log(b1) if b1 > 0 else -math.inf,
+                      math.log(b2) if b2 > 0 else -math.inf, eps, weight_decay,
+                      math.inf if max_trust_ratio is None else max_trust_ratio]
+            self.hyper = to_device([float(x) for x in values], torch.float64, device)
+            self.hyper_key = key
+        return self.hyper
+
+
+def lamb_step(params, grads, states, *, lr, betas, eps, weight_decay, bias_correction, max_trust_ratio=None,
+              bf16_stochastic_round=False, block_size=256, inv_scale=None, found_inf=None, reduce=None, cache=None):
+    device = params[0].device
+    acc_dtype = torch.float64 if params[0].dtype == torch.float64 else torch.float32
+    key = ("lamb", block_size) + tuple((p.data_ptr(), tuple(p.shape)) for p in params) + tuple(
+        (k, t.data_ptr()) for s in states for k, t in s.items())
+    plan = cache.get(key) if cache is not None else None
+    if plan is None:
+        plan = LambPlan(params, states, device, acc_dtype, block_size)
+        if cache is not None:
+            cache.clear()
+            cache[key] = plan
+    if common.POISON:
+        plan.parts.fill_(float("nan"))
+        plan.sums.fill_(float("nan"))
+    hyper = plan.hyperparameters(float(lr), tuple(float(b) for b in betas), float(eps), float(weight_decay),
+                                 None if max_trust_ratio is None else float(max_trust_ratio), device)
+    g_all = None if plan.t32 is not None and plan.t8 is not None else ptr_table(grads, device)
+    dummy = plan.sums
+    inv_arg = inv_scale if inv_scale is not None else dummy
+    inf_arg = found_inf if found_inf is not None else dummy
+    flags = dict(HAS_WD=weight_decay != 0)
+    apply_flags = dict(BIAS_CORRECTION=bool(bias_correction), HAS_MAX=max_trust_ratio is not None,
+                       SR=bool(bf16_stochastic_round) and params[0].dtype == torch.bfloat16, HAS_INF=found_inf is not None,
+                       **flags)
+    t32, t8 = plan.t32, plan.t8
+    both = t32 is not None and t8 is not None
+    if t32 is not None:
+        g32 = ptr_table([grads[k] for k in t32.idx], device) if both else g_all
+        _lamb_stats_kernel[(t32.n_progs,)](g32, grads[0], t32.p_ptrs, params[0], t32.state_ptrs["exp_avg"],
+                                           t32.state_ptrs["exp_avg_sq"], t32.meta, t32.prog_param, hyper, plan.parts,
+                                           inv_arg, inf_arg, HAS_SCALE=inv_scale is not None,
+                                           HAS_INF=found_inf is not None, BLOCK=BLOCK, num_warps=NUM_WARPS, **flags)
+    if t8 is not None:
+        g8 = ptr_table([grads[k] for k in t8.idx], device) if both else g_all
+        st = t8.state_ptrs
+        q = dict(QB=plan.block_size, NQ=plan.nq, num_warps=NUM_WARPS)
+        _lamb8_stats_kernel[(t8.n_progs,)](g8, grads[0], t8.p_ptrs, params[0], st["exp_avg"], st["exp_avg_sq"],
+                                           st["exp_avg_absmax"], st["exp_avg_sq_absmax"], t8.meta, t8.prog_param,
+                                           hyper, plan.parts, plan.n32_progs, inv_arg, plan.map_s, plan.map_u,
+                                           HAS_SCALE=inv_scale is not None, **flags, **q)
+    segment_sum(plan.parts, plan.seg_start, plan.seg_len, plan.sums, 2)
+    if reduce is not None:
+        reduce(plan.sums)
+    if t32 is not None:
+        _lamb_apply_kernel[(t32.n_progs,)](t32.p_ptrs, params[0], t32.state_ptrs["exp_avg"],
+                                           t32.state_ptrs["exp_avg_sq"], t32.step_ptrs, t32.meta, t32.prog_param,
+                                           hyper, plan.sums, inf_arg, BLOCK=BLOCK, num_warps=NUM_WARPS, **apply_flags)
+    if t8 is not None:
+        _lamb8_apply_kernel[(t8.n_progs,)](g8, grads[0], t8.p_ptrs, params[0], st["exp_avg"], st["exp_avg_sq"],
+                                           st["exp_avg_absmax"], st["exp_avg_sq_absmax"], t8.step_ptrs, t8.meta,
+                                           t8.prog_param, hyper, plan.sums, inv_arg, inf_arg, plan.map_s,
+                                           plan.map_u, HAS_SCALE=inv_scale is not None, **apply_flags, **q)

@@ -1,0 +1,160 @@
+"""Run a function on N gloo processes on CPU: `run(fn, world_size, *args)` or a reusable `DistPool`.
+
+`fn(rank, world_size, *args)` must be a module-level function (spawned processes import it by name); it runs
+after `torch.distributed.init_process_group("gloo")` (file:// rendezvous in a fresh temporary folder) and its
+return value comes back pickled by value, one entry per rank. If any rank raises, the parent raises
+`DistError` with every failing rank's traceback; if the ranks do not all answer within `timeout` seconds
+(a rank stuck in a collective that a failed rank never joined), the processes are killed and `DistError`
+says which ranks never answered.
+
+Starting processes costs seconds (each imports torch), so a test module that runs many functions keeps one
+`DistPool` for all of them (a module-scoped fixture): the same processes and process group serve every call,
+and the pool restarts itself after a failure, so one failing test cannot poison the next.
+
+Children run with one intra-op thread and with the parent's environment plus `env`; `FASTOPT_BACKEND` can
+also be set by `fn` itself, since fastopt reads it at every call.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import shutil
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+
+import torch.multiprocessing as mp
+
+__all__ = ["run", "DistPool", "DistError"]
+
+
+class DistError(RuntimeError):
+    """A function run on the process group raised on some rank, or some rank never answered."""
+
+
+def _worker(rank: int, world_size: int, init_file: str, tasks, results, coll_timeout: float) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=coll_timeout))
+    try:
+        while True:
+            item = tasks.get()
+            if item is None:
+                break
+            task_id, payload = item
+            try:
+                fn, args = pickle.loads(payload)
+                out = (task_id, rank, True, pickle.dumps(fn(rank, world_size, *args)))
+            except BaseException:  # the parent re-raises it with this traceback
+                out = (task_id, rank, False, traceback.format_exc())
+            results.put(out)
+    finally:
+        dist.destroy_process_group()
+
+
+class DistPool:
+    """`world_size` spawned gloo processes that run functions on request; use as a context manager."""
+
+    def __init__(self, world_size: int, timeout: float = 120.0, env: dict | None = None):
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"DistPool: world_size={world_size!r} must be an int >= 1")
+        self.world_size = world_size
+        self.timeout = float(timeout)
+        self.env = dict(env or {})
+        self._procs: list = []
+        self._task_id = 0
+
+    def __enter__(self) -> "DistPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        self._dir = tempfile.mkdtemp(prefix="fastopt-dist-")
+        init_file = os.path.join(self._dir, "rendezvous")
+        self._tasks = [ctx.SimpleQueue() for _ in range(self.world_size)]
+        self._results = ctx.Queue()
+        saved = dict(os.environ)
+        os.environ.update({"OMP_NUM_THREADS": "1", **self.env})
+        try:
+            # A collective left waiting by a failed rank gives up after `timeout` too.
+            self._procs = [ctx.Process(target=_worker, daemon=True,
+                                       args=(r, self.world_size, init_file, self._tasks[r], self._results,
+                                             self.timeout))
+                           for r in range(self.world_size)]
+            for p in self._procs:
+                p.start()
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+
+    def close(self) -> None:
+        """Stop the processes: politely when idle, by kill when they do not exit."""
+        if not self._procs:
+            return
+        for q in self._tasks:
+            q.put(None)
+        for p in self._procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        self._procs = []
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def _kill(self) -> None:
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+        for p in self._procs:
+            p.join()
+        self._procs = []
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def run(self, fn, *args) -> list:
+        """`[fn(rank, world_size, *args) for each rank]`, run concurrently on the process group."""
+        if not self._procs:
+            self._start()
+        self._task_id += 1
+        tid = self._task_id
+        payload = pickle.dumps((fn, args))
+        for q in self._tasks:
+            q.put((tid, payload))
+        ok: dict = {}
+        failed: dict = {}
+        deadline = time.monotonic() + self.timeout + 30.0  # collectives time out first; this catches the rest
+        while len(ok) + len(failed) < self.world_size:
+            try:
+                task_id, rank, success, data = self._results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+                if not dead and time.monotonic() < deadline:
+                    continue
+                missing = sorted(set(range(self.world_size)) - set(ok) - set(failed))
+                codes = {r: self._procs[r].exitcode for r in dead}
+                self._kill()
+                msg = "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(failed.items()))
+                why = (f"ranks {dead} exited with codes {codes}" if dead
+                       else f"no answer within {self.timeout + 30:.0f}s")
+                raise DistError(f"{getattr(fn, '__name__', fn)}: ranks {missing} never answered ({why}){msg}") from None
+            if task_id != tid:
+                continue
+            (ok if success else failed)[rank] = data
+        if failed:
+            self._kill()  # ranks may disagree on where they are in the collective sequence: start afresh
+            msg = "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(failed.items()))
+            raise DistError(f"{getattr(fn, '__name__', fn)} failed on ranks {sorted(failed)}:{msg}")
+        return [pickle.loads(ok[r]) for r in range(self.world_size)]
+
+
+def run(fn, world_size: int, *args, timeout: float = 120.0, env: dict | None = None) -> list:
+    """Run `fn(rank, world_size, *args)` on `world_size` fresh gloo processes; per-rank results in rank order."""
+    with DistPool(world_size, timeout=timeout, env=env) as pool:
+        return pool.run(fn, *args)

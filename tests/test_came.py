@@ -1,0 +1,389 @@
+"""fastopt.CAME against came-pytorch's CAME (float64), both back ends."""
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from came_pytorch import CAME as RefCAME
+from conftest import TOL, assert_tracks, rel_update_error
+
+import fastopt
+
+SHAPES = [(1, 9), (9, 1), (3, 5), (2, 3, 4, 5), (7,), (1,), ()]
+OPTIONS = {
+    "default": dict(lr=1e-3),
+    "decay": dict(lr=1e-3, weight_decay=0.05),
+    "clip": dict(lr=1e-3, clip_threshold=0.2),
+    "betas_eps": dict(lr=2e-3, betas=(0.5, 0.7, 0.8), eps=(1e-3, 1e-4)),
+    "all": dict(lr=1e-2, betas=(0.0, 0.6, 0.0), eps=(1e-3, 0.5), clip_threshold=0.5, weight_decay=0.1),
+}
+STATE_KEYS = ("exp_avg", "exp_avg_sq_row", "exp_avg_sq_col", "exp_avg_res_row", "exp_avg_res_col", "exp_avg_sq")
+STEPS = 8
+
+
+def make_problem(shapes=SHAPES, steps=STEPS, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    init = [torch.randn(s, generator=g, dtype=torch.float64) for s in shapes]
+    grads = [[torch.randn(s, generator=g, dtype=torch.float64) * (1 + t) for s in shapes] for t in range(steps)]
+    return init, grads
+
+
+def make_params(init, dtype, device="cpu"):
+    return [p.detach().clone().to(device=device, dtype=dtype).requires_grad_() for p in init]
+
+
+def feed(opt, params, grads):
+    for step_grads in grads:
+        for p, gr in zip(params, step_grads):
+            p.grad = gr.to(device=p.device, dtype=p.dtype)
+        opt.step()
+
+
+def run(cls, init, grads, dtype, device="cpu", **kw):
+    params = make_params(init, dtype, device)
+    opt = cls(params, **kw)
+    feed(opt, params, grads)
+    return params, opt
+
+
+def save_load(state_dict):
+    buf = io.BytesIO()
+    torch.save(state_dict, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+def assert_states_match(opt, params, ref_opt, ref_params, tol):
+    for p, q in zip(params, ref_params):
+        theirs = {k: v for k, v in ref_opt.state[q].items() if k in STATE_KEYS}
+        ours = {k: v for k, v in opt.state[p].items() if k != "step"}
+        assert set(ours) == set(theirs)
+        for k, v in theirs.items():
+            torch.testing.assert_close(ours[k].cpu().double(), v.double(), rtol=tol, atol=0, msg=k)
+        assert float(opt.state[p]["step"]) == float(ref_opt.state[q]["step"])
+
+
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_matches_came_pytorch_float64(backend, device, option):
+    kw = OPTIONS[option]
+    init, grads = make_problem()
+    ours, opt = run(fastopt.CAME, init, grads, torch.float64, device, **kw)
+    ref, ref_opt = run(RefCAME, init, grads, torch.float64, **kw)
+    assert_tracks([p.cpu() for p in ours], ref, init, torch.float64)
+    assert_states_match(opt, ours, ref_opt, ref, TOL[torch.float64])
+    assert all(t.dtype == torch.float64 for p in ours for k, t in opt.state[p].items() if k != "step")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_low_precision_tracks_reference(backend, device, dtype):
+    kw = dict(lr=1e-3, weight_decay=0.01)
+    init, grads = make_problem(shapes=[(16, 24), (3, 8, 8), (24,)])
+    init = [p.to(dtype).double() for p in init]  # all runs start from the same representable values
+    truth, _ = run(RefCAME, init, grads, torch.float64, **kw)
+    ref_lowp, _ = run(RefCAME, init, grads, dtype, **kw)
+    ours, opt = run(fastopt.CAME, init, grads, dtype, device, **kw)
+    assert all(p.dtype == dtype for p in ours)
+    assert all(t.dtype == torch.float32 for p in ours for t in opt.state[p].values())
+    assert_tracks([p.cpu() for p in ours], truth, init, dtype, ref_lowp=ref_lowp)
+
+
+def test_bf16_stochastic_rounding_is_unbiased(backend, device):
+    """Updates below half a bf16 ulp: round-to-nearest never moves p, stochastic rounding tracks it in mean."""
+    torch.manual_seed(0)  # the reference draws its rounding noise from the global generator
+    kw = dict(lr=7e-4, betas=(0.9, 0.999, 0.9))
+    g = torch.Generator().manual_seed(3)
+    init = [torch.ones(32, 64, dtype=torch.float64), torch.ones(4096, dtype=torch.float64)]
+    grads = [[torch.rand(32, 64, generator=g, dtype=torch.float64) + 0.5,
+              torch.rand(4096, generator=g, dtype=torch.float64) + 0.5] for _ in range(8)]
+    truth, _ = run(RefCAME, init, grads, torch.float64, **kw)
+    nearest, _ = run(fastopt.CAME, init, grads, torch.bfloat16, device, **kw)
+    sr, _ = run(fastopt.CAME, init, grads, torch.bfloat16, device, bf16_stochastic_round=True, **kw)
+    for k in range(2):
+        moved = (1 - truth[k]).mean().item()
+        assert moved > 0
+        assert torch.equal(nearest[k].cpu().double(), init[k])
+        sr_moved = (1 - sr[k].cpu().double()).mean().item()
+        assert abs(sr_moved - moved) < 0.1 * moved, (k, sr_moved, moved)
+
+
+@pytest.mark.parametrize("nbits", [32, 8])
+def test_state_dict_round_trip_is_bit_identical(backend, device, nbits):
+    kw = dict(lr=1e-3, weight_decay=0.01, nbits=nbits)
+    init, grads = make_problem(shapes=[(5, 7), (2, 3, 4), (6,), ()])
+    straight, _ = run(fastopt.CAME, init, grads, torch.float32, device, **kw)
+    first, opt = run(fastopt.CAME, init, grads[:4], torch.float32, device, **kw)
+    loaded = save_load(opt.state_dict())
+    params = [p.detach().clone().requires_grad_() for p in first]
+    opt2 = fastopt.CAME(params, **kw)
+    opt2.load_state_dict(loaded)
+    for p in params:
+        for k, t in opt2.state[p].items():
+            assert t.device == p.device and t.dtype == (torch.uint8 if nbits == 8 and k == "exp_avg" else torch.float32)
+    feed(opt2, params, grads[4:])
+    for a, b in zip(params, straight):
+        assert torch.equal(a, b)
+
+
+def test_state_dicts_interchange_with_came_pytorch(backend, device):
+    """came-pytorch's state_dict (int step, an `RMS` entry) loads here midway, and ours loads there."""
+    kw = dict(lr=1e-3, weight_decay=0.01)
+    init, grads = make_problem(shapes=[(4, 6), (2, 3, 5), (5,), ()])
+    truth, _ = run(RefCAME, init, grads, torch.float64, **kw)
+    ref_first, ref_opt = run(RefCAME, init, grads[:4], torch.float64, **kw)
+    params = [p.detach().clone().to(device).requires_grad_() for p in ref_first]
+    ours = fastopt.CAME(params, **kw)
+    ours.load_state_dict(save_load(ref_opt.state_dict()))
+    feed(ours, params, grads[4:])
+    assert_tracks([p.cpu() for p in params], truth, init, torch.float64)
+
+    our_first, our_opt = run(fastopt.CAME, init, grads[:4], torch.float64, device, **kw)
+    params = [p.detach().cpu().clone().requires_grad_() for p in our_first]
+    theirs = RefCAME(params, **kw)
+    sd = save_load(our_opt.state_dict())
+    for st in sd["state"].values():
+        for k, v in st.items():
+            st[k] = v.cpu()
+    theirs.load_state_dict(sd)
+    feed(theirs, params, grads[4:])
+    assert_tracks(params, truth, init, torch.float64)
+
+
+@pytest.mark.parametrize("nbits", [32, 8])
+def test_grad_scaler_and_skipped_overflow(backend, device, nbits):
+    init, grads = make_problem(shapes=[(6, 5), (2, 3, 4), (4,)])
+    kw = dict(lr=1e-3, weight_decay=0.01, nbits=nbits)
+    inf_step = 3
+    ref, _ = run(fastopt.CAME, init, grads[:inf_step] + grads[inf_step + 1:], torch.float32, device, **kw)
+    params = make_params(init, torch.float32, device)
+    opt = fastopt.CAME(params, **kw)
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0 ** 12)
+    for t, step_grads in enumerate(grads):
+        loss = sum((p * gr.to(device=device, dtype=torch.float32)).sum() for p, gr in zip(params, step_grads))
+        scaler.scale(loss).backward()
+        if t == inf_step:
+            params[1].grad[0, 0, 0] = float("inf")
+            before = ([p.detach().clone() for p in params],
+                      [{k: v.clone() for k, v in opt.state[p].items()} for p in params])
+        scaler.step(opt)
+        scaler.update()
+        if t == inf_step:
+            for p, p0, s0 in zip(params, *before):
+                assert torch.equal(p, p0)
+                for k, v in s0.items():
+                    assert torch.equal(opt.state[p][k], v), k
+        opt.zero_grad(set_to_none=True)
+    assert rel_update_error([p.cpu() for p in params], [p.cpu() for p in ref], init) <= TOL[torch.float32]
+
+
+def test_lr_scheduler_drives_group_lr(backend, device):
+    kw = dict(lr=5e-3, weight_decay=0.1)
+    init, grads = make_problem(shapes=[(4, 6), (5,)])
+    results = []
+    for cls, dev in ((fastopt.CAME, device), (RefCAME, "cpu")):
+        params = make_params(init, torch.float64, dev)
+        opt = cls(params, **kw)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0 / (1 + t))
+        for step_grads in grads:
+            for p, gr in zip(params, step_grads):
+                p.grad = gr.to(dev)
+            opt.step()
+            sched.step()
+        results.append([p.detach().cpu() for p in params])
+    assert_tracks(results[0], results[1], init, torch.float64)
+
+
+# 8-bit momentum (nbits=8): measured over 5 seeds of the problem below, the relative update error against
+# came-pytorch in float64 was 0.009-0.011 (fp32 and fp64 params alike); 32-bit fastopt is within TOL (2e-5 in
+# fp32). The test allows 0.02. On the least-squares problem the final loss of the 8-bit run was within 3% of
+# the 32-bit run's (3 seeds); the test allows 10%.
+TOL_8BIT = 0.02
+
+
+def test_8bit_momentum_tracks_32bit(backend, device):
+    kw = dict(lr=1e-3, weight_decay=0.01)
+    init, grads = make_problem(shapes=[(16, 24), (3, 8, 40), (24,), (300,), ()], steps=10)
+    truth, _ = run(RefCAME, init, grads, torch.float64, **kw)
+    q8, opt = run(fastopt.CAME, init, grads, torch.float32, device, nbits=8, **kw)
+    for p in q8:
+        st = opt.state[p]
+        assert st["exp_avg"].dtype == torch.uint8 and st["exp_avg"].shape == p.shape
+        assert st["exp_avg_absmax"].shape == (-(-p.numel() // 256),)
+    err = rel_update_error([p.cpu() for p in q8], truth, init)
+    assert 1e-4 < err <= TOL_8BIT, err  # quantized (not silently 32-bit), and close
+
+
+def test_8bit_least_squares_converges_like_32bit(backend, device):
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(64, 32, generator=g).to(device)
+    Y = X @ torch.randn(16, 32, generator=g).to(device).T
+    final = {}
+    for nbits in (32, 8):
+        W = torch.zeros(16, 32, device=device, requires_grad=True)
+        b = torch.zeros(16, device=device, requires_grad=True)
+        opt = fastopt.CAME([W, b], lr=3e-2, nbits=nbits)
+        for t in range(40):
+            loss = ((X @ W.T + b - Y) ** 2).mean()
+            if t == 0:
+                first = loss.item()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        final[nbits] = ((X @ W.T + b - Y) ** 2).mean().item()
+    assert final[32] < first / 500
+    assert final[8] <= 1.1 * final[32], final
+
+
+def test_8bit_kernels_match_8bit_reference(monkeypatch):
+    """The Triton 8-bit path stores the same codes and block scales as the reference (float64, 6 steps)."""
+    from fastopt import ops
+    if not (ops.triton_available() and (torch.cuda.is_available() or ops.interpreting())):
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    dev = "cuda" if torch.cuda.is_available() and not ops.interpreting() else "cpu"
+    kw = dict(lr=1e-2, weight_decay=0.1, nbits=8)
+    init, grads = make_problem(shapes=[(1, 9), (9, 1), (3, 300), (2, 3, 4, 5), (600,), (1,), ()], steps=6)
+    runs = []
+    for be in ("torch", "triton"):
+        monkeypatch.setenv("FASTOPT_BACKEND", be)
+        runs.append(run(fastopt.CAME, init, grads, torch.float64, dev, **kw))
+    (ref, ref_opt), (ours, opt) = runs
+    assert_tracks(ours, ref, init, torch.float64)
+    for p, q in zip(ours, ref):
+        assert torch.equal(opt.state[p]["exp_avg"], ref_opt.state[q]["exp_avg"])
+        assert torch.equal(opt.state[p]["exp_avg_absmax"], ref_opt.state[q]["exp_avg_absmax"])
+
+
+class _ReducingCAME(fastopt.CAME):
+    """Passes a `reduce` hook to the op, as a distributed layer will."""
+
+    def __init__(self, *a, reduce, **kw):
+        super().__init__(*a, **kw)
+        self._reduce = reduce
+
+    def _step_group(self, group, params, grads, states, scaler):
+        from fastopt import ops
+        hyper = {k: group[k] for k in ("lr", "eps", "clip_threshold", "betas", "weight_decay",
+                                       "bf16_stochastic_round", "nbits")}
+        ops.came_step(params, grads, states, inv_scale=scaler.inv_scale, found_inf=scaler.found_inf,
+                      cache=self._plans.setdefault(id(group), {}), reduce=self._reduce, **hyper)
+
+
+def test_reduce_hook_once_per_phase(backend, device):
+    """Three reductions per step (G^2 stats, sums of U^2, instability stats), each one flat buffer; a hook
+    that adds another rank's zero contribution changes nothing."""
+    shapes = [(3, 5), (2, 3, 4), (6,), ()]
+    init, grads = make_problem(shapes=shapes, steps=2)
+    sizes = []
+
+    def reduce(buf):
+        sizes.append(buf.numel())
+        buf.add_(torch.zeros_like(buf))
+
+    ours, _ = run(_ReducingCAME, init, grads, torch.float64, device, lr=1e-3, reduce=reduce)
+    plain, _ = run(fastopt.CAME, init, grads, torch.float64, device, lr=1e-3)
+    fac = (3 + 5) + (2 * 3 + 2 * 4)
+    assert sizes == [fac, len(shapes), fac] * 2
+    for a, b in zip(ours, plain):
+        assert torch.equal(a, b)
+
+
+def test_skips_params_without_grad_and_empty_params(backend, device):
+    a = torch.randn(3, 4, dtype=torch.float64, device=device, requires_grad=True)
+    b = torch.randn(5, dtype=torch.float64, device=device, requires_grad=True)
+    e = torch.empty(0, 3, dtype=torch.float64, device=device, requires_grad=True)
+    opt = fastopt.CAME([a, b, e], lr=1e-3)
+    a.grad = torch.randn_like(a)
+    e.grad = torch.empty_like(e)
+    b0 = b.detach().clone()
+    opt.step()
+    assert torch.equal(b, b0) and not opt.state[b] and not opt.state[e]
+    assert float(opt.state[a]["step"]) == 1
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(), "lr"),
+    (dict(lr=0.0), "lr"),
+    (dict(lr=-1e-3), "lr"),
+    (dict(lr=float("nan")), "lr"),
+    (dict(lr=1e-3, betas=(1.0, 0.999, 0.9999)), "betas[0]"),
+    (dict(lr=1e-3, betas=(0.9, -0.1, 0.9999)), "betas[1]"),
+    (dict(lr=1e-3, betas=(0.9, 0.999, 1.5)), "betas[2]"),
+    (dict(lr=1e-3, betas=(0.9, 0.999)), "betas"),
+    (dict(lr=1e-3, eps=(-1e-30, 1e-16)), "eps[0]"),
+    (dict(lr=1e-3, eps=(1e-30, -1.0)), "eps[1]"),
+    (dict(lr=1e-3, eps=1e-3), "eps"),
+    (dict(lr=1e-3, clip_threshold=0.0), "clip_threshold"),
+    (dict(lr=1e-3, clip_threshold=-1.0), "clip_threshold"),
+    (dict(lr=1e-3, weight_decay=-0.1), "weight_decay"),
+    (dict(lr=1e-3, nbits=4), "nbits"),
+])
+def test_bad_arguments_name_themselves(kwargs, name):
+    with pytest.raises(ValueError, match=r"CAME: " + name.replace("[", r"\[").replace("]", r"\]") + "="):
+        fastopt.CAME([torch.zeros(2, 2, requires_grad=True)], **kwargs)
+
+
+def test_sparse_and_complex_refused_before_any_change(backend, device):
+    a = torch.randn(4, 3, device=device, requires_grad=True)
+    emb = torch.randn(6, 3, device=device, requires_grad=True)
+    opt = fastopt.CAME([a, emb], lr=1e-3)
+    a.grad = torch.randn_like(a)
+    emb.grad = torch.sparse_coo_tensor([[0, 2]], torch.ones(2, 3), (6, 3)).to(device)
+    a0 = a.detach().clone()
+    with pytest.raises(RuntimeError, match="does not support sparse gradients"):
+        opt.step()
+    assert torch.equal(a, a0) and not opt.state[a]
+    z = torch.randn(3, 3, dtype=torch.complex64, device=device, requires_grad=True)
+    opt = fastopt.CAME([a, z], lr=1e-3)
+    z.grad = torch.randn_like(z)
+    with pytest.raises(RuntimeError, match="complex parameters"):
+        opt.step()
+    assert torch.equal(a, a0) and not opt.state[a]
+
+
+def test_bad_state_dict_fails_and_changes_nothing():
+    p = torch.randn(4, 5, requires_grad=True)
+    opt = fastopt.CAME([p], lr=1e-3)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    snapshot = {k: v.clone() for k, v in opt.state[p].items()}
+    other = fastopt.CAME([torch.randn(5, 4, requires_grad=True)], lr=1e-3)
+    other.param_groups[0]["params"][0].grad = torch.randn(5, 4)
+    other.step()
+    bad_shape = other.state_dict()
+    vec = fastopt.CAME([torch.randn(20, requires_grad=True)], lr=1e-3)
+    vec.param_groups[0]["params"][0].grad = torch.randn(20)
+    vec.step()
+    wrong_keys = vec.state_dict()
+    torch_sd = torch.optim.AdamW([torch.randn(4, 5, requires_grad=True)]).state_dict()
+    for sd, msg in ((bad_shape, "shape"), (wrong_keys, "keys"), (torch_sd, "lacks")):
+        with pytest.raises(ValueError, match=msg):
+            opt.load_state_dict(sd)
+        for k, v in snapshot.items():
+            assert torch.equal(opt.state[p][k], v)
+        assert opt.param_groups[0]["lr"] == 1e-3
+
+
+def test_launches_do_not_grow_with_param_count(monkeypatch):
+    """Buckets of 3 and 12 params launch the same number of kernels per step."""
+    pytest.importorskip("triton")
+    from fastopt import ops
+    if not (torch.cuda.is_available() or ops.interpreting()):
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    monkeypatch.setenv("FASTOPT_BACKEND", "triton")
+    import triton
+    launches = []
+    cls = type(triton.jit(lambda: None))
+    orig = cls.__getitem__
+    monkeypatch.setattr(cls, "__getitem__", lambda self, grid: launches.append(self) or orig(self, grid))
+    dev = "cuda" if torch.cuda.is_available() and not ops.interpreting() else "cpu"
+    counts = []
+    for n in (1, 4):
+        params = [torch.randn(s, device=dev, requires_grad=True) for s in [(3, 4), (5,), (2, 2, 3)] * n]
+        opt = fastopt.CAME(params, lr=1e-3)
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+        launches.clear()
+        opt.step()
+        counts.append(len(launches))
+    assert counts[0] == counts[1] > 0, counts

@@ -1,0 +1,548 @@
+"""fastopt.ZeroRedundancyOptimizer: ZeRO-1/2 on 4 gloo processes equals one process stepping on the whole batch.
+
+Every rank trains a small model with uneven dims on its own quarter of each global batch (float64, fresh data
+every step, 8 steps) and also runs the single-process reference on the whole batch itself; params and the
+consolidated optimizer state must match the reference within TOL[float64] of the update's size, and every rank
+must hold bitwise the same params. Spawned processes run the plain-torch back end (one case runs the Triton
+kernels through the interpreter); the world-size-1 cases at the bottom run in this process on both back ends.
+"""
+from __future__ import annotations
+
+import copy
+import inspect
+import io
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import TOL, rel_update_error
+from dist_utils import DistError, DistPool
+
+import fastopt
+from fastopt import ZeroRedundancyOptimizer
+
+pytestmark = pytest.mark.dist
+
+WORLD = 4
+STEPS = 8
+LOCAL_BATCH = 6
+BUCKET_MB = 0.0005  # ~520 bytes: several buckets, some holding one param and some several
+DT = torch.float64
+
+
+# ---- the problem --------------------------------------------------------------------------------------
+class Net(torch.nn.Module):
+    """Uneven dims; a batch of matrices (w3) for the factored optimizers; two groups: matrices, vectors."""
+
+    def __init__(self, dtype=DT, seed=0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+
+        def P(*shape, scale=0.5):
+            return torch.nn.Parameter((torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(dtype))
+
+        self.emb = P(11, 6)
+        self.w1, self.b1 = P(13, 6), P(13, scale=0.1)
+        self.w2, self.b2 = P(5, 13), P(5, scale=0.1)
+        self.w3 = P(2, 5, 3)
+        self.gain = P(3, scale=1.0)
+
+    def forward(self, x):
+        h = torch.tanh((x @ self.emb) @ self.w1.T + self.b1)
+        y = h @ self.w2.T + self.b2
+        return torch.einsum("bi,kij->bj", y, self.w3) * self.gain
+
+    def groups(self):
+        return [[self.emb, self.w1, self.w2, self.w3], [self.b1, self.b2, self.gain]]
+
+
+def batch(step, world=WORLD, dtype=DT):
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(world * LOCAL_BATCH, 11, generator=g, dtype=torch.float64).to(dtype)
+    y = torch.randn(world * LOCAL_BATCH, 3, generator=g, dtype=torch.float64).to(dtype)
+    return x, y
+
+
+def loss_fn(model, x, y):
+    return ((model(x) - y) ** 2).mean()
+
+
+def _galore_groups(mats, vecs):
+    return [{"params": mats, "rank": 2, "update_proj_gap": 3, "scale": 0.25, "proj_type": "std"},
+            {"params": vecs}]
+
+
+# Each optimizer under test: params (two groups) -> optimizer. fastopt optimizers not listed here are built with
+# lr=1e-2 when they take an lr: add an entry when one needs more than that.
+FACTORIES = {
+    "AdamW": lambda mats, vecs: torch.optim.AdamW(
+        [{"params": mats, "weight_decay": 0.1}, {"params": vecs, "weight_decay": 0.0}], lr=1e-2),
+    "SGD": lambda mats, vecs: torch.optim.SGD(
+        [{"params": mats, "weight_decay": 0.01}, {"params": vecs}], lr=0.05, momentum=0.9, nesterov=True),
+    "Adafactor": lambda mats, vecs: fastopt.Adafactor(
+        [{"params": mats, "weight_decay": 0.01}, {"params": vecs}], beta1=0.9),
+    "CAME": lambda mats, vecs: fastopt.CAME([{"params": mats, "weight_decay": 0.01}, {"params": vecs}], lr=1e-2),
+    "Lamb": lambda mats, vecs: fastopt.Lamb([{"params": mats, "weight_decay": 0.01}, {"params": vecs}], lr=1e-2),
+    "GaLoreAdamW": lambda mats, vecs: fastopt.GaLoreAdamW(_galore_groups(mats, vecs), lr=1e-2),
+}
+
+
+def _generic(cls):
+    takes_lr = "lr" in inspect.signature(cls).parameters
+    return lambda mats, vecs: cls([{"params": mats}, {"params": vecs}], **({"lr": 1e-2} if takes_lr else {}))
+
+
+def optimizer_names():
+    names = ["AdamW", "SGD"]
+    for n in fastopt.__all__:
+        obj = getattr(fastopt, n)
+        if isinstance(obj, type) and issubclass(obj, torch.optim.Optimizer) and obj is not ZeroRedundancyOptimizer:
+            names.append(n)
+    return names
+
+
+def make_opt(name, model):
+    factory = FACTORIES.get(name) or _generic(getattr(fastopt, name))
+    return factory(*model.groups())
+
+
+# ---- helpers that run inside the spawned processes ----------------------------------------------------
+def _tensor_err(a, b):
+    """max |a - b| / max |b| (exact equality for non-float tensors)."""
+    if not (a.is_floating_point() and b.is_floating_point()):
+        return 0.0 if torch.equal(a.cpu(), b.cpu()) else float("inf")
+    den = b.double().abs().max().item()
+    num = (a.double().cpu() - b.double().cpu()).abs().max().item()
+    return num / den if den > 0 else num
+
+
+def _state_err(full, ref):
+    """Largest relative difference between two state_dicts' states (same params, same keys)."""
+    assert sorted(full["state"]) == sorted(ref["state"]), (sorted(full["state"]), sorted(ref["state"]))
+    err = 0.0
+    for pid, st in ref["state"].items():
+        ours = full["state"][pid]
+        assert sorted(ours) == sorted(st), (pid, sorted(ours), sorted(st))
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor):
+                err = max(err, _tensor_err(ours[k], v))
+            else:
+                assert ours[k] == v, (pid, k)
+    return err
+
+
+def _zero_grads(opt, how, step):
+    if how == "none":
+        opt.zero_grad(set_to_none=True)
+    elif how == "zeros":
+        opt.zero_grad(set_to_none=False)
+    elif how == "skip":  # accumulate across two steps on odd steps
+        if step % 2 == 0:
+            opt.zero_grad()
+    else:
+        raise AssertionError(how)
+
+
+def _local_backward(model, x, y, rank, accum, by_hand):
+    xs = x[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH]
+    ys = y[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH]
+    params = list(model.parameters())
+    for xm, ym in zip(xs.chunk(accum), ys.chunk(accum)):
+        loss = loss_fn(model, xm, ym) * (xm.shape[0] / xs.shape[0])
+        if by_hand:
+            for p, g in zip(params, torch.autograd.grad(loss, params)):
+                p.grad = g if p.grad is None else p.grad + g
+        else:
+            loss.backward()
+
+
+MODES = {
+    "zero1": dict(partition_grad=False, overlap=False, accum=1, zero="none", by_hand=False),
+    "zero1-overlap-accum": dict(partition_grad=False, overlap=True, accum=2, zero="zeros", by_hand=False),
+    "zero1-byhand-skip": dict(partition_grad=False, overlap=False, accum=2, zero="skip", by_hand=True),
+    "zero2-accum": dict(partition_grad=True, overlap=False, accum=2, zero="none", by_hand=False),
+    "zero2-overlap-accum-skip": dict(partition_grad=True, overlap=True, accum=3, zero="skip", by_hand=False),
+    "zero2-overlap-zeros": dict(partition_grad=True, overlap=True, accum=1, zero="zeros", by_hand=False),
+    "zero2-byhand": dict(partition_grad=True, overlap=False, accum=2, zero="none", by_hand=True),
+}
+
+
+def _train(rank, world, name, mode, backend="torch", steps=STEPS):
+    os.environ["FASTOPT_BACKEND"] = backend
+    m = MODES[mode]
+    ref_model = Net()
+    model = copy.deepcopy(ref_model)
+    init = [p.detach().clone() for p in ref_model.parameters()]
+    ref_opt = make_opt(name, ref_model)
+    opt = ZeroRedundancyOptimizer(make_opt(name, model), partition_grad=m["partition_grad"],
+                                  overlap_communication=m["overlap"], bucket_size_mb=BUCKET_MB)
+    grads_after_backward = []
+    for step in range(steps):
+        x, y = batch(step, world)
+        _zero_grads(ref_opt, m["zero"], step)
+        loss_fn(ref_model, x, y).backward()
+        ref_opt.step()
+        _zero_grads(opt, m["zero"], step)
+        _local_backward(model, x, y, rank, m["accum"], m["by_hand"])
+        if m["partition_grad"] and not m["by_hand"]:
+            grads_after_backward.append([p.grad is not None for g in model.groups() for p in g])
+        opt.step()
+    full = opt.state_dict(consolidated=True, to=None)
+    return dict(param_err=rel_update_error(list(model.parameters()), list(ref_model.parameters()), init),
+                state_err=_state_err(full, ref_opt.state_dict()),
+                params=[p.detach().clone() for p in model.parameters()],
+                owners=list(opt._owner), has_grad=grads_after_backward)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with DistPool(WORLD, env={"FASTOPT_BACKEND": "torch"}) as p:
+        yield p
+
+
+def _check_equal_across_ranks(results):
+    for r in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(r["params"], results[0]["params"])), \
+            "ranks hold different params after the step"
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("name", optimizer_names())
+def test_matches_single_process(pool, name, mode):
+    results = pool.run(_train, name, mode)
+    tol = TOL[DT]
+    for r, res in enumerate(results):
+        assert res["param_err"] <= tol, f"rank {r}: params: relative update error {res['param_err']:.3g} > {tol}"
+        assert res["state_err"] <= tol, f"rank {r}: state: relative error {res['state_err']:.3g} > {tol}"
+    _check_equal_across_ranks(results)
+    if MODES[mode]["partition_grad"] and not MODES[mode]["by_hand"]:
+        for r, res in enumerate(results):  # ZeRO-2: after backward a rank holds only its own params' grads
+            mine = [o == r for o in res["owners"]]
+            assert all(h == mine for h in res["has_grad"]), f"rank {r}: grads held {res['has_grad'][0]}, owns {mine}"
+
+
+def test_triton_backend_zero2_overlap(pool):
+    """The real Triton Adafactor kernels (interpreted on CPU) behind ZeRO-2 with overlap."""
+    if not (fastopt.ops.triton_available() and fastopt.ops.interpreting()):
+        pytest.skip("needs Triton with TRITON_INTERPRET=1 set before Python starts")
+    results = pool.run(_train, "Adafactor", "zero2-overlap-accum-skip", "triton", 4)
+    for r, res in enumerate(results):
+        assert res["param_err"] <= TOL[DT], f"rank {r}: {res['param_err']:.3g}"
+        assert res["state_err"] <= TOL[DT], f"rank {r}: {res['state_err']:.3g}"
+    _check_equal_across_ranks(results)
+
+
+# ---- memory: optimizer state and gradients ~ 1/world per rank --------------------------------------------
+class Stack(torch.nn.Module):
+    """Eight equal layers: whole-param partitioning can split them exactly evenly over 4 ranks."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16, dtype=DT) for _ in range(8))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def _state_bytes(opt):
+    return sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values()
+               if isinstance(t, torch.Tensor))
+
+
+def _memory(rank, world, name):
+    os.environ["FASTOPT_BACKEND"] = "torch"
+    out = {}
+    for model, n_in in ((Stack(), 16), (Net(), 11)):
+        params = list(model.parameters())
+        ref_model = copy.deepcopy(model)
+        mk = (lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2)) if name == "AdamW" else \
+            (lambda m: fastopt.Adafactor(m.parameters(), beta1=0.9))
+        ref_opt = mk(ref_model)
+        opt = ZeroRedundancyOptimizer(mk(model), partition_grad=True)
+        x = torch.randn(4, n_in, dtype=DT, generator=torch.Generator().manual_seed(rank))
+        for m, o in ((model, opt), (ref_model, ref_opt)):
+            m(x).square().mean().backward()
+            o.step()
+        out[type(model).__name__] = dict(
+            state=_state_bytes(opt.optim), full_state=_state_bytes(ref_opt),
+            grads=sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
+            full_grads=sum(p.numel() * p.element_size() for p in params),
+            largest=max(p.numel() for p in params), numel=sum(p.numel() for p in params))
+    return out
+
+
+@pytest.mark.parametrize("name", ["Adafactor", "AdamW"])
+def test_state_and_grads_are_sharded(pool, name):
+    results = pool.run(_memory, name)
+    for model in ("Stack", "Net"):
+        per = [r[model] for r in results]
+        full = per[0]["full_state"]
+        assert sum(p["state"] for p in per) == full, f"{model}: shards do not add up to the whole state"
+        assert sum(p["grads"] for p in per) == per[0]["full_grads"], f"{model}: ZeRO-2 grads not partitioned"
+        if model == "Stack":  # equal layers: exactly 1/world each
+            assert all(p["state"] == full // WORLD for p in per), [p["state"] for p in per]
+            assert all(p["grads"] == per[0]["full_grads"] // WORLD for p in per), [p["grads"] for p in per]
+        else:  # greedy bound: at most an even share plus the largest param (state bytes per element: <= full's)
+            per_elem = full / per[0]["numel"]
+            bound = full / WORLD + per_elem * per[0]["largest"]
+            assert max(p["state"] for p in per) <= bound, ([p["state"] for p in per], bound)
+
+
+# ---- LR schedulers and clip_grad_norm_ -------------------------------------------------------------------
+def _sched_clip(rank, world, partition_grad, overlap):
+    os.environ["FASTOPT_BACKEND"] = "torch"
+    ref_model = Net()
+    model = copy.deepcopy(ref_model)
+    init = [p.detach().clone() for p in ref_model.parameters()]
+    ref_opt = make_opt("AdamW", ref_model)
+    opt = ZeroRedundancyOptimizer(make_opt("AdamW", model), partition_grad=partition_grad,
+                                  overlap_communication=overlap, bucket_size_mb=BUCKET_MB)
+    lam = lambda s: 1.0 / (1 + s)  # noqa: E731
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, [lam, lambda s: 0.5 ** s])
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, [lam, lambda s: 0.5 ** s])
+    norms, lrs = [], []
+    for step in range(STEPS):
+        x, y = batch(step, world)
+        ref_opt.zero_grad()
+        loss_fn(ref_model, x, y).backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), max_norm=0.05)
+        ref_opt.step()
+        ref_sched.step()
+        opt.zero_grad()
+        _local_backward(model, x, y, rank, 2, False)
+        norm = opt.clip_grad_norm_(0.05)
+        opt.step()
+        sched.step()
+        norms.append((float(norm), float(ref_norm)))
+        lrs.append([(g["lr"], ig["lr"]) for g, ig in zip(opt.param_groups, opt.optim.param_groups)])
+    return dict(err=rel_update_error(list(model.parameters()), list(ref_model.parameters()), init),
+                norms=norms, lrs=lrs, ref_lrs=[g["lr"] for g in ref_opt.param_groups])
+
+
+@pytest.mark.parametrize("partition_grad,overlap", [(False, False), (True, True)])
+def test_lr_scheduler_and_clip_grad_norm(pool, partition_grad, overlap):
+    results = pool.run(_sched_clip, partition_grad, overlap)
+    for res in results:
+        assert res["err"] <= TOL[DT], res["err"]
+        assert all(abs(a - b) <= 1e-12 * b for a, b in res["norms"]), res["norms"]
+        assert all(b > 0.05 for _, b in res["norms"]), "clipping never engaged: the test would prove nothing"
+        assert all(a == b for step in res["lrs"] for a, b in step), "lr did not reach the wrapped optimizer"
+        assert [a for a, _ in res["lrs"][-1]] == res["ref_lrs"]
+
+
+# ---- state_dict ------------------------------------------------------------------------------------------
+def _continue(model, opt, rank, world, first, last, partition_grad=True):
+    for step in range(first, last):
+        x, y = batch(step, world)
+        opt.zero_grad()
+        _local_backward(model, x, y, rank, 1, False)
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _reference(model, opt, world, first, last):
+    for step in range(first, last):
+        x, y = batch(step, world)
+        opt.zero_grad()
+        loss_fn(model, x, y).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _state_dict_roundtrip(rank, world, name, partition_grad):
+    os.environ["FASTOPT_BACKEND"] = "torch"
+    mk = lambda m: ZeroRedundancyOptimizer(make_opt(name, m), partition_grad=partition_grad,  # noqa: E731
+                                           bucket_size_mb=BUCKET_MB)
+    model = Net()
+    opt = mk(model)
+    _continue(model, opt, rank, world, 0, 4)
+    mid = copy.deepcopy(model.state_dict())
+    shard = copy.deepcopy(opt.state_dict())
+    full = opt.state_dict(consolidated=True)  # gathered to rank 0
+    out = {"full_elsewhere_is_none": full is None if rank != 0 else True}
+    if rank == 0:
+        buf = io.BytesIO()
+        torch.save(full, buf)
+        buf.seek(0)
+        full = torch.load(buf, weights_only=True)
+    box = [full]
+    dist.broadcast_object_list(box, src=0)
+    full = box[0]
+    straight = _continue(model, opt, rank, world, 4, 8)
+
+    def fresh():
+        m = Net()
+        m.load_state_dict(mid)
+        return m, mk(m)
+
+    m1, o1 = fresh()
+    o1.load_state_dict(copy.deepcopy(shard))  # torch optimizers alias loaded tensors
+    out["sharded"] = all(torch.equal(a, b) for a, b in zip(_continue(m1, o1, rank, world, 4, 8), straight))
+    m2, o2 = fresh()
+    o2.load_state_dict(copy.deepcopy(full))
+    out["consolidated"] = all(torch.equal(a, b) for a, b in zip(_continue(m2, o2, rank, world, 4, 8), straight))
+    # The consolidated state loads into the unwrapped optimizer, which then continues on the whole batch.
+    m3 = Net()
+    m3.load_state_dict(mid)
+    plain = make_opt(name, m3)
+    plain.load_state_dict(copy.deepcopy(full))
+    init = [mid[k] for k, _ in m3.named_parameters()]
+    out["unwrapped_err"] = rel_update_error(_reference(m3, plain, world, 4, 8), straight, init)
+    # ... and the unwrapped optimizer's state_dict loads into the wrapper.
+    m4, o4 = fresh()
+    o4.load_state_dict(copy.deepcopy(plain.state_dict()))
+    m5 = Net()
+    m5.load_state_dict(m3.state_dict())
+    init5 = [p.detach().clone() for p in m5.parameters()]
+    o5 = make_opt(name, m5)
+    o5.load_state_dict(copy.deepcopy(plain.state_dict()))
+    m4.load_state_dict(m3.state_dict())
+    out["from_unwrapped_err"] = rel_update_error(_continue(m4, o4, rank, world, 8, 12),
+                                                 _reference(m5, o5, world, 8, 12), init5)
+    # A shard of another rank is refused, naming the fix.
+    shards = [None] * world
+    dist.all_gather_object(shards, shard)
+    m6, o6 = fresh()
+    with pytest.raises(ValueError, match="consolidated=True"):
+        o6.load_state_dict(shards[(rank + 1) % world])
+    return out
+
+
+@pytest.mark.parametrize("partition_grad", [False, True])
+@pytest.mark.parametrize("name", ["Adafactor", "AdamW"])
+def test_state_dict_roundtrip(pool, name, partition_grad):
+    for res in pool.run(_state_dict_roundtrip, name, partition_grad):
+        assert res["full_elsewhere_is_none"]
+        assert res["sharded"], "reloading the shard changed the continuation"
+        assert res["consolidated"], "reloading the consolidated state changed the continuation"
+        assert res["unwrapped_err"] <= TOL[DT], res["unwrapped_err"]
+        assert res["from_unwrapped_err"] <= TOL[DT], res["from_unwrapped_err"]
+
+
+def _add_group(rank, world):
+    os.environ["FASTOPT_BACKEND"] = "torch"
+    ref_model = Net()
+    model = copy.deepcopy(ref_model)
+    init = [p.detach().clone() for p in ref_model.parameters()]
+    ref_opt = make_opt("AdamW", ref_model)
+    mats, vecs = model.groups()
+    opt = ZeroRedundancyOptimizer(torch.optim.AdamW(mats, lr=1e-2, weight_decay=0.1), partition_grad=True,
+                                  bucket_size_mb=BUCKET_MB)
+    opt.add_param_group({"params": vecs, "weight_decay": 0.0})  # collective: every rank adds the same group
+    _reference(ref_model, ref_opt, world, 0, STEPS)
+    _continue(model, opt, rank, world, 0, STEPS)
+    return rel_update_error(list(model.parameters()), list(ref_model.parameters()), init)
+
+
+def test_add_param_group_distributed(pool):
+    assert max(pool.run(_add_group)) <= TOL[DT]
+
+
+# ---- bad input -------------------------------------------------------------------------------------------
+def _bad_input(rank, world, case):
+    os.environ["FASTOPT_BACKEND"] = "torch"
+    model = Net()
+    if case == "values":
+        if rank == 2:
+            with torch.no_grad():
+                model.w2[1, 3] += 1e-9
+        with pytest.raises(ValueError, match="different values on rank 2"):
+            ZeroRedundancyOptimizer(make_opt("AdamW", model))
+    elif case == "shapes":
+        if rank == 1:
+            model.b2 = torch.nn.Parameter(torch.zeros(6, dtype=DT))
+        with pytest.raises(ValueError, match="param 5 is"):
+            ZeroRedundancyOptimizer(make_opt("AdamW", model))
+    elif case == "group":
+        sub = dist.new_group([0, 1])
+        if rank >= 2:
+            with pytest.raises(ValueError, match="not a member of process_group"):
+                ZeroRedundancyOptimizer(make_opt("AdamW", model), process_group=sub)
+            return "refused"
+        opt = ZeroRedundancyOptimizer(make_opt("AdamW", model), process_group=sub, partition_grad=True)
+        _continue(model, opt, rank, 2, 0, 2)  # works within the sub-group
+        return [p.detach().clone() for p in model.parameters()]
+    elif case == "group_type":
+        opt = ZeroRedundancyOptimizer(make_opt("AdamW", model))
+        with pytest.raises(TypeError, match="process_group=str"):
+            ZeroRedundancyOptimizer(make_opt("AdamW", Net()), process_group="world")
+        return type(opt).__name__
+    return "ok"
+
+
+@pytest.mark.parametrize("case", ["values", "shapes", "group", "group_type"])
+def test_bad_input_distributed(pool, case):
+    results = pool.run(_bad_input, case)
+    if case == "group":
+        assert results[2] == results[3] == "refused"
+        assert all(torch.equal(a, b) for a, b in zip(results[0], results[1]))
+
+
+def test_not_an_optimizer():
+    model = Net()
+    with pytest.raises(TypeError, match="must be a torch.optim.Optimizer instance"):
+        ZeroRedundancyOptimizer(model)
+    with pytest.raises(TypeError, match="is a class; pass an instance"):
+        ZeroRedundancyOptimizer(torch.optim.AdamW)
+    inner = ZeroRedundancyOptimizer(torch.optim.AdamW(model.parameters()))
+    with pytest.raises(TypeError, match="already a ZeroRedundancyOptimizer"):
+        ZeroRedundancyOptimizer(inner)
+    with pytest.raises(ValueError, match="bucket_size_mb=0"):
+        ZeroRedundancyOptimizer(torch.optim.AdamW(model.parameters()), bucket_size_mb=0)
+    with pytest.raises(ValueError, match="torch.distributed is not initialized"):
+        ZeroRedundancyOptimizer(torch.optim.AdamW(model.parameters()), process_group=object())
+
+
+# ---- one rank (no process group): a pass-through, on both back ends ----------------------------------------
+@pytest.mark.parametrize("partition_grad", [False, True])
+def test_single_rank_is_the_wrapped_optimizer(backend, partition_grad):
+    ref_model = Net()
+    model = copy.deepcopy(ref_model)
+    mk = lambda m: fastopt.Adafactor([{"params": g} for g in m.groups()], lr=1e-2, relative_step=False,  # noqa: E731
+                                     beta1=0.9)
+    ref_opt = mk(ref_model)
+    opt = ZeroRedundancyOptimizer(mk(model), partition_grad=partition_grad)
+    # The wrapper is a torch Optimizer to the schedulers.
+    scheds = [torch.optim.lr_scheduler.StepLR(o, 2, gamma=0.5) for o in (ref_opt, opt)]
+    for step in range(STEPS):
+        x, y = batch(step, 1)
+        for m, o in ((ref_model, ref_opt), (model, opt)):
+            o.zero_grad()
+            loss_fn(m, x, y).backward()
+            o.step()
+        for s in scheds:
+            s.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref_model.parameters()))
+    assert opt.optim.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"] == 1e-2 * 0.5 ** (STEPS // 2)
+    sd = opt.state_dict(consolidated=True)
+    assert _state_err(sd, ref_opt.state_dict()) == 0.0
+    assert sorted(sd) == ["param_groups", "state"]
+
+
+def test_add_param_group_single_rank():
+    model = Net()
+    mats, vecs = model.groups()
+    opt = ZeroRedundancyOptimizer(torch.optim.AdamW(mats, lr=1e-2))
+    opt.add_param_group({"params": vecs, "lr": 1e-3})
+    assert len(opt.param_groups) == len(opt.optim.param_groups) == 2
+    assert opt.optim.param_groups[1]["lr"] == 1e-3
+    loss_fn(model, *batch(0, 1)).backward()
+    opt.step()
+    assert all(p in opt.state for p in vecs)
+
+
+# Last: a failure kills the pool's processes (restarting them costs seconds).
+def _fail_on_rank_1(rank, world):
+    if rank == 1:
+        raise KeyError("boom")
+    return rank
+
+
+def test_dist_utils_reports_child_traceback(pool):
+    with pytest.raises(DistError, match="(?s)ranks \\[1\\].*KeyError: 'boom'"):
+        pool.run(_fail_on_rank_1)
+    assert not pool._procs  # killed: the next run starts a fresh process group
