@@ -164,8 +164,8 @@ def run_dp(cfg: dict) -> list[dict]:
                          state_bytes_per_rank=[p["state_bytes"] for p in per],
                          grad_bytes_per_rank=[p["grad_bytes"] for p in per]))
         print(f"  {scheme:15s} {r0['ms_median']:9.2f} ms  state {r0['state_bytes'] / 2**20:8.2f} MiB  "
-              f"grads {r0['grad_bytes'] / 2**20:8.2f} MiB  peak over base {r0['peak_over_base_bytes'] / 2**20:8.1f} MiB",
-              flush=True)
+              f"grads {r0['grad_bytes'] / 2**20:8.2f} MiB  "
+              f"peak over base {r0['peak_over_base_bytes'] / 2**20:8.1f} MiB", flush=True)
     return rows
 
 

@@ -84,6 +84,9 @@ FACTORIES = {
         [{"params": mats, "weight_decay": 0.01}, {"params": vecs}], beta1=0.9),
     "CAME": lambda mats, vecs: fastopt.CAME([{"params": mats, "weight_decay": 0.01}, {"params": vecs}], lr=1e-2),
     "Lamb": lambda mats, vecs: fastopt.Lamb([{"params": mats, "weight_decay": 0.01}, {"params": vecs}], lr=1e-2),
+    # min_8bit_size=0: the small params of the test get 8-bit state too.
+    "AdamW8bit": lambda mats, vecs: fastopt.AdamW8bit(
+        [{"params": mats}, {"params": vecs, "weight_decay": 0.0}], lr=1e-2, block_size=64, min_8bit_size=0),
     "GaLoreAdamW": lambda mats, vecs: fastopt.GaLoreAdamW(_galore_groups(mats, vecs), lr=1e-2),
 }
 

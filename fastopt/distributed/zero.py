@@ -40,6 +40,12 @@ Hyperparameters live in `param_groups` of the wrapper (every param of each group
 (LR schedulers do) sets it in the wrapped optimizer's group at once, and every `step()` copies all keys across.
 Without an initialized process group (or with a group of one rank) the wrapper is a pass-through that
 communicates nothing.
+
+Not supported: `torch.amp.GradScaler` (its inf check and step skip are per rank, so ranks could disagree;
+the wrapper does not declare `_step_supports_amp_scaling`), optimizers that evaluate the closure several times
+per step (LBFGS: the wrapper runs the closure once, then reduces), DTensor params (FSDP / tensor parallelism
+shard them already: use the optimizer directly), and params of one group spread over devices whose backward
+hooks run in different threads.
 """
 from __future__ import annotations
 
