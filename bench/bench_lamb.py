@@ -22,7 +22,11 @@ Bytes per step for a param of N elements of s bytes, with fp32 m and v (a = 4 by
   known, so a kernel that cannot keep the whole parameter on chip reads it twice. Storing a instead
   (write a, read a) moves the same bytes as re-reading m and v. With fp32 params that caps % copy at
   (3*4 + 4*4) / (4*4 + 6*4) = 70% of what the kernels actually achieve (`kernel_gbps`).
-  Update this count when the kernels change.
+- nbits=8 (m and v as 1-byte codes plus one fp32 absmax per block of B): the algorithm moves 3 s N + 4 N
+  (+ 16 N / B for the absmax); fastopt's 8-bit kernels read g and p in both passes (pass 1 stores nothing,
+  so that pass 3 can rebuild the exact m_t, v_t) and the codes twice: 5 s N + 6 N (+ 24 N / B), plus the
+  partial sums.
+  Update these counts when the kernels change.
 """
 from __future__ import annotations
 
@@ -50,18 +54,27 @@ def min_bytes(pset, dtype) -> int:
     return common.min_bytes(pset, dtype, reads=2, writes=1, state_elem=4.0 * _state_bytes(dtype))
 
 
-def kernel_bytes(pset, dtype) -> int | None:
-    """Bytes fastopt's Triton kernels move for one step over `pset` (see the module docstring)."""
+def min_bytes8(pset, dtype, block_size=256) -> int:
+    return int(common.min_bytes(pset, dtype, reads=2, writes=1, state_elem=4.0 + 16.0 / block_size))
+
+
+def kernel_bytes(pset, dtype, nbits=32, block_size=256) -> int | None:
+    """Bytes fastopt's Triton kernels move for one step over `pset` (see the module docstring); nbits=8
+    assumes every param is above min_8bit_size."""
     try:
-        from fastopt.kernels.lamb import BLOCK
+        from fastopt.kernels.lamb import BLOCK, TILE8
     except ImportError:  # no Triton: no kernels to count
         return None
     s, a = common.elem_bytes(dtype), _state_bytes(dtype)
     total = 0
     for _, shape in pset.shapes:
         n = math.prod(shape)
-        total += (4 * s + 6 * a) * n + 2 * 2 * a * math.ceil(n / BLOCK)
-    return total
+        if nbits == 8:
+            progs = math.ceil(n / max(TILE8, block_size))
+            total += (5 * s + 6) * n + 24 * math.ceil(n / block_size) + 2 * 2 * a * progs
+        else:
+            total += (4 * s + 6 * a) * n + 2 * 2 * a * math.ceil(n / BLOCK)
+    return int(total)
 
 
 class EagerLamb(torch.optim.Optimizer):
@@ -158,6 +171,11 @@ def run(args) -> list[dict]:
                                       min_bytes=mb, kernel_bytes=kb, ours=True, backend=_backend,
                                       notes="kernel B/param counted from kernels/lamb.py's passes: g read 1x, "
                                             "p read 2x and written 1x, m and v read 2x and written 1x"))
+            out.append(common.measure(args, STEM, "fastopt.Lamb(nbits=8)", pset, dtype,
+                                      lambda ps: fastopt.Lamb(ps, nbits=8, **HYPER), min_bytes=min_bytes8(pset, dtype),
+                                      kernel_bytes=kernel_bytes(pset, dtype, nbits=8), ours=True, backend=_backend,
+                                      notes="8-bit m, v (blocks of 256; params under 4096 elements keep fp32); "
+                                            "GB/s over the 8-bit minimal bytes"))
             out.append(common.measure(args, STEM, "eager LAMB (per-param loop)", pset, dtype,
                                       lambda ps: EagerLamb(ps, **HYPER), min_bytes=mb, backend="eager",
                                       notes="ColossalAI / pytorch-optimizer style; m, v in the param dtype"))

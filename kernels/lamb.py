@@ -170,7 +170,7 @@ def _lamb_apply_kernel(p_ptrs, p_ref, m_ptrs, v_ptrs, step_ptrs, meta_ptr, prog_
 def _nearest_code(x, map_ptr):
     """Index of the nearest of the 256 sorted map values for each fp32 x; ties go to the lower index."""
     idx = tl.zeros(x.shape, dtype=tl.int32)
-    for s in tl.static_range(7):
+    for s in tl.static_range(8):
         cand = idx + (128 >> s)
         idx = tl.where(tl.load(map_ptr + cand) <= x, cand, idx)  # largest j >= 1 with map[j] <= x, else 0
     left = tl.load(map_ptr + idx)
@@ -320,10 +320,22 @@ class LambPlan:
         self.sums = torch.empty(2 * len(params), dtype=acc_dtype, device=device)
         self.hyper_key = None
         self.hyper = None
+        self.grad_key = None
+        self.g32 = self.g8 = None
         if idx8:
             from fastopt.reference.quant import dynamic_map
             self.map_s = dynamic_map(True, device)
             self.map_u = dynamic_map(False, device)
+
+    def grad_tables(self, grads, device) -> tuple:
+        """Gradient pointer tables of both kinds, rebuilt only when a gradient moved: a step whose grads sit
+        where they sat last step copies nothing from the host (so a CUDA graph of it replays correctly)."""
+        key = tuple(g.data_ptr() for g in grads)
+        if key != self.grad_key:
+            self.g32 = ptr_table([grads[k] for k in self.t32.idx], device) if self.t32 is not None else None
+            self.g8 = ptr_table([grads[k] for k in self.t8.idx], device) if self.t8 is not None else None
+            self.grad_key = key
+        return self.g32, self.g8
 
     def hyperparameters(self, lr, betas, eps, weight_decay, max_trust_ratio, device) -> torch.Tensor:
         """The float64 hyperparameter tensor (see HYPER), rebuilt only when a value changed (e.g. lr)."""
@@ -355,24 +367,23 @@ def lamb_step(params, grads, states, *, lr, betas, eps, weight_decay, bias_corre
         plan.sums.fill_(float("nan"))
     hyper = plan.hyperparameters(float(lr), tuple(float(b) for b in betas), float(eps), float(weight_decay),
                                  None if max_trust_ratio is None else float(max_trust_ratio), device)
-    g_all = None if plan.t32 is not None and plan.t8 is not None else ptr_table(grads, device)
+    g32, g8 = plan.grad_tables(grads, device)
     dummy = plan.sums
     inv_arg = inv_scale if inv_scale is not None else dummy
     inf_arg = found_inf if found_inf is not None else dummy
     flags = dict(HAS_WD=weight_decay != 0)
     apply_flags = dict(BIAS_CORRECTION=bool(bias_correction), HAS_MAX=max_trust_ratio is not None,
-                       SR=bool(bf16_stochastic_round) and params[0].dtype == torch.bfloat16, HAS_INF=found_inf is not None,
-                       **flags)
-    t32, t8 = plan.t32, plan.t8
-    both = t32 is not None and t8 is not None
+                       SR=bool(bf16_stochastic_round) and params[0].dtype == torch.bfloat16,
+                       HAS_INF=found_inf is not None, **flags)
+    # A kind with no programs (only empty local pieces of sharded params) launches nothing; its sums are 0.
+    t32 = plan.t32 if plan.t32 is not None and plan.t32.n_progs else None
+    t8 = plan.t8 if plan.t8 is not None and plan.t8.n_progs else None
     if t32 is not None:
-        g32 = ptr_table([grads[k] for k in t32.idx], device) if both else g_all
         _lamb_stats_kernel[(t32.n_progs,)](g32, grads[0], t32.p_ptrs, params[0], t32.state_ptrs["exp_avg"],
                                            t32.state_ptrs["exp_avg_sq"], t32.meta, t32.prog_param, hyper, plan.parts,
                                            inv_arg, inf_arg, HAS_SCALE=inv_scale is not None,
                                            HAS_INF=found_inf is not None, BLOCK=BLOCK, num_warps=NUM_WARPS, **flags)
     if t8 is not None:
-        g8 = ptr_table([grads[k] for k in t8.idx], device) if both else g_all
         st = t8.state_ptrs
         q = dict(QB=plan.block_size, NQ=plan.nq, num_warps=NUM_WARPS)
         _lamb8_stats_kernel[(t8.n_progs,)](g8, grads[0], t8.p_ptrs, params[0], st["exp_avg"], st["exp_avg_sq"],

@@ -101,7 +101,7 @@ def test_matches_float64_reference(backend, device, option):
         else:
             assert rel_update_error([a], [b], [c]) <= TOL[torch.float64], f"param {i}"
     for key, want in (("exp_avg", m_ref), ("exp_avg_sq", v_ref)):
-        for x, y in zip(states(opt, ours_params(opt), key), want):
+        for x, y in zip(states(opt, opt.param_groups[0]["params"], key), want):
             torch.testing.assert_close(x, y, rtol=TOL[torch.float64], atol=0)
     assert all(float(s["step"]) == STEPS and s["step"].dtype == torch.float32 for s in opt.state.values())
     assert all(t.dtype == torch.float64 for s in opt.state.values() for k, t in s.items() if k != "step")
@@ -111,10 +111,6 @@ def test_matches_float64_reference(backend, device, option):
     if "max_trust_ratio" in kw:
         flat = [r for step in ratios for r in step]
         assert sum(r == kw["max_trust_ratio"] for r in flat) > 0 and min(flat) < kw["max_trust_ratio"]
-
-
-def ours_params(opt):
-    return [p for g in opt.param_groups for p in g["params"]]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -372,6 +368,45 @@ def test_8bit_tracks_32bit_reference(backend, device, dtype):
     assert_tracks(ours[3:], truth[3:], [p.to(dtype) for p in init[3:]], dtype)
     assert [opt.state[p]["exp_avg"].dtype for p in opt.param_groups[0]["params"]] == [torch.uint8] * 3 + [
         torch.float32] * 2
+
+
+def _dtensor_lamb(rank, world_size, init, grads, kw):
+    """Child of the dist test: the params as DTensors sharded several ways, stepped by fastopt.Lamb."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    placements = [[Shard(0)], [Shard(1)], [Shard(0)], [Replicate()], None]  # uneven rows; columns; vector
+    params = [torch.nn.Parameter(x.clone() if pl is None else distribute_tensor(x.clone(), mesh, pl))
+              for x, pl in zip(init, placements)]
+    opt = fastopt.Lamb(params, **kw)
+    calls = []
+    real = dist.all_reduce
+    dist.all_reduce = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        for step_grads in grads:
+            for p, g, pl in zip(params, step_grads, placements):
+                p.grad = g.clone() if pl is None else distribute_tensor(g.clone(), mesh, pl)
+            opt.step()
+    finally:
+        dist.all_reduce = real
+    full = [p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in params]
+    return full, len(calls)
+
+
+@pytest.mark.dist
+def test_dtensor_shards_match_single_process():
+    """Tensor-parallel shards (uneven rows, columns, a sharded vector) next to replicated and plain params:
+    the trust ratios use the whole params' norms, with one all-reduce per step for the sharded bucket."""
+    from dist_utils import run as dist_run
+    kw = dict(lr=LR, weight_decay=0.01, max_trust_ratio=2.0)
+    init, grads = make_problem(shapes=[(7, 5), (4, 6), (9,), (3, 2), (5,)], scales=[1.0, 3.0, 0.1, 1.0, 1.0])
+    ref, *_ = lamb_reference(init, grads, **kw)
+    results = dist_run(_dtensor_lamb, 2, init, grads, kw, env={"FASTOPT_BACKEND": "torch"})
+    for full, n_calls in results:
+        assert_tracks(full, ref, init, torch.float64)
+        assert n_calls == STEPS
 
 
 def test_launches_do_not_grow_with_the_number_of_params(backend, device, monkeypatch):

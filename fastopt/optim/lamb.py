@@ -6,6 +6,7 @@ import math
 import torch
 
 from .. import ops
+from ..distributed.layout import local
 from ..reference.quant import check_block_size, num_blocks
 from .base import FastOptimizer, check, check_betas
 
@@ -47,6 +48,9 @@ class Lamb(FastOptimizer):
     """
 
     _name = "Lamb"
+    # The norms are sums over elements: on a sharded param (DTensor) the local partial sums are summed over
+    # the ranks that hold its pieces (the base class's `reduce`), whatever the layout.
+    _supports_layouts = True
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0, bias_correction=True,
                  max_trust_ratio=None, bf16_stochastic_round=False, nbits=32, block_size=256, min_8bit_size=4096):
@@ -71,9 +75,10 @@ class Lamb(FastOptimizer):
         self._plans: dict = {}
 
     def _state_spec(self, p, group):
-        shape = tuple(p.shape)
+        """Shaped like the local piece of a sharded param; 8-bit when the whole param is large enough."""
+        shape = tuple(local(p).shape)
         if group["nbits"] == 8 and p.numel() >= group["min_8bit_size"]:
-            blocks = (num_blocks(p.numel(), group["block_size"]),)
+            blocks = (num_blocks(math.prod(shape), group["block_size"]),)
             return {"exp_avg": (shape, torch.uint8), "exp_avg_absmax": (blocks, torch.float32),
                     "exp_avg_sq": (shape, torch.uint8), "exp_avg_sq_absmax": (blocks, torch.float32)}
         dt = self.state_dtype(p)
@@ -85,9 +90,9 @@ class Lamb(FastOptimizer):
             lr = group["lr"]
             check(_number(lr) and lr >= 0, f"param_groups[{gi}]['lr']", self._name, lr, "be a finite number >= 0")
 
-    def _step_group(self, group, params, grads, states, scaler):
+    def _step_group(self, group, params, grads, states, scaler, layouts=None, reduce=None):
         hyper = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay", "bias_correction", "max_trust_ratio",
                                        "bf16_stochastic_round", "block_size")}
         cache = self._plans.setdefault((id(group), params[0].device, params[0].dtype), {})
         ops.lamb_step(params, grads, states, inv_scale=scaler.inv_scale, found_inf=scaler.found_inf, cache=cache,
-                      **hyper)
+                      reduce=reduce, **hyper)
