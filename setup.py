@@ -28,9 +28,11 @@ setup(
         "fastopt.optim",
         "fastopt.distributed",
         "fastopt.kernels",
+        "fastopt.csrc",
     ],
-    package_dir={"fastopt.kernels": "kernels"},
-    package_data={"fastopt": ["data/*"]},
+    # csrc/ ships as data (fastopt/csrc/ once installed): fastopt.ext compiles it just in time.
+    package_dir={"fastopt.kernels": "kernels", "fastopt.csrc": "csrc"},
+    package_data={"fastopt": ["data/*"], "fastopt.csrc": ["*.h", "*.cuh", "*.cpp", "*.cu"]},
     install_requires=["torch>=2.4", "numpy"],
     extras_require={
         "triton": ["triton>=3.0"],

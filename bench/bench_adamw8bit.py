@@ -101,8 +101,8 @@ def _bnb_q_step(holder, params):
 
 def _bnb_dq_step(holder, params):
     import bitsandbytes.functional as F
-    for c, a, o in zip(holder.codes, holder.absmax, holder.out):
-        F.dequantize_blockwise(c, absmax=a, blocksize=BLOCK, out=o)
+    for c, a in zip(holder.codes, holder.absmax):  # (its out= variant has no CPU kernel)
+        F.dequantize_blockwise(c, absmax=a, blocksize=BLOCK)
 
 
 def _bnb_available(params):

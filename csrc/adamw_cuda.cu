@@ -24,20 +24,17 @@ __global__ void __launch_bounds__(kThreads, KMAX == 4 ? 4 : 2)
   const C inv = inv_scale != nullptr ? (C)*inv_scale : (C)1;
   const QuantLayout L(B);
   const int grp = threadIdx.x / L.G, lane = threadIdx.x % L.G;
-  int last = -1;
+  TensorCursor cur;
   AdamWScalars<C> s{};
   for (int64_t tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
-    const int i = find_tensor(tile_start, n_tensors, tile);
-    const AdamWEntry e = entries[i];
-    if (i != last) {
-      s = adamw_scalars<C>(h, *e.step);
-      last = i;
-    }
+    const bool moved = cur.seek(tile_start, n_tensors, tile);
+    const AdamWEntry e = entries[cur.i];
+    if (moved) s = adamw_scalars<C>(h, *e.step);
     T* p = static_cast<T*>(e.p);
     const T* g = static_cast<const T*>(e.g);
     uint8_t* c1 = static_cast<uint8_t*>(e.s1);
     uint8_t* c2 = static_cast<uint8_t*>(e.s2);
-    const int64_t qb = (tile - tile_start[i]) * L.Q + grp;
+    const int64_t qb = (tile - cur.lo) * L.Q + grp;
     const int64_t start = qb * B;
     const bool active = start < e.n;
     const float old1 = active ? e.a1[qb] : 0.0f;
@@ -90,20 +87,17 @@ __global__ void __launch_bounds__(kThreads)
   constexpr int K = (int)(kTile32 / kThreads);
   if (found_inf != nullptr && *found_inf != 0.0f) return;
   const C inv = inv_scale != nullptr ? (C)*inv_scale : (C)1;
-  int last = -1;
+  TensorCursor cur;
   AdamWScalars<C> s{};
   for (int64_t tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
-    const int i = find_tensor(tile_start, n_tensors, tile);
-    const AdamWEntry e = entries[i];
-    if (i != last) {
-      s = adamw_scalars<C>(h, *e.step);
-      last = i;
-    }
+    const bool moved = cur.seek(tile_start, n_tensors, tile);
+    const AdamWEntry e = entries[cur.i];
+    if (moved) s = adamw_scalars<C>(h, *e.step);
     T* p = static_cast<T*>(e.p);
     const T* g = static_cast<const T*>(e.g);
     C* m = static_cast<C*>(e.s1);
     C* v = static_cast<C*>(e.s2);
-    const int64_t base = (tile - tile_start[i]) * kTile32 + threadIdx.x;
+    const int64_t base = (tile - cur.lo) * kTile32 + threadIdx.x;
 #pragma unroll
     for (int k = 0; k < K; ++k) {
       const int64_t j = base + (int64_t)k * kThreads;
@@ -167,12 +161,13 @@ cudaError_t adamw32(DType dtype, const int64_t* tile_start, const AdamWEntry* en
                     int64_t total_tiles, const AdamWHyper& h, const float* inv_scale, const float* found_inf,
                     cudaStream_t stream) {
   if (total_tiles == 0) return cudaSuccess;
+  const int64_t* ts = tile_start;
+  const AdamWEntry* e = entries;
   switch (dtype) {
-    case DType::F32: return launch32<float>(tile_start, entries, n_tensors, total_tiles, h, inv_scale, found_inf, stream);
-    case DType::F64: return launch32<double>(tile_start, entries, n_tensors, total_tiles, h, inv_scale, found_inf, stream);
-    case DType::BF16:
-      return launch32<__nv_bfloat16>(tile_start, entries, n_tensors, total_tiles, h, inv_scale, found_inf, stream);
-    case DType::F16: return launch32<__half>(tile_start, entries, n_tensors, total_tiles, h, inv_scale, found_inf, stream);
+    case DType::F32: return launch32<float>(ts, e, n_tensors, total_tiles, h, inv_scale, found_inf, stream);
+    case DType::F64: return launch32<double>(ts, e, n_tensors, total_tiles, h, inv_scale, found_inf, stream);
+    case DType::BF16: return launch32<__nv_bfloat16>(ts, e, n_tensors, total_tiles, h, inv_scale, found_inf, stream);
+    case DType::F16: return launch32<__half>(ts, e, n_tensors, total_tiles, h, inv_scale, found_inf, stream);
   }
   return cudaErrorInvalidValue;
 }

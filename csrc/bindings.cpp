@@ -21,9 +21,9 @@
 #include "cpu_kernels.h"
 
 #ifdef FASTOPT_WITH_CUDA
-#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 
 #include "cuda_kernels.h"
 #endif
@@ -158,7 +158,7 @@ void quantize_multi_impl(TensorList xs, TensorList codes, TensorList absmax, con
   c10::cuda::CUDAGuard guard(device);
   tab.to_device(device);
   C10_CUDA_CHECK(cuda::quantize(dt, tab.dev_tile_start(), tab.dev_entries(), tab.n, tab.total, block_size,
-                                map.data_ptr<float>(), dev_ptr(found_inf), at::cuda::getCurrentCUDAStream()));
+                                map.data_ptr<float>(), dev_ptr(found_inf), c10::cuda::getCurrentCUDAStream().stream()));
 #else
   TORCH_CHECK(false, "fastopt.", op, ": this build of the extension has no CUDA kernels (device ", device, ")");
 #endif
@@ -206,7 +206,7 @@ void dequantize_multi_impl(TensorList codes, TensorList absmax, TensorList out, 
   c10::cuda::CUDAGuard guard(device);
   tab.to_device(device);
   C10_CUDA_CHECK(cuda::dequantize(dt, tab.dev_tile_start(), tab.dev_entries(), tab.n, tab.total, block_size,
-                                  map.data_ptr<float>(), at::cuda::getCurrentCUDAStream()));
+                                  map.data_ptr<float>(), c10::cuda::getCurrentCUDAStream().stream()));
 #else
   TORCH_CHECK(false, "fastopt.", op, ": this build of the extension has no CUDA kernels (device ", device, ")");
 #endif
@@ -314,7 +314,7 @@ void adamw8bit_step_(TensorList params, TensorList grads, TensorList state1, Ten
   tab.to_device(device);
   C10_CUDA_CHECK(cuda::adamw8bit(dt, tab.dev_tile_start(), tab.dev_entries(), tab.n, tab.total, block_size,
                                  map1.data_ptr<float>(), map2.data_ptr<float>(), h, dev_ptr(inv_scale),
-                                 dev_ptr(found_inf), at::cuda::getCurrentCUDAStream()));
+                                 dev_ptr(found_inf), c10::cuda::getCurrentCUDAStream().stream()));
 #else
   TORCH_CHECK(false, "fastopt.", op, ": this build of the extension has no CUDA kernels (device ", device, ")");
 #endif
@@ -361,7 +361,7 @@ void adamw32_step_(TensorList params, TensorList grads, TensorList exp_avg, Tens
   c10::cuda::CUDAGuard guard(device);
   tab.to_device(device);
   C10_CUDA_CHECK(cuda::adamw32(dt, tab.dev_tile_start(), tab.dev_entries(), tab.n, tab.total, h, dev_ptr(inv_scale),
-                               dev_ptr(found_inf), at::cuda::getCurrentCUDAStream()));
+                               dev_ptr(found_inf), c10::cuda::getCurrentCUDAStream().stream()));
 #else
   TORCH_CHECK(false, "fastopt.", op, ": this build of the extension has no CUDA kernels (device ", device, ")");
 #endif

@@ -81,6 +81,29 @@ inline void store(f16* p, int64_t i, float v) { p[i].bits = float_to_f16(v); }
 template <typename T> struct ComputeOf { using type = float; };
 template <> struct ComputeOf<double> { using type = double; };
 
+// codes[i] = quantize_nearest(t, x[i] / absmax) for i < n, eight searches in lockstep: the same operations
+// as the scalar search, interleaved so that the eight dependent chains of table loads overlap.
+void quantize_run(const SearchTables& t, const float* x, float absmax, uint8_t* codes, int64_t n) {
+  constexpr int W = 8;
+  int64_t i = 0;
+  for (; i + W <= n; i += W) {
+    float xn[W];
+    int k[W];
+    for (int w = 0; w < W; ++w) {
+      xn[w] = normalize(x[i + w], absmax);
+      k[w] = 1;
+    }
+    for (int level = 0; level < 8; ++level)
+      for (int w = 0; w < W; ++w) k[w] = 2 * k[w] + (t.tree[k[w]] <= xn[w] ? 1 : 0);
+    for (int w = 0; w < W; ++w) {
+      const int idx = k[w] - kCodeSize;
+      const float left = t.pairs[2 * idx], right = t.pairs[2 * idx + 1];
+      codes[i + w] = (uint8_t)(idx + (fabsf(xn[w] - right) < fabsf(xn[w] - left) ? 1 : 0));
+    }
+  }
+  for (; i < n; ++i) codes[i] = quantize_nearest(t, normalize(x[i], absmax));
+}
+
 template <typename F>
 void for_each_tile(const int64_t* tile_start, int n_tensors, int64_t tile_begin, int64_t tile_end, F&& f) {
   if (tile_begin >= tile_end) return;
@@ -101,10 +124,14 @@ void quantize_impl(const QuantEntry* entries, const int64_t* tile_start, int n_t
     const int64_t end = local * tile + tile < e.n ? local * tile + tile : e.n;
     for (int64_t start = local * tile; start < end; start += B) {
       const int64_t stop = start + B < e.n ? start + B : e.n;
+      float xf[kMaxBlock];
       float amax = 0.0f;
-      for (int64_t j = start; j < stop; ++j) amax = fmaxf(amax, fabsf((float)load(x, j)));
+      for (int64_t j = start; j < stop; ++j) {
+        xf[j - start] = (float)load(x, j);
+        amax = fmaxf(amax, fabsf(xf[j - start]));
+      }
       e.absmax[start / B] = amax;
-      for (int64_t j = start; j < stop; ++j) e.codes[j] = quantize_nearest(tables, normalize((float)load(x, j), amax));
+      quantize_run(tables, xf, amax, e.codes + start, stop - start);
     }
   });
 }
@@ -164,10 +191,8 @@ void adamw8bit_impl(const AdamWEntry* entries, const int64_t* tile_start, int n_
       }
       e.a1[b] = new1;
       e.a2[b] = new2;
-      for (int64_t j = start; j < stop; ++j) {
-        c1[j] = quantize_nearest(t1, normalize(mq[j - start], new1));
-        c2[j] = quantize_nearest(t2, normalize(vq[j - start], new2));
-      }
+      quantize_run(t1, mq, new1, c1 + start, stop - start);
+      quantize_run(t2, vq, new2, c2 + start, stop - start);
     }
   });
 }

@@ -51,6 +51,23 @@ __device__ __forceinline__ float group_max(float v, int G, float* red) {
   return v;
 }
 
+// The tensor a persistent block is working on. Its tiles only grow (grid-stride loop), so the binary search in
+// tile_start runs only when a tile leaves the current tensor, and starts from it. (The entry itself is
+// reloaded per tile, an L1 hit, rather than held in registers across tiles.)
+struct TensorCursor {
+  int i = -1;
+  int64_t lo = 0, hi = 0;  // the tensor's tiles: [lo, hi)
+  // Moves to the tensor of `tile`; true when it changed.
+  __device__ __forceinline__ bool seek(const int64_t* tile_start, int n_tensors, int64_t tile) {
+    if (i >= 0 && tile < hi) return false;
+    const int first = i < 0 ? 0 : i;
+    i = first + find_tensor(tile_start + first, n_tensors - first, tile);
+    lo = tile_start[i];
+    hi = tile_start[i + 1];
+    return true;
+  }
+};
+
 // Blocks of a persistent grid: enough to fill every SM at the kernel's occupancy, at most one per tile.
 template <typename Kernel>
 inline int persistent_grid(Kernel kernel, int64_t total_tiles) {

@@ -18,11 +18,12 @@ __global__ void __launch_bounds__(kThreads, KMAX == 4 ? 4 : 2)
   __syncthreads();
   const QuantLayout L(B);
   const int grp = threadIdx.x / L.G, lane = threadIdx.x % L.G;
+  TensorCursor cur;
   for (int64_t tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
-    const int i = find_tensor(tile_start, n_tensors, tile);
-    const QuantEntry e = entries[i];
+    cur.seek(tile_start, n_tensors, tile);
+    const QuantEntry e = entries[cur.i];
     const T* x = static_cast<const T*>(e.x);
-    const int64_t qb = (tile - tile_start[i]) * L.Q + grp;
+    const int64_t qb = (tile - cur.lo) * L.Q + grp;
     const int64_t start = qb * B;
     float vals[KMAX];
     float amax = 0.0f;
@@ -54,11 +55,12 @@ __global__ void __launch_bounds__(kThreads)
   __syncthreads();
   const QuantLayout L(B);
   const int grp = threadIdx.x / L.G, lane = threadIdx.x % L.G;
+  TensorCursor cur;
   for (int64_t tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
-    const int i = find_tensor(tile_start, n_tensors, tile);
-    const QuantEntry e = entries[i];
+    cur.seek(tile_start, n_tensors, tile);
+    const QuantEntry e = entries[cur.i];
     T* out = static_cast<T*>(e.out);
-    const int64_t qb = (tile - tile_start[i]) * L.Q + grp;
+    const int64_t qb = (tile - cur.lo) * L.Q + grp;
     const int64_t start = qb * B;
     if (start >= e.n) continue;
     const float scale = e.absmax[qb];
@@ -120,7 +122,8 @@ cudaError_t quantize(DType dtype, const int64_t* tile_start, const QuantEntry* e
   if (!valid_block_size(block_size)) return cudaErrorInvalidValue;
   if (total_tiles == 0) return cudaSuccess;
   const int B = (int)block_size;
-  if (B <= kTileMin) return quantize_k<4>(dtype, tile_start, entries, n_tensors, total_tiles, B, map, found_inf, stream);
+  if (B <= kTileMin)
+    return quantize_k<4>(dtype, tile_start, entries, n_tensors, total_tiles, B, map, found_inf, stream);
   return quantize_k<16>(dtype, tile_start, entries, n_tensors, total_tiles, B, map, found_inf, stream);
 }
 

@@ -86,17 +86,21 @@ def _extensions_root() -> Path:
     return Path(os.path.expanduser("~")) / ".cache" / "torch_extensions"
 
 
+_ESCAPE = " (or set FASTOPT_BACKEND=torch to run the 8-bit optimizers in plain torch, much slower)"
+
+
 def _check_toolchain(with_cuda: bool) -> None:
     from torch.utils import cpp_extension
 
     try:
         cpp_extension.verify_ninja_availability()
     except RuntimeError as e:
-        raise RuntimeError("fastopt.ext: building the C++ extension needs ninja: pip install ninja") from e
+        raise RuntimeError("fastopt.ext: building the C++ extension needs ninja: pip install ninja"
+                           f"{_ESCAPE}") from e
     cxx = os.environ.get("CXX", "c++")
     if shutil.which(cxx) is None:
         raise RuntimeError(f"fastopt.ext: building the C++ extension needs a C++17 compiler ({cxx!r} is not on "
-                           "PATH): install g++ (e.g. apt-get install g++) or set CXX")
+                           f"PATH): install g++ (e.g. apt-get install g++) or set CXX{_ESCAPE}")
     if with_cuda and cpp_extension.CUDA_HOME is None:
         raise RuntimeError(f"fastopt.ext: CUDA tensors need the CUDA kernels, which need nvcc from the CUDA toolkit "
                            f"{torch.version.cuda} (set CUDA_HOME, or install the toolkit); FASTOPT_EXT_CUDA=0 builds "
@@ -125,6 +129,9 @@ def _build_and_load(verbose: bool) -> str:
         if done.is_file() and lib.is_file():  # another process built it while we waited
             torch.ops.load_library(str(lib))
             return "waited"
+        # torch's own build lock: left behind by a build that was killed, it would make load() wait forever;
+        # under our lock no other process is building.
+        (build_dir / "lock").unlink(missing_ok=True)
         old_arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
         if with_cuda:
             os.environ["TORCH_CUDA_ARCH_LIST"] = _cuda_arch_list()

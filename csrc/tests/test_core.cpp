@@ -151,7 +151,8 @@ static void test_multi_tensor() {
     absmax.emplace_back(ceil_div(n, B), -1.0f);
     absmax1.emplace_back(ceil_div(n, B), -1.0f);
   }
-  for (size_t i = 0; i < ns.size(); ++i) entries.push_back({xs[i].data(), codes[i].data(), absmax[i].data(), nullptr, ns[i]});
+  for (size_t i = 0; i < ns.size(); ++i)
+    entries.push_back({xs[i].data(), codes[i].data(), absmax[i].data(), nullptr, ns[i]});
   std::vector<int64_t> ts(ns.size() + 1);
   const int64_t total = cpu::fill_tile_start(ns.data(), (int)ns.size(), quant_tile(B), ts.data());
   CHECK(total == 0 + 5 + 1 + 0 + 3 + 1, "total tiles %lld", (long long)total);

@@ -45,7 +45,8 @@ class AdamW8bit(FastOptimizer):
         check(isinstance(lr, (int, float)) and not isinstance(lr, bool) and math.isfinite(lr) and lr >= 0,
               "lr", n, lr, "be a finite number >= 0")
         betas = check_betas(n, betas, 2)
-        check(isinstance(eps, (int, float)) and math.isfinite(eps) and eps >= 0, "eps", n, eps, "be a finite number >= 0")
+        check(isinstance(eps, (int, float)) and math.isfinite(eps) and eps >= 0, "eps", n, eps,
+              "be a finite number >= 0")
         check(isinstance(weight_decay, (int, float)) and math.isfinite(weight_decay) and weight_decay >= 0,
               "weight_decay", n, weight_decay, "be a finite number >= 0")
         check_block_size(block_size, n)
