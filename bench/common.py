@@ -52,7 +52,6 @@ import platform
 import re
 import statistics
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path

@@ -7,7 +7,7 @@ Launches per step, each covering every param of the bucket (their number does no
   2 _col_reduce_kernel col sums             -
     [reduce(stats): one collective]
   3 _factor_kernel     R_t, C_t, factors    -
-  4 _norm_kernel       sum U^2, sum X^2     4' _vec_stats_kernel  V_t, sum U^2, sum X^2
+  4 _usq_kernel        sum U^2, sum X^2     4' _vec_stats_kernel  V_t, sum U^2, sum X^2
   5 _segment_sum_kernel per-param sums of both
     [reduce(sums): one collective]
   6 _apply_kernel      clip, momentum,      6' _vec_apply_kernel
@@ -19,16 +19,14 @@ U^2 over the whole (possibly sharded) matrix before any element of X may be writ
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from . import common
-from .common import (INTERPRET, keep_limit, load_ptr, round_to, program_table, ptr_table, segment_sum, stochastic_round_bf16, tile_shape,
-                     to_device)
-from .factored import META_WIDTH, launch_factors, launch_sq_stats, load_meta
+from .common import (INTERPRET, keep_limit, load_ptr, round_to, program_table, ptr_table, segment_sum, stochastic_round_bf16, to_device)
+from .factored import FactoredPlan, launch_factors, launch_sq_stats, launch_usq, row_block
 
 BLOCK_V = 256 if INTERPRET else 1024
 
@@ -54,44 +52,6 @@ def _step_scale(step, u_sq, p_sq, numel, lr, eps2, clip_threshold, RELATIVE: tl.
 @triton.jit
 def _load_step(step_ptrs, i, acc_t: tl.constexpr):
     return tl.load(tl.load(step_ptrs + i).to(tl.pointer_type(tl.float32))).to(acc_t)
-
-
-@triton.jit
-def _norm_kernel(g_ptrs, g_ref, p_ptrs, meta_ptr, prog_param_ptr, stats_ptr, part2_ptr, inv_scale_ptr,
-                 HAS_SCALE: tl.constexpr, SCALE_PARAM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    pid = tl.program_id(0)
-    i = tl.load(prog_param_ptr + pid)
-    B, R, C, row_off, col_off, _po, prog_start, _cps, _fps = load_meta(meta_ptr, i)
-    nrb = tl.cdiv(R, BLOCK_R)
-    local = pid - prog_start
-    b = local // nrb
-    rb = local % nrb
-    acc_t = stats_ptr.dtype.element_ty
-    g_ptr = load_ptr(g_ptrs, i, g_ref)
-    p_ptr = load_ptr(p_ptrs, i, g_ref)
-    inv = 1.0
-    if HAS_SCALE:
-        inv = tl.load(inv_scale_ptr)
-    rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
-    rmask = rows < R
-    rfac = tl.load(stats_ptr + row_off + b * R + rows, mask=rmask, other=0.0)
-    row_base = (b * R + rows).to(tl.int64) * C
-    u_acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=acc_t)
-    p_acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=acc_t)
-    for c0 in range(0, C, BLOCK_C):
-        cols = c0 + tl.arange(0, BLOCK_C)
-        cmask = cols < C
-        mask = rmask[:, None] & cmask[None, :]
-        offs = row_base[:, None] + cols[None, :]
-        cfac = tl.load(stats_ptr + col_off + b * C + cols, mask=cmask, other=0.0)
-        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(acc_t) * inv
-        u = g * rfac[:, None] * cfac[None, :]
-        u_acc += u * u
-        if SCALE_PARAM:
-            p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(acc_t)
-            p_acc += p * p
-    tl.store(part2_ptr + pid * 2, tl.sum(tl.sum(u_acc, 1), 0))
-    tl.store(part2_ptr + pid * 2 + 1, tl.sum(tl.sum(p_acc, 1), 0))
 
 
 @triton.jit
@@ -132,12 +92,7 @@ def _apply_kernel(g_ptrs, g_ref, p_ptrs, m_ptrs, step_ptrs, meta_ptr, prog_param
                   SCALE_PARAM: tl.constexpr, HAS_MOM: tl.constexpr, HAS_WD: tl.constexpr, SR: tl.constexpr,
                   BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     pid = tl.program_id(0)
-    i = tl.load(prog_param_ptr + pid)
-    B, R, C, row_off, col_off, _po, prog_start, _cps, _fps = load_meta(meta_ptr, i)
-    nrb = tl.cdiv(R, BLOCK_R)
-    local = pid - prog_start
-    b = local // nrb
-    rb = local % nrb
+    i, B, R, C, row_off, col_off, _po, b, rb = row_block(meta_ptr, prog_param_ptr, pid, BLOCK_R)
     acc_t = stats_ptr.dtype.element_ty
     inv = 1.0
     if HAS_SCALE:
@@ -219,52 +174,6 @@ def _vec_apply_kernel(g_ptrs, g_ref, p_ptrs, v_ptrs, m_ptrs, step_ptrs, vmeta_pt
     tl.store(p_ptr + offs, out, mask=keep)
 
 
-@dataclass
-class FactoredPlan:
-    """Tables for the factored kernels over a list of params viewed as (B, R, C); see kernels/factored.py."""
-    n: int
-    meta: torch.Tensor
-    prog_param: torch.Tensor
-    colprog_param: torch.Tensor
-    factprog_param: torch.Tensor
-    n_progs: int
-    n_colprogs: int
-    n_factprogs: int
-    block_r: int
-    block_c: int
-    block_col: int
-    block_vec: int
-    stats_numel: int
-    parts_numel: int
-    prog_starts: list
-
-    @staticmethod
-    def build(shapes: list[tuple[int, int, int]], device: torch.device) -> "FactoredPlan":
-        block_r, block_c = tile_shape(max(c for _, _, c in shapes))
-        if INTERPRET:
-            block_r, block_c = min(block_r, 16), min(block_c, 64)
-        block_col = 64 if INTERPRET else 256
-        meta, progs, colprogs, factprogs = [], [], [], []
-        row_off = part_off = 0
-        for b, r, c in shapes:
-            progs.append(b * triton.cdiv(r, block_r))
-            colprogs.append(b * triton.cdiv(c, block_col))
-            factprogs.append(b)
-        prog_param, prog_starts = program_table(progs, device)
-        colprog_param, colprog_starts = program_table(colprogs, device)
-        factprog_param, factprog_starts = program_table(factprogs, device)
-        col_total = sum(b * r for b, r, _ in shapes)
-        col_off = col_total
-        for k, (b, r, c) in enumerate(shapes):
-            meta += [b, r, c, row_off, col_off, part_off, prog_starts[k], colprog_starts[k], factprog_starts[k]]
-            row_off += b * r
-            col_off += b * c
-            part_off += b * triton.cdiv(r, block_r) * c
-        return FactoredPlan(len(shapes), to_device(meta, torch.int64, device), prog_param, colprog_param,
-                            factprog_param, sum(progs), sum(colprogs), sum(factprogs), block_r, block_c, block_col,
-                            256 if INTERPRET else 1024, col_off, part_off, prog_starts)
-
-
 class AdafactorPlan:
     """Everything about a bucket that stays fixed between steps: tables and scratch buffers."""
 
@@ -336,9 +245,8 @@ def adafactor_step(params, grads, states, *, lr, eps, clip_threshold, decay_rate
             reduce(plan.stats)
         launch_factors(fp, plan.stats, plan.row_ptrs, plan.col_ptrs, plan.step_ptrs, found_inf,
                        decay_rate=decay_rate, eps=eps1, beta_from_step=True)
-        _norm_kernel[(fp.n_progs,)](g_ptrs, g_ref, plan.p_ptrs, fp.meta, fp.prog_param, plan.stats, plan.part2,
-                                    inv_arg, HAS_SCALE=flags["HAS_SCALE"], SCALE_PARAM=scale_parameter,
-                                    BLOCK_R=fp.block_r, BLOCK_C=fp.block_c)
+        launch_usq(g_ptrs, g_ref, plan.p_ptrs, fp, plan.stats, plan.part2, inv_scale, width=2,
+                   scale_parameter=scale_parameter)
     nf = plan.n_fac
     vec_args = (g_ptrs[nf:], g_ref, plan.p_ptrs[nf:])
     if plan.n_vprogs:

@@ -41,10 +41,9 @@ from fastopt.reference.came import QBLOCK as QBLOCK_
 from fastopt.reference.quant import dynamic_map
 
 from . import common
-from .adafactor import FactoredPlan
 from .common import (INTERPRET, keep_limit, load_ptr, program_table, ptr_table, round_to, segment_sum,
                      stochastic_round_bf16, to_device)
-from .factored import _col_reduce_kernel, launch_factors, launch_sq_stats, load_meta
+from .factored import FactoredPlan, _col_reduce_kernel, launch_factors, launch_sq_stats, launch_usq, load_meta, row_block
 
 BLOCK_V = 256 if INTERPRET else 1024
 QBLOCK = tl.constexpr(QBLOCK_)  # elements per 8-bit quantization block (one fp32 absmax each)
@@ -111,38 +110,6 @@ def _quant8(x, mask, qmap_ptr):
 
 
 @triton.jit
-def _usq_kernel(g_ptrs, g_ref, meta_ptr, prog_param_ptr, stats_ptr, part_ptr, inv_scale_ptr,
-                HAS_SCALE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """part[pid] = sum over the program's rows of U^2, U = G rsqrt(R_t / mean R_t) rsqrt(C_t)."""
-    pid = tl.program_id(0)
-    i = tl.load(prog_param_ptr + pid)
-    B, R, C, row_off, col_off, _po, prog_start, _cps, _fps = load_meta(meta_ptr, i)
-    nrb = tl.cdiv(R, BLOCK_R)
-    local = pid - prog_start
-    b = local // nrb
-    rb = local % nrb
-    acc_t = stats_ptr.dtype.element_ty
-    g_ptr = load_ptr(g_ptrs, i, g_ref)
-    inv = 1.0
-    if HAS_SCALE:
-        inv = tl.load(inv_scale_ptr)
-    rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
-    rmask = rows < R
-    rfac = tl.load(stats_ptr + row_off + b * R + rows, mask=rmask, other=0.0)
-    row_base = (b * R + rows).to(tl.int64) * C
-    acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=acc_t)
-    for c0 in range(0, C, BLOCK_C):
-        cols = c0 + tl.arange(0, BLOCK_C)
-        cmask = cols < C
-        mask = rmask[:, None] & cmask[None, :]
-        cfac = tl.load(stats_ptr + col_off + b * C + cols, mask=cmask, other=0.0)
-        g = tl.load(g_ptr + row_base[:, None] + cols[None, :], mask=mask, other=0.0).to(acc_t) * inv
-        u = g * rfac[:, None] * cfac[None, :]
-        acc += u * u
-    tl.store(part_ptr + pid, tl.sum(tl.sum(acc, 1), 0))
-
-
-@triton.jit
 def _res_stats_kernel(g_ptrs, g_ref, m_ptrs, m_ref, absmax_ptrs, qmap_ptr, meta_ptr, prog_param_ptr, stats_ptr,
                       sums_ptr, res_ptr, parts_ptr, inv_scale_ptr, found_inf_ptr, hyper_ptr, HAS_SCALE: tl.constexpr,
                       HAS_INF: tl.constexpr, Q8: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -150,12 +117,7 @@ def _res_stats_kernel(g_ptrs, g_ref, m_ptrs, m_ref, absmax_ptrs, qmap_ptr, meta_
     and stores its codes); row sums and column partials of (U - M_t)^2 into `res` / `parts`, laid out as
     _sq_stats_kernel lays out those of G^2."""
     pid = tl.program_id(0)
-    i = tl.load(prog_param_ptr + pid)
-    B, R, C, row_off, col_off, part_off, prog_start, _cps, _fps = load_meta(meta_ptr, i)
-    nrb = tl.cdiv(R, BLOCK_R)
-    local = pid - prog_start
-    b = local // nrb
-    rb = local % nrb
+    i, B, R, C, row_off, col_off, part_off, b, rb = row_block(meta_ptr, prog_param_ptr, pid, BLOCK_R)
     acc_t = stats_ptr.dtype.element_ty
     inv = 1.0
     if HAS_SCALE:
@@ -171,7 +133,7 @@ def _res_stats_kernel(g_ptrs, g_ref, m_ptrs, m_ref, absmax_ptrs, qmap_ptr, meta_
     rmask = rows < R
     rfac = tl.load(stats_ptr + row_off + b * R + rows, mask=rmask, other=0.0) * scale
     row_base = (b * R + rows).to(tl.int64) * C
-    part_base = part_off + (b * nrb + rb).to(tl.int64) * C
+    part_base = part_off + (b * tl.cdiv(R, BLOCK_R) + rb).to(tl.int64) * C
     acc_r = tl.zeros([BLOCK_R], dtype=acc_t)
     for c0 in range(0, C, BLOCK_C):
         cols = c0 + tl.arange(0, BLOCK_C)
@@ -198,12 +160,7 @@ def _apply_kernel(p_ptrs, p_ref, m_ptrs, step_ptrs, meta_ptr, prog_param_ptr, re
                   BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """X_t = X - lr wd X - lr M_t rsqrt(R'_t / mean R'_t) rsqrt(C'_t)."""
     pid = tl.program_id(0)
-    i = tl.load(prog_param_ptr + pid)
-    B, R, C, row_off, col_off, _po, prog_start, _cps, _fps = load_meta(meta_ptr, i)
-    nrb = tl.cdiv(R, BLOCK_R)
-    local = pid - prog_start
-    b = local // nrb
-    rb = local % nrb
+    i, B, R, C, row_off, col_off, _po, b, rb = row_block(meta_ptr, prog_param_ptr, pid, BLOCK_R)
     acc_t = res_ptr.dtype.element_ty
     R_keep = keep_limit(R, found_inf_ptr, HAS_INF)
     lr = tl.load(hyper_ptr + H_LR)
@@ -449,8 +406,7 @@ def came_step(params, grads, states, *, lr, eps, clip_threshold, betas, weight_d
             reduce(plan.stats)
         launch_factors(fp, plan.stats, plan.sq_row_ptrs, plan.sq_col_ptrs, plan.step_ptrs, found_inf,
                        beta_from_step=False, hyper=hyper[H_BETA2:])
-        _usq_kernel[(fp.n_progs,)](g_ptrs, g_ref, fp.meta, fp.prog_param, plan.stats, plan.part1, inv_arg,
-                                   HAS_SCALE=flags["HAS_SCALE"], **blocks)
+        launch_usq(g_ptrs, g_ref, g_ptrs, fp, plan.stats, plan.part1, inv_scale, width=1)
     if plan.n_vprogs:
         _vec_stats_kernel[(plan.n_vprogs,)](g_ptrs[nf:], g_ref, plan.v_ptrs, plan.vmeta, plan.vprog_param, plan.part1,
                                             plan.fac_progs, inv_arg, inf_arg, hyper, BLOCK=BLOCK_V, **flags)

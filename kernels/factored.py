@@ -16,10 +16,13 @@ Layout of the flat statistics buffer for param i: rows at meta.row_off (B*R), co
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import torch
 import triton
 import triton.language as tl
 
-from .common import keep_limit, load_ptr
+from .common import INTERPRET, keep_limit, load_ptr, program_table, tile_shape, to_device
 
 # Columns of the int64 meta table, one row per factored param.
 # B, R, C: the matrix batch; *_OFF: offsets into the stats and partials buffers; *_START: the param's first
@@ -36,15 +39,21 @@ def load_meta(meta_ptr, i):
 
 
 @triton.jit
-def _sq_stats_kernel(x_ptrs, x_ref, meta_ptr, prog_param_ptr, stats_ptr, parts_ptr, inv_scale_ptr,
-                     HAS_SCALE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    pid = tl.program_id(0)
+def row_block(meta_ptr, prog_param_ptr, pid, BLOCK_R: tl.constexpr):
+    """What program `pid` of a row-block grid works on: param i (its B, R, C and buffer offsets), matrix b of
+    its batch, rows [rb * BLOCK_R, (rb + 1) * BLOCK_R)."""
     i = tl.load(prog_param_ptr + pid)
     B, R, C, row_off, col_off, part_off, prog_start, _cps, _fps = load_meta(meta_ptr, i)
     nrb = tl.cdiv(R, BLOCK_R)
     local = pid - prog_start
-    b = local // nrb
-    rb = local % nrb
+    return i, B, R, C, row_off, col_off, part_off, local // nrb, local % nrb
+
+
+@triton.jit
+def _sq_stats_kernel(x_ptrs, x_ref, meta_ptr, prog_param_ptr, stats_ptr, parts_ptr, inv_scale_ptr,
+                     HAS_SCALE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    pid = tl.program_id(0)
+    i, B, R, C, row_off, col_off, part_off, b, rb = row_block(meta_ptr, prog_param_ptr, pid, BLOCK_R)
     x_ptr = load_ptr(x_ptrs, i, x_ref)
     acc_t = stats_ptr.dtype.element_ty
     inv = 1.0
@@ -53,7 +62,7 @@ def _sq_stats_kernel(x_ptrs, x_ref, meta_ptr, prog_param_ptr, stats_ptr, parts_p
     rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < R
     row_base = (b * R + rows).to(tl.int64) * C
-    part_base = part_off + (b * nrb + rb).to(tl.int64) * C
+    part_base = part_off + (b * tl.cdiv(R, BLOCK_R) + rb).to(tl.int64) * C
     acc_r = tl.zeros([BLOCK_R], dtype=acc_t)
     for c0 in range(0, C, BLOCK_C):
         cols = c0 + tl.arange(0, BLOCK_C)
@@ -140,12 +149,57 @@ def _factor_kernel(meta_ptr, prog_param_ptr, stats_ptr, row_ptrs, col_ptrs, step
         tl.store(cstats + c, 1.0 / tl.sqrt(new), mask=m)
 
 
+@triton.jit
+def _usq_kernel(g_ptrs, g_ref, p_ptrs, meta_ptr, prog_param_ptr, stats_ptr, part_ptr, inv_scale_ptr,
+                HAS_SCALE: tl.constexpr, WIDTH: tl.constexpr, SCALE_PARAM: tl.constexpr, BLOCK_R: tl.constexpr,
+                BLOCK_C: tl.constexpr):
+    """part[pid * WIDTH] = sum over the program's rows of U^2, U = G rsqrt(R_t / mean R_t) rsqrt(C_t) (the
+    factors `_factor_kernel` left in stats); with WIDTH 2 also part[pid * 2 + 1] = the rows' sum of X^2
+    (zero unless SCALE_PARAM)."""
+    pid = tl.program_id(0)
+    i, B, R, C, row_off, col_off, _po, b, rb = row_block(meta_ptr, prog_param_ptr, pid, BLOCK_R)
+    acc_t = stats_ptr.dtype.element_ty
+    g_ptr = load_ptr(g_ptrs, i, g_ref)
+    p_ptr = load_ptr(p_ptrs, i, g_ref)
+    inv = 1.0
+    if HAS_SCALE:
+        inv = tl.load(inv_scale_ptr)
+    rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < R
+    rfac = tl.load(stats_ptr + row_off + b * R + rows, mask=rmask, other=0.0)
+    row_base = (b * R + rows).to(tl.int64) * C
+    u_acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=acc_t)
+    p_acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=acc_t)
+    for c0 in range(0, C, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        cmask = cols < C
+        mask = rmask[:, None] & cmask[None, :]
+        offs = row_base[:, None] + cols[None, :]
+        cfac = tl.load(stats_ptr + col_off + b * C + cols, mask=cmask, other=0.0)
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(acc_t) * inv
+        u = g * rfac[:, None] * cfac[None, :]
+        u_acc += u * u
+        if SCALE_PARAM:
+            p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(acc_t)
+            p_acc += p * p
+    tl.store(part_ptr + pid * WIDTH, tl.sum(tl.sum(u_acc, 1), 0))
+    if WIDTH == 2:
+        tl.store(part_ptr + pid * 2 + 1, tl.sum(tl.sum(p_acc, 1), 0))
+
+
 def launch_sq_stats(x_ptrs, x_ref, plan, stats, parts, inv_scale):
     _sq_stats_kernel[(plan.n_progs,)](x_ptrs, x_ref, plan.meta, plan.prog_param, stats, parts,
                                       inv_scale if inv_scale is not None else stats,
                                       HAS_SCALE=inv_scale is not None, BLOCK_R=plan.block_r, BLOCK_C=plan.block_c)
     _col_reduce_kernel[(plan.n_colprogs,)](plan.meta, plan.colprog_param, stats, parts, BLOCK_R=plan.block_r,
                                            BLOCK=plan.block_col)
+
+
+def launch_usq(g_ptrs, g_ref, p_ptrs, plan, stats, part, inv_scale, *, width: int, scale_parameter: bool = False):
+    _usq_kernel[(plan.n_progs,)](g_ptrs, g_ref, p_ptrs, plan.meta, plan.prog_param, stats, part,
+                                 inv_scale if inv_scale is not None else stats, HAS_SCALE=inv_scale is not None,
+                                 WIDTH=width, SCALE_PARAM=scale_parameter, BLOCK_R=plan.block_r,
+                                 BLOCK_C=plan.block_c)
 
 
 def launch_factors(plan, stats, row_ptrs, col_ptrs, step_ptrs, found_inf, *, beta=0.0, decay_rate=0.0, eps=0.0,
@@ -156,3 +210,49 @@ def launch_factors(plan, stats, row_ptrs, col_ptrs, step_ptrs, found_inf, *, bet
                                              hyper if hyper is not None else stats,
                                              BETA_FROM_STEP=beta_from_step, HAS_INF=found_inf is not None,
                                              HYPER_FROM_PTR=hyper is not None, BLOCK=plan.block_vec)
+
+
+@dataclass
+class FactoredPlan:
+    """Tables for the factored kernels over a list of params viewed as (B, R, C); see kernels/factored.py."""
+    n: int
+    meta: torch.Tensor
+    prog_param: torch.Tensor
+    colprog_param: torch.Tensor
+    factprog_param: torch.Tensor
+    n_progs: int
+    n_colprogs: int
+    n_factprogs: int
+    block_r: int
+    block_c: int
+    block_col: int
+    block_vec: int
+    stats_numel: int
+    parts_numel: int
+    prog_starts: list
+
+    @staticmethod
+    def build(shapes: list[tuple[int, int, int]], device: torch.device) -> "FactoredPlan":
+        block_r, block_c = tile_shape(max(c for _, _, c in shapes))
+        if INTERPRET:
+            block_r, block_c = min(block_r, 16), min(block_c, 64)
+        block_col = 64 if INTERPRET else 256
+        meta, progs, colprogs, factprogs = [], [], [], []
+        row_off = part_off = 0
+        for b, r, c in shapes:
+            progs.append(b * triton.cdiv(r, block_r))
+            colprogs.append(b * triton.cdiv(c, block_col))
+            factprogs.append(b)
+        prog_param, prog_starts = program_table(progs, device)
+        colprog_param, colprog_starts = program_table(colprogs, device)
+        factprog_param, factprog_starts = program_table(factprogs, device)
+        col_total = sum(b * r for b, r, _ in shapes)
+        col_off = col_total
+        for k, (b, r, c) in enumerate(shapes):
+            meta += [b, r, c, row_off, col_off, part_off, prog_starts[k], colprog_starts[k], factprog_starts[k]]
+            row_off += b * r
+            col_off += b * c
+            part_off += b * triton.cdiv(r, block_r) * c
+        return FactoredPlan(len(shapes), to_device(meta, torch.int64, device), prog_param, colprog_param,
+                            factprog_param, sum(progs), sum(colprogs), sum(factprogs), block_r, block_c, block_col,
+                            256 if INTERPRET else 1024, col_off, part_off, prog_starts)

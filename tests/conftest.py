@@ -7,7 +7,6 @@
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -78,3 +77,29 @@ def assert_tracks(ours, truth, init, dtype, ref_lowp=None, what="params"):
     if ref_lowp is not None and dtype != torch.float64:
         ref_err = rel_update_error(ref_lowp, truth, init)
         assert err <= 2 * ref_err + 1e-6, f"{what}: error {err:.3g} vs the reference's own {ref_err:.3g} at {dtype}"
+
+
+def launches_per_step(monkeypatch, make_opt, shapes=((3, 4), (5,), (2, 2, 3)), repeats=(1, 4)) -> list[int]:
+    """Triton launches of one (second) step of `make_opt(params)` over `shapes * r` params, for each r in
+    `repeats`: equal counts mean launches do not grow with the number of params. Skips without Triton."""
+    pytest.importorskip("triton")
+    if not _triton_runs_here():
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    import triton
+    monkeypatch.setenv("FASTOPT_BACKEND", "triton")
+    launches = []
+    cls = type(triton.jit(lambda: None))
+    orig = cls.__getitem__
+    monkeypatch.setattr(cls, "__getitem__", lambda self, grid: launches.append(self) or orig(self, grid))
+    dev = "cuda" if torch.cuda.is_available() and not ops.interpreting() else "cpu"
+    counts = []
+    for r in repeats:
+        params = [torch.randn(s, device=dev, requires_grad=True) for s in list(shapes) * r]
+        opt = make_opt(params)
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+        launches.clear()
+        opt.step()
+        counts.append(len(launches))
+    return counts

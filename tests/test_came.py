@@ -6,7 +6,7 @@ import io
 import pytest
 import torch
 from came_pytorch import CAME as RefCAME
-from conftest import TOL, assert_tracks, rel_update_error
+from conftest import TOL, assert_tracks, rel_update_error, launches_per_step
 
 import fastopt
 
@@ -365,25 +365,5 @@ def test_bad_state_dict_fails_and_changes_nothing():
 
 def test_launches_do_not_grow_with_param_count(monkeypatch):
     """Buckets of 3 and 12 params launch the same number of kernels per step."""
-    pytest.importorskip("triton")
-    from fastopt import ops
-    if not (torch.cuda.is_available() or ops.interpreting()):
-        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
-    monkeypatch.setenv("FASTOPT_BACKEND", "triton")
-    import triton
-    launches = []
-    cls = type(triton.jit(lambda: None))
-    orig = cls.__getitem__
-    monkeypatch.setattr(cls, "__getitem__", lambda self, grid: launches.append(self) or orig(self, grid))
-    dev = "cuda" if torch.cuda.is_available() and not ops.interpreting() else "cpu"
-    counts = []
-    for n in (1, 4):
-        params = [torch.randn(s, device=dev, requires_grad=True) for s in [(3, 4), (5,), (2, 2, 3)] * n]
-        opt = fastopt.CAME(params, lr=1e-3)
-        for p in params:
-            p.grad = torch.randn_like(p)
-        opt.step()
-        launches.clear()
-        opt.step()
-        counts.append(len(launches))
+    counts = launches_per_step(monkeypatch, lambda ps: fastopt.CAME(ps, lr=1e-3))
     assert counts[0] == counts[1] > 0, counts

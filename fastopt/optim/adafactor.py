@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 from .. import ops
 from ..distributed.layout import local
 from .base import FastOptimizer, check
