@@ -2,15 +2,10 @@
 several steps equals a single-process run of the same optimizer on the full tensors."""
 from __future__ import annotations
 
-import os
-import socket
-import tempfile
-import traceback
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from dist_utils import run
 
 pytestmark = pytest.mark.dist
 
@@ -19,33 +14,13 @@ STEPS = 6
 TOL_REL = 1e-4  # relative update error; issue 7's bound (ColossalAI's ZeRO path is off by 4-15%)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank, fn, port, errdir, args):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), FASTOPT_BACKEND="torch")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        fn(rank, *args)
-    except BaseException:
-        with open(os.path.join(errdir, f"rank{rank}"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
-    finally:
-        dist.destroy_process_group()
-
-
 def spawn(fn, *args):
-    with tempfile.TemporaryDirectory() as errdir:
-        try:
-            mp.spawn(_entry, args=(fn, _free_port(), errdir, args), nprocs=WORLD, join=True)
-        except mp.ProcessRaisedException:
-            msgs = [open(os.path.join(errdir, f)).read() for f in sorted(os.listdir(errdir))]
-            raise AssertionError("\n".join(msgs)) from None
+    """fn(rank, *args) on WORLD gloo processes, on the plain-torch path (tests/dist_utils.py)."""
+    run(_call, WORLD, fn, args, timeout=300.0, env={"FASTOPT_BACKEND": "torch"})
+
+
+def _call(rank, world_size, fn, args):
+    fn(rank, *args)
 
 
 def _problem(shapes, seed=0):
