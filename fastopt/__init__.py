@@ -11,3 +11,7 @@ from .optim.adamw8bit import AdamW8bit  # noqa: E402
 from .quant import dequantize_blockwise, quantize_blockwise  # noqa: E402
 
 __all__ += ["AdamW8bit", "quantize_blockwise", "dequantize_blockwise"]
+
+from .optim.galore import GaLoreAdamW, GaLoreAdamW8bit, get_galore_param_groups  # noqa: E402
+
+__all__ += ["GaLoreAdamW", "GaLoreAdamW8bit", "get_galore_param_groups"]

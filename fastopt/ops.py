@@ -54,14 +54,19 @@ def use_triton(t: torch.Tensor) -> bool:
                        "TRITON_INTERPRET=1 before Python starts (Triton's interpreter), or use FASTOPT_BACKEND=torch")
 
 
+def _sharded(layouts) -> bool:
+    return layouts is not None and any(lay is not None for lay in layouts)
+
+
 def adafactor_step(params, grads, states, *, inv_scale=None, found_inf=None, reduce=None, cache=None, layouts=None,
                    **hyper):
     """One Adafactor step over a bucket (same device and dtype) of local tensors. `layouts[i]` maps param i's
     local elements onto its global tensor (None: it is all here); `reduce(buf)` sums a flat buffer across the
     ranks that share these params (None: single process); `cache` keeps the kernels' tables between steps.
     Sharded buckets take the reference path for now: the kernels learn index maps in TODO(#7)."""
-    sharded = layouts is not None and any(lay is not None for lay in layouts)
-    if use_triton(params[0]) and not sharded:
+    from .distributed.layout import real_elements
+    params, grads, states = real_elements(params, grads, states, layouts, ("exp_avg", "exp_avg_sq"))
+    if use_triton(params[0]) and not _sharded(layouts):
         from .kernels import adafactor as k
         k.adafactor_step(params, grads, states, inv_scale=inv_scale, found_inf=found_inf, reduce=reduce,
                          cache=cache, **hyper)
@@ -71,10 +76,16 @@ def adafactor_step(params, grads, states, *, inv_scale=None, found_inf=None, red
                          layouts=layouts, **hyper)
 
 
-def lamb_step(params, grads, states, *, inv_scale=None, found_inf=None, reduce=None, cache=None, **hyper):
+def lamb_step(params, grads, states, *, inv_scale=None, found_inf=None, reduce=None, cache=None, layouts=None,
+              **hyper):
     """One LAMB step over a bucket (same device and dtype). `reduce(buf)` sums the flat buffer of per-param
     squared norms [||p_0||^2, ||a_0||^2, ...] across the ranks that share these params (None: single
-    process); `cache` keeps the kernels' tables between steps."""
+    process); `cache` keeps the kernels' tables between steps. The norms are sums over elements, so any
+    layout works on the local elements alone; `layouts` only cuts the padding off flat shards."""
+    from .distributed.layout import real_elements
+    bs = hyper.get("block_size", 256)  # lamb_step's default
+    absmax = {"exp_avg_absmax": bs, "exp_avg_sq_absmax": bs}
+    params, grads, states = real_elements(params, grads, states, layouts, ("exp_avg", "exp_avg_sq"), absmax)
     if use_triton(params[0]):
         from .kernels import lamb as k
         k.lamb_step(params, grads, states, inv_scale=inv_scale, found_inf=found_inf, reduce=reduce, cache=cache,
@@ -84,17 +95,24 @@ def lamb_step(params, grads, states, *, inv_scale=None, found_inf=None, reduce=N
         r.lamb_step(params, grads, states, inv_scale=inv_scale, found_inf=found_inf, reduce=reduce, **hyper)
 
 
-def came_step(params, grads, states, *, inv_scale=None, found_inf=None, reduce=None, cache=None, **hyper):
+def came_step(params, grads, states, *, inv_scale=None, found_inf=None, reduce=None, cache=None, layouts=None,
+              **hyper):
     """One CAME step over a bucket (same device and dtype). `reduce(buf)` sums a flat buffer across the ranks
     that share these params, once per phase: the G^2 row/column sums, the per-param sums of U^2, the
-    instability row/column sums (None: single process); `cache` keeps the kernels' tables between steps."""
-    if use_triton(params[0]):
+    instability row/column sums (None: single process); `cache` keeps the kernels' tables between steps.
+    `layouts` as in `adafactor_step`; sharded buckets take the reference path for now (TODO(#7))."""
+    from .distributed.layout import real_elements
+    from .reference.came import QBLOCK
+    params, grads, states = real_elements(params, grads, states, layouts, ("exp_avg", "exp_avg_sq"),
+                                          {"exp_avg_absmax": QBLOCK})
+    if use_triton(params[0]) and not _sharded(layouts):
         from .kernels import came as k
         k.came_step(params, grads, states, inv_scale=inv_scale, found_inf=found_inf, reduce=reduce, cache=cache,
                     **hyper)
     else:
         from .reference import came as r
-        r.came_step(params, grads, states, inv_scale=inv_scale, found_inf=found_inf, reduce=reduce, **hyper)
+        r.came_step(params, grads, states, inv_scale=inv_scale, found_inf=found_inf, reduce=reduce,
+                    layouts=layouts, **hyper)
 
 
 # ---- 8-bit block-wise state: the compiled extension (csrc/, built by fastopt.ext) ------------------------
@@ -209,3 +227,37 @@ def adamw8bit_step(params, grads, states, *, lr, betas, eps, weight_decay, block
     for p, w in zip(params, work):
         if w is not p:
             p.copy_(w)
+
+
+# ---- GaLore: low-rank projection (fastopt/reference/galore.py, kernels/galore.py) ------------------------
+__all__ += ["galore_refresh", "galore_step"]
+
+
+def galore_refresh(grads, states, refresh, *, rank, inv_scale=None, found_inf=None, layouts=None):
+    """New projection bases (torch.linalg.svd of each flagged param's whole gradient, in fp32) for the params
+    whose `refresh` flag is set; every back end runs the same SVD. A step GradScaler skips keeps the old
+    bases. Sharded params (`layouts`) all-gather their gradient first, on these steps only."""
+    from .reference import galore as r
+    r.refresh_bases(grads, states, refresh, rank=rank, inv_scale=inv_scale, found_inf=found_inf, layouts=layouts)
+
+
+def galore_step(params, grads, states, *, inv_scale=None, found_inf=None, cache=None, layouts=None, reduce=None,
+                **hyper):
+    """One GaLore-AdamW step over a bucket (same device and dtype) with bases already refreshed: projection,
+    Adam on the projected moments (fp32 or 8-bit block-wise), back-projection fused with the parameter update.
+    Params without bases take plain AdamW (flat shards: real elements only). Sharded projected params: the
+    local products go into one flat buffer that `reduce(buf)` sums over the ranks (one collective per step
+    for the bucket). `cache` keeps the kernels' small tables between steps."""
+    from .distributed.layout import real_elements
+    absmax = {"exp_avg_absmax": hyper["block_size"], "exp_avg_sq_absmax": hyper["block_size"]}
+    if layouts is not None:  # flat shards of params without a projection: cut the padding off
+        plain = [lay if "proj_left" not in s and "proj_right" not in s else None for s, lay in zip(states, layouts)]
+        params, grads, states = real_elements(params, grads, states, plain, ("exp_avg", "exp_avg_sq"), absmax)
+    if use_triton(params[0]):
+        from .kernels import galore as k
+        k.galore_step(params, grads, states, inv_scale=inv_scale, found_inf=found_inf, cache=cache,
+                      layouts=layouts, reduce=reduce, **hyper)
+    else:
+        from .reference import galore as r
+        r.galore_step(params, grads, states, inv_scale=inv_scale, found_inf=found_inf, layouts=layouts,
+                      reduce=reduce, **hyper)

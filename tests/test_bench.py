@@ -109,3 +109,37 @@ def test_failing_competitors_are_recorded(suite, tmp_path):
 def test_bench_dir_override(monkeypatch, tmp_path):
     monkeypatch.setenv("FASTOPT_BENCH_DIR", str(tmp_path))  # not a bench folder: falls back to the repo's
     assert (fbench.bench_dir() / "run.py").is_file()
+
+
+def test_layouts_bench_counts_collectives_and_bytes(tmp_path, monkeypatch):
+    """bench_layouts end to end at a tiny size, and its TP 8 x FSDP 8 communication counted independently
+    from the Llama-7B shapes: matrices reduce over the 64-rank world, norm weights over their 8-rank dp group."""
+    monkeypatch.setenv("FASTOPT_BACKEND", "auto")
+    run = fbench.load_suite()
+    common = importlib.import_module(run.__package__ + ".common")
+    fbench.main(TINY + ["--benches", "layouts", "--dtypes", "fp32", "--out", str(tmp_path)])
+    doc = json.loads((tmp_path / "layouts-cpu.json").read_text())
+    rows = {r["impl"]: r for r in doc["results"]}
+    shapes = [s for _, s in common.model_shapes(common.LLAMA_7B, 32)]
+    mats, vecs = [s for s in shapes if len(s) == 2], [s for s in shapes if len(s) == 1]
+    assert len(mats) == 32 * 7 + 2 and len(vecs) == 32 * 2 + 1
+    rc = sum(r + c for r, c in mats)  # one fp64 row sum and column sum per row and column of every matrix
+    expected = {  # name: (collectives, bytes reduced per step)
+        "Adafactor": (2 + 1, 8 * rc + 8 * 2 * len(mats) + 8 * 2 * len(vecs)),
+        "CAME": (3 + 1, 2 * 8 * rc + 8 * len(mats) + 8 * len(vecs)),
+        "Lamb": (1 + 1, 4 * 2 * len(shapes)),
+        "AdamW8bit": (0, 0),
+    }
+    for name, (n_coll, n_bytes) in expected.items():
+        r = rows[f"fastopt.{name} communication"]
+        assert r["status"] == "computed" and r["comm"]["collectives"] == n_coll, r
+        assert r["comm"]["buffer_bytes"] == n_bytes, (name, r["comm"])
+        ring = sum(2 * (g["ranks"] - 1) / g["ranks"] * g["buffer_bytes"] for g in r["comm"]["groups"].values())
+        assert r["comm"]["ring_bytes_per_rank"] == pytest.approx(ring)
+        if name in ("Adafactor", "CAME"):  # O(rows + columns): far below gathering the matrices
+            assert r["comm"]["gather_matrix_bytes"] == 4 * sum(a * b for a, b in mats)
+            assert 200 * n_bytes < r["comm"]["gather_matrix_bytes"]
+        step = [x for x in doc["results"] if x["impl"] == f"fastopt.{name} step"]
+        over = [x for x in doc["results"] if x["impl"] == f"fastopt.{name} layout machinery"]
+        assert len(step) == len(over) == 2 and all(x["status"] == "ok" for x in step)
+        assert all(x["status"] == "computed" and 0 < x["overhead_frac"] < 1 for x in over)

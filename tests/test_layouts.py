@@ -1,53 +1,313 @@
-"""Exactness under PyTorch's sharded layouts (4 gloo processes on CPU): each param's full tensor after
-several steps equals a single-process run of the same optimizer on the full tensors."""
+"""Exactness under every layout (4 gloo processes on CPU, one pool for the module): each param's full tensor,
+and each state, after several steps of real forward and backward equals a single-process run of the same
+optimizer; the collectives of one step() do not grow with the model; declarations are checked."""
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import run
+from dist_utils import DistPool
+
+import fastopt
 
 pytestmark = pytest.mark.dist
 
 WORLD = 4
-STEPS = 6
-TOL_REL = 1e-4  # relative update error; issue 7's bound (ColossalAI's ZeRO path is off by 4-15%)
+STEPS = 8
+RELOAD_AT = 4  # state_dict save and reload into a fresh optimizer after this many steps
+TOL_REL = 1e-10  # relative update error: issue 7 asks <= 1e-4 (ColossalAI's ZeRO path: 4-15%); fp64 gives ~1e-15
+TOL_STATE = 1e-8  # relative error of the states (fp64 throughout: only the summation order differs)
+
+# name -> (class name, kwargs). AdamW8bit keeps fp32 state here (min_8bit_size): its 8-bit blocks are cut
+# from the local piece by design, so only the full-precision path can match a single process exactly.
+OPTS = {
+    "adafactor": ("Adafactor", dict(lr=1e-2, relative_step=False, beta1=0.9, weight_decay=0.01)),
+    "adafactor_relative": ("Adafactor", dict()),
+    "came": ("CAME", dict(lr=1e-2, weight_decay=0.01)),
+    "came8": ("CAME", dict(lr=1e-2, nbits=8)),
+    "lamb": ("Lamb", dict(lr=1e-2, weight_decay=0.01)),
+    "adamw8bit": ("AdamW8bit", dict(lr=1e-2, min_8bit_size=1 << 40)),
+}
 
 
-def spawn(fn, *args):
-    """fn(rank, *args) on WORLD gloo processes, on the plain-torch path (tests/dist_utils.py)."""
-    run(_call, WORLD, fn, args, timeout=300.0, env={"FASTOPT_BACKEND": "torch"})
+def _galore(params, shapes=None):
+    """GaLore-AdamW: matrices (by their global shape: `shapes`, else their layout) projected to rank 2, refreshed
+    every 3 steps; the rest plain AdamW."""
+    from fastopt.distributed import layout_of
+    shapes = shapes or [getattr(layout_of(p), "global_shape", p.shape) for p in params]
+    mats = [p for p, s in zip(params, shapes) if len(s) >= 2]
+    rest = [p for p, s in zip(params, shapes) if len(s) < 2]
+    groups = [{"params": mats, "rank": 2, "update_proj_gap": 3}] + ([{"params": rest}] if rest else [])
+    return fastopt.GaLoreAdamW(groups, lr=1e-2)
 
 
-def _call(rank, world_size, fn, args):
-    fn(rank, *args)
+# Issue 7 hook: GaLore-AdamW joins every test below as soon as its class declares layout support.
+if getattr(getattr(fastopt, "GaLoreAdamW", None), "_supports_layouts", False):
+    OPTS["galore"] = (_galore, None)
+# Known gaps of other optimizers (reported to their owners): (name, mode) -> why the case cannot run yet.
+# 8-bit momentum: blocks of the local piece differ from the single-process blocks, so params agree only to the
+# quantization error; the second-moment factors, which see the gradients alone, must still be exact.
+APPROX = {"came8": 5e-2}
+MODEL_OPTS = [n for n in OPTS if n not in APPROX and n != "adafactor_relative"]
+MODES = ["ddp", "tp", "fsdp", "fsdp_tp", "flat", "explicit", "colossal"]
+FACTOR_KEYS = ("exp_avg_sq_row", "exp_avg_sq_col", "exp_avg_res_row", "exp_avg_res_col")
 
 
-def _problem(shapes, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    init = [torch.randn(s, generator=g, dtype=torch.float64) for s in shapes]
-    grads = [[torch.randn(s, generator=g, dtype=torch.float64) for s in shapes] for _ in range(STEPS)]
-    return init, grads
+@pytest.fixture(scope="module")
+def pool():
+    # A rank that fails leaves the others waiting in a collective until this timeout: keep it short.
+    with DistPool(WORLD, timeout=60.0, env={"FASTOPT_BACKEND": "torch"}) as p:
+        yield p
 
 
-def _single(init, grads, kw):
-    import fastopt
-    ps = [p.clone().requires_grad_() for p in init]
-    opt = fastopt.Adafactor(ps, **kw)
-    for gs in grads:
-        for p, g in zip(ps, gs):
-            p.grad = g.clone()
+def _make_opt(name, params, shapes=None):
+    """`shapes`: the params' global shapes, for a factory that groups by them before any layout is declared."""
+    cls, kw = OPTS[name]
+    return cls(params, shapes) if callable(cls) else getattr(fastopt, cls)(params, **kw)
+
+
+class _Block(torch.nn.Module):
+    """A transformer-like block: embedding, pre-norm attention-like and MLP branches, LM head."""
+
+    def __init__(self, d=12, h=10, f=13, vocab=11):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, d)
+        self.norm1 = torch.nn.LayerNorm(d)
+        self.q = torch.nn.Linear(d, h)
+        self.o = torch.nn.Linear(h, d)
+        self.norm2 = torch.nn.LayerNorm(d)
+        self.up = torch.nn.Linear(d, f)
+        self.down = torch.nn.Linear(f, d, bias=False)
+        self.head = torch.nn.Linear(d, vocab, bias=False)
+
+    def forward(self, tok):
+        x = self.emb(tok)
+        x = x + self.o(torch.tanh(self.q(self.norm1(x))))
+        x = x + self.down(torch.relu(self.up(self.norm2(x))))
+        return self.head(x)
+
+
+# Parallel activations of parallelize_module must split evenly over TP (DTensor.from_local assumes it), so
+# 4-way TP uses h=8, f=16 and the 2-way TP of fsdp_tp h=10, f=14; the shards of FSDP and of the hand-made
+# layouts are uneven (vocab 11, h 10, f 13 over 2 or 4 ranks; flat ranges cut rows and end in padding).
+DIMS = {"tp": dict(h=8, f=16), "fsdp_tp": dict(h=10, f=14)}
+TP_PLAN = {"q": 0, "o": 1, "up": 0, "down": 1}  # module -> sharded weight dim (colwise 0, rowwise 1)
+
+
+def _batches(vocab=11):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, vocab, (8, 3), generator=g), torch.randint(0, vocab, (8, 3), generator=g))
+            for _ in range(STEPS)]
+
+
+def _loss(model, tok, tgt):
+    logits = model(tok)
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
+
+
+def _rel(a, b):
+    den = b.norm()
+    return float((a - b).norm() / den) if den > 0 else float((a - b).norm())
+
+
+def _reference(name, mode):
+    torch.manual_seed(0)
+    model = _Block(**DIMS.get(mode, {})).double()
+    init = copy.deepcopy(model.state_dict())
+    opt = _make_opt(name, list(model.parameters()))
+    for tok, tgt in _batches():
+        _loss(model, tok, tgt).backward()
         opt.step()
-    return [p.detach() for p in ps]
+        opt.zero_grad(set_to_none=True)
+    return init, model, opt
 
 
-def _rel_err(ours, ref, init):
+def _tp_groups(rank):
+    """2 x 2: tp groups {0, 1}, {2, 3}; dp groups {0, 2}, {1, 3} (every rank creates every group)."""
+    tp = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    dp = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    return tp[rank // 2], dp[rank % 2]
+
+
+def _dim_piece(full, d, group):
+    return full.chunk(dist.get_world_size(group), dim=d)[dist.get_rank(group)]
+
+
+def _flat_piece(full, group):
+    """This rank's range of the flattened tensor, ZeRO style: equal ranges, zero padding at the tail."""
+    w, r = dist.get_world_size(group), dist.get_rank(group)
+    chunk = -(-full.numel() // w)
+    flat = torch.cat([full.reshape(-1), full.new_zeros(chunk * w - full.numel())])
+    return flat[r * chunk:(r + 1) * chunk], chunk * w - full.numel()
+
+
+class _ByHand:
+    """Plain tensors sharded by hand (flat ranges, Megatron-style dims, ColossalAI's ZeRO over TP): every rank
+    runs the whole model on the whole batch, hands each piece its slice of the gradient, and after the step
+    writes the assembled pieces back into the model."""
+
+    def __init__(self, mode, model, rank):
+        from fastopt.distributed import declare_shard
+        self.mode, self.model = mode, model
+        self.full = dict(model.named_parameters())
+        self.tp, self.dp = _tp_groups(rank) if mode in ("explicit", "colossal") else (None, None)
+        self.pieces, self.working, self.pads, self.dims = {}, {}, {}, {}
+        for n, full in self.full.items():
+            mod = n.split(".")[0]
+            d = TP_PLAN.get(mod) if n.endswith("weight") else (0 if mod in ("q", "up") else None)
+            self.dims[n] = d
+            if mode == "flat":
+                piece, _ = _flat_piece(full.detach(), dist.group.WORLD)
+                piece = declare_shard(piece.clone(), full.shape, dist.group.WORLD,
+                                      flat_offset=dist.get_rank() * piece.numel())
+            elif mode == "explicit":
+                piece = full.detach().clone() if d is None else declare_shard(
+                    _dim_piece(full.detach(), d, self.tp).clone(), full.shape, self.tp, dim=d)
+            else:  # colossal: TP working params (d_tensor-like), flat ZeRO master shards over dp
+                work = full.detach().clone() if d is None else _dim_piece(full.detach(), d, self.tp).clone()
+                if d is not None:
+                    work.dist_layout = _FakeDistLayout(tuple(full.shape), d)
+                piece, pad = _flat_piece(work, self.dp)
+                piece = piece.clone()
+                self.working[id(piece)], self.pads[id(work)] = work, pad
+            self.pieces[n] = piece
+
+    def make_opt(self, name):
+        opt = _make_opt(name, list(self.pieces.values()), [tuple(f.shape) for f in self.full.values()])
+        if self.mode == "colossal":
+            opt.setup_distributed(tp_group=self.tp, dp_group=self.dp, shard_to_working_param=self.working,
+                                  padding_map=self.pads, is_zero=True)
+        return opt
+
+    def scatter_grads(self):
+        for n, full in self.full.items():
+            piece, g = self.pieces[n], full.grad
+            if self.mode == "flat":
+                piece.grad = _flat_piece(g, dist.group.WORLD)[0].clone()
+            elif self.mode == "explicit":
+                d = self.dims[n]
+                piece.grad = (g if d is None else _dim_piece(g, d, self.tp)).clone()
+            else:
+                d = self.dims[n]
+                work = g if d is None else _dim_piece(g, d, self.tp)
+                piece.grad = _flat_piece(work, self.dp)[0].clone()
+            full.grad = None
+
+    def gather(self, opt):
+        from fastopt.distributed import full_tensor
+        with torch.no_grad():
+            for n, full in self.full.items():
+                piece = self.pieces[n]
+                full.copy_(full_tensor(piece, opt._layout(piece)).view_as(full))
+
+
+class _FakeDistLayout:
+    """The two attributes of a ColossalAI d_tensor's `dist_layout` that fastopt reads."""
+
+    def __init__(self, global_shape, dim):
+        self.global_shape = global_shape
+        self.sharding_spec = type("Spec", (), {"dim_partition_dict": {dim: [0]}})()
+
+
+def _model_case(rank, world, mode, name):
+    from fastopt.distributed import full_tensor
+    from fastopt.distributed.layout import local
+    from torch.distributed.device_mesh import init_device_mesh
+    init, ref_model, ref_opt = _reference(name, mode)
+    model = _Block(**DIMS.get(mode, {})).double()
+    model.load_state_dict(init)
+    batches = _batches()
+    by_hand = None
+    shard_batch = False
+    if mode == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model)
+        shard_batch = True
+    elif mode == "tp":
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        mesh = init_device_mesh("cpu", (WORLD,))
+        parallelize_module(model, mesh, {"q": ColwiseParallel(), "o": RowwiseParallel(),
+                                         "up": ColwiseParallel(), "down": RowwiseParallel()})
+    elif mode == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+        fully_shard(model, mesh=init_device_mesh("cpu", (WORLD,)))
+        shard_batch = True
+    elif mode == "fsdp_tp":
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        parallelize_module(model, mesh["tp"], {"q": ColwiseParallel(), "o": RowwiseParallel(),
+                                               "up": ColwiseParallel(), "down": RowwiseParallel()})
+        fully_shard(model, mesh=mesh["dp"])
+    else:
+        by_hand = _ByHand(mode, model, rank)
+
+    def make():
+        return by_hand.make_opt(name) if by_hand else _make_opt(name, list(model.parameters()))
+
+    opt = make()
+    for i, (tok, tgt) in enumerate(batches):
+        if shard_batch:  # each data-parallel rank its slice; the averaged gradient is the whole batch's
+            part = rank // 2 if mode == "fsdp_tp" else rank
+            parts = 2 if mode == "fsdp_tp" else WORLD
+            tok, tgt = tok.chunk(parts)[part], tgt.chunk(parts)[part]
+        _loss(model, tok, tgt).backward()
+        if by_hand:
+            by_hand.scatter_grads()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if by_hand:
+            by_hand.gather(opt)
+        if i + 1 == RELOAD_AT:
+            sd = copy.deepcopy(opt.state_dict())
+            opt = make()
+            opt.load_state_dict(sd)
+
+    inner = model.module if mode == "ddp" else model
+    names = [n for n, _ in ref_model.named_parameters()]
+    ours = [p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in inner.parameters()]
+    ref = [p.detach() for p in ref_model.parameters()]
     num = sum((a - b).square().sum() for a, b in zip(ours, ref)) ** 0.5
-    den = sum((b - c).square().sum() for b, c in zip(ref, init)) ** 0.5
-    return float(num / den)
+    den = sum((b - init[n]).square().sum() for b, n in zip(ref, names)) ** 0.5
+    assert den > 0
+    err = float(num / den)
+    assert err <= APPROX.get(name, TOL_REL), (mode, name, err)
+
+    opt_params = list(by_hand.pieces.values()) if by_hand else list(inner.parameters())
+    checked = 0
+    for p, p_ref in zip(opt_params, ref_model.parameters()):
+        st, st_ref = opt.state[p], ref_opt.state[p_ref]
+        assert sorted(st) == sorted(st_ref), (sorted(st), sorted(st_ref))
+        lay = opt._layout(p)
+        for k, v_ref in st_ref.items():
+            v = local(st[k])
+            if k == "step":
+                assert float(v) == float(v_ref) == STEPS
+                continue
+            if v.dtype == torch.uint8 or "absmax" in k:
+                continue  # 8-bit codes of local blocks: covered by the params' bound above
+            if tuple(v.shape) != tuple(v_ref.shape):  # element-wise state of the local piece
+                v = full_tensor(v, lay).view_as(v_ref)
+            elif lay is not None:  # whole states (factors) are identical on every rank of the param's groups
+                for g in lay.groups:
+                    copies = [torch.empty_like(v) for _ in range(dist.get_world_size(g))]
+                    dist.all_gather(copies, v.contiguous(), group=g)
+                    assert all(torch.equal(c, v) for c in copies), (mode, name, k)
+            assert _rel(v, v_ref) <= TOL_STATE, (mode, name, k, _rel(v, v_ref))
+            checked += 1
+    assert checked > 0
+    return err
 
 
-# (shape, mesh shape, placements) — placements as names resolved in the child.
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", MODEL_OPTS)
+def test_every_optimizer_every_layout_matches_single_process(pool, mode, name):
+    errs = pool.run(_model_case, mode, name)
+    assert len(errs) == WORLD
+
+
+# ---- placements one by one (shapes of every rank: batch dims, 3-D, vectors, 2-D meshes) --------------------
 CASES = {
     "tp_rows_uneven": ((10, 7), (4,), [("S", 0)]),
     "tp_cols_uneven": ((6, 9), (4,), [("S", 1)]),
@@ -70,138 +330,195 @@ def _placement(spec):
     return _StridedShard(spec[1], split_factor=spec[2])
 
 
-def _dtensor_case(rank, cases, kw):
-    import fastopt
+def _problem(shapes, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    init = [torch.randn(s, generator=g, dtype=torch.float64) for s in shapes]
+    grads = [[torch.randn(s, generator=g, dtype=torch.float64) for s in shapes] for _ in range(STEPS)]
+    return init, grads
+
+
+def _placements_case(rank, world, name):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import distribute_tensor
-    shapes = [CASES[c][0] for c in cases]
+    shapes = [c[0] for c in CASES.values()]
     init, grads = _problem(shapes)
-    ref = _single(init, grads, kw)
-    meshes = {}
-    params, plc = [], []
-    for c in cases:
-        _, mesh_shape, pls = CASES[c]
+    ref = [p.clone().requires_grad_() for p in init]
+    ref_opt = _make_opt(name, ref)
+    for gs in grads:
+        for p, g in zip(ref, gs):
+            p.grad = g.clone()
+        ref_opt.step()
+    meshes, plc = {}, []
+    for _, mesh_shape, pls in CASES.values():
         if mesh_shape not in meshes:
-            names = ("dp", "tp")[-len(mesh_shape):] if len(mesh_shape) == 2 else ("tp",)
+            names = ("dp", "tp") if len(mesh_shape) == 2 else ("tp",)
             meshes[mesh_shape] = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
         plc.append((meshes[mesh_shape], [_placement(s) for s in pls]))
-    for p0, (mesh, pl) in zip(init, plc):
-        params.append(torch.nn.Parameter(distribute_tensor(p0.clone(), mesh, pl, src_data_rank=None)))
-    opt = fastopt.Adafactor(params, **kw)
+    params = [torch.nn.Parameter(distribute_tensor(p0.clone(), m, pl, src_data_rank=None))
+              for p0, (m, pl) in zip(init, plc)]
+    opt = _make_opt(name, params)
     for gs in grads:
-        for p, g, (mesh, pl) in zip(params, gs, plc):
-            p.grad = distribute_tensor(g.clone(), mesh, pl, src_data_rank=None)
+        for p, g, (m, pl) in zip(params, gs, plc):
+            p.grad = distribute_tensor(g.clone(), m, pl, src_data_rank=None)
         opt.step()
     full = [p.detach().full_tensor() for p in params]
-    err = _rel_err(full, ref, init)
-    assert err <= TOL_REL, (cases, err)
-    # The row/column factors are global and identical on every rank.
+    num = sum((a - b.detach()).square().sum() for a, b in zip(full, ref)) ** 0.5
+    den = sum((b.detach() - c).square().sum() for b, c in zip(ref, init)) ** 0.5
+    err = float(num / den)
+    assert err <= APPROX.get(name, TOL_REL), (name, err)
+    keys = FACTOR_KEYS[:2] if name in APPROX else FACTOR_KEYS
     for p, p_ref in zip(params, ref):
-        st = opt.state[p]
-        if "exp_avg_sq_row" in st:
-            gathered = [torch.empty_like(st["exp_avg_sq_row"]) for _ in range(WORLD)]
-            dist.all_gather(gathered, st["exp_avg_sq_row"])
-            assert all(torch.equal(x, gathered[0]) for x in gathered)
+        for k in keys:
+            if k in ref_opt.state[p_ref]:
+                assert _rel(opt.state[p][k], ref_opt.state[p_ref][k]) <= TOL_STATE, (name, k)
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(beta1=0.9, weight_decay=0.1, lr=1e-2, relative_step=False)],
-                         ids=["relative", "momentum_decay"])
-def test_adafactor_dtensor_placements_match_single_process(kw):
-    spawn(_dtensor_case, list(CASES), kw)
+@pytest.mark.parametrize("name", list(OPTS))
+def test_dtensor_placements_match_single_process(pool, name):
+    pool.run(_placements_case, name)
 
 
-class _MLP(torch.nn.Module):
-    def __init__(self, hidden=10):
-        super().__init__()
-        self.up = torch.nn.Linear(12, hidden)
-        self.down = torch.nn.Linear(hidden, 6, bias=False)
-        self.norm = torch.nn.LayerNorm(6)
-
-    def forward(self, x):
-        return self.norm(self.down(torch.relu(self.up(x))))
+# ---- collectives per step ----------------------------------------------------------------------------------
+# Collectives of one step() of _count_case: one per phase per group that has something to reduce in it. The
+# world group (2-D shards and flat ranges together) and the tp group hold matrices; the dp group only a vector,
+# which has no factored statistics (Adafactor: its update/param norms only; CAME: the U^2 sums only).
+EXPECTED = {"adafactor": 2 + 2 + 1, "came": 3 + 3 + 1, "lamb": 1 + 1 + 1, "adamw8bit": 0}
+_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast",
+                "reduce", "all_to_all", "all_reduce_coalesced", "barrier")
 
 
-def _train(model, opt, batches, shard_input=None):
-    for x, y in batches:
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-
-def _module_case(rank, mode):
-    import fastopt
+def _count_case(rank, world, name):
+    """One step() over a mix of layouts on a 2 x 2 mesh: sharded over the world, over tp only, over dp only
+    (as FSDP2 + TP gives), and flat ranges declared over the world: three groups, whatever the size."""
+    from fastopt.distributed import declare_shard
     from torch.distributed.device_mesh import init_device_mesh
-    # Activations of parallelize_module must split evenly over TP (DTensor.from_local assumes it), so the
-    # 4-way TP case uses hidden=8; FSDP and the 2-way TP of fsdp_tp shard the uneven hidden=10 and 12 dims.
-    hidden = 8 if mode == "tp" else 10
-    torch.manual_seed(0)
-    ref_model = _MLP(hidden).double()
-    init = {k: v.detach().clone() for k, v in ref_model.state_dict().items()}
-    g = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(8, 12, generator=g, dtype=torch.float64), torch.randn(8, 6, generator=g,
-                dtype=torch.float64)) for _ in range(STEPS)]
-    kw = dict(beta1=0.9)
-    ref_opt = fastopt.Adafactor(ref_model.parameters(), **kw)
-    _train(ref_model, ref_opt, batches)
-
-    model = _MLP(hidden).double()
-    model.load_state_dict(init)
-    if mode == "fsdp":
-        from torch.distributed.fsdp import fully_shard
-        mesh = init_device_mesh("cpu", (WORLD,))
-        fully_shard(model, mesh=mesh)
-    elif mode == "tp":
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-        mesh = init_device_mesh("cpu", (WORLD,))
-        parallelize_module(model, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
-    elif mode == "fsdp_tp":
-        from torch.distributed.fsdp import fully_shard
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
-        fully_shard(model, mesh=mesh["dp"])
-    # Every rank sees the whole batch, so the averaged gradient equals the single-process one.
-    opt = fastopt.Adafactor(model.parameters(), **kw)
-    _train(model, opt, batches)
-    names = [n for n, _ in ref_model.named_parameters()]
-    ours = [p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in model.parameters()]
-    ref = [p.detach() for p in ref_model.parameters()]
-    err = _rel_err(ours, ref, [init[n] for n in names])
-    assert err <= TOL_REL, (mode, err)
-
-
-@pytest.mark.parametrize("mode", ["fsdp", "tp", "fsdp_tp"])
-def test_adafactor_real_models_match_single_process(mode):
-    spawn(_module_case, mode)
-
-
-def _count_case(rank):
-    import fastopt
-    import fastopt.optim.base as base
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-    mesh = init_device_mesh("cpu", (WORLD,))
-    calls = []
-    real = base.dist.all_reduce
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    kinds = [((9, 5), [Shard(0), Shard(1)]), ((7, 6), [Replicate(), Shard(0)]), ((5,), [Shard(0), Replicate()])]
     counts = []
-    for n in (2, 6):
-        shapes = [(9, 5), (7,), (3, 6, 4)] * (n // 2)
-        params = [torch.nn.Parameter(distribute_tensor(torch.randn(s), mesh, [Shard(0)], src_data_rank=None))
-                  for s in shapes[:n]]
-        opt = fastopt.Adafactor(params)
+    for n in (1, 4):
+        params = []
+        for _ in range(n):
+            for shape, pl in kinds:
+                params.append(torch.nn.Parameter(distribute_tensor(torch.randn(shape), mesh, pl, src_data_rank=None)))
+            # rank r holds elements [5r, 5r + 5) of a 3 x 6 matrix: cut mid-row, the last range padded
+            flat = torch.nn.Parameter(torch.randn(5))
+            params.append(declare_shard(flat, (3, 6), dist.group.WORLD, flat_offset=min(5 * rank, 18)))
+        opt = _make_opt(name, params)
         for p in params:
-            p.grad = distribute_tensor(torch.randn(p.shape), mesh, [Shard(0)], src_data_rank=None)
+            p.grad = torch.randn_like(p)
         opt.step()
-        base.dist.all_reduce = lambda *a, **k: calls.append(1) or real(*a, **k)
+        calls = []
+        saved = {c: getattr(dist, c) for c in _COLLECTIVES}
+        for c, real in saved.items():
+            setattr(dist, c, lambda *a, _c=c, _real=real, **k: calls.append(_c) or _real(*a, **k))
         try:
             opt.step()
         finally:
-            base.dist.all_reduce = real
+            for c, real in saved.items():
+                setattr(dist, c, real)
         counts.append(len(calls))
-        calls.clear()
-    assert counts == [2, 2], counts  # one per phase (factor statistics, update/param norms), whatever n is
+        assert set(calls) <= {"all_reduce"}, calls
+    return counts
 
 
-def test_adafactor_collectives_per_step_do_not_grow():
-    spawn(_count_case)
+@pytest.mark.parametrize("name", list(EXPECTED) + [n for n in OPTS if n == "galore"])
+def test_collectives_per_step_do_not_grow(pool, name):
+    counts = pool.run(_count_case, name)
+    assert all(c == counts[0] for c in counts) and counts[0][0] == counts[0][1], counts  # 4 and 16 params alike
+    if name in EXPECTED:
+        assert counts[0][0] == EXPECTED[name], counts
+    else:  # a few per group and phase, whatever the optimizer's phases are
+        assert counts[0][0] <= 3 * 3, counts
+
+
+# ---- declarations ------------------------------------------------------------------------------------------
+def _errors_case(rank, world):
+    from fastopt.distributed import declare_shard
+    x = torch.zeros(3, 4)
+    cases = [
+        (lambda: declare_shard(x.clone(), (12, 4), None, dim=0), "group=None"),
+        (lambda: declare_shard(x.clone(), (12, 4), dist.group.WORLD), "exactly one of dim="),
+        (lambda: declare_shard(x.clone(), (12, 4), dist.group.WORLD, dim=0, flat_offset=0), "exactly one of dim="),
+        (lambda: declare_shard(x.clone(), (12, 5), dist.group.WORLD, dim=0), "except along dim=0"),
+        (lambda: declare_shard(x.clone(), (12, 4), dist.group.WORLD, dim=2), "dim=2 must be a dim"),
+        (lambda: declare_shard(x.clone(), (12, 4), dist.group.WORLD, dim=0, start=10), "start=10"),
+        (lambda: declare_shard(torch.zeros(2, 4), (12, 4), dist.group.WORLD, dim=0), "pass start= explicitly"),
+        (lambda: declare_shard(x.clone(), (12, 4), dist.group.WORLD, flat_offset=49), "flat_offset=49"),
+        (lambda: declare_shard(x.clone(), (12, -4), dist.group.WORLD, flat_offset=0), "global_shape="),
+    ]
+    for fn, msg in cases:
+        with pytest.raises(ValueError, match=msg.replace("(", r"\(").replace("=", "=")):
+            fn()
+    p = declare_shard(torch.zeros(3, 4), (12, 4), dist.group.WORLD, dim=0)
+    assert fastopt.distributed.layout_of(p).index[0].tolist() == list(range(3 * rank, 3 * rank + 3))
+    master = torch.zeros(6)
+    work = torch.zeros(5, 4)
+    opt = fastopt.Adafactor([master])
+    with pytest.raises(ValueError, match="is_zero=True needs dp_group"):
+        opt.setup_distributed(is_zero=True, shard_to_working_param={id(master): work})
+    with pytest.raises(ValueError, match="no entry for param_groups"):
+        opt.setup_distributed(dp_group=dist.group.WORLD, is_zero=True)
+    with pytest.raises(ValueError, match="padding_map gives 3"):
+        opt.setup_distributed(dp_group=dist.group.WORLD, shard_to_working_param={id(master): work},
+                              padding_map={id(master): 3}, is_zero=True)
+    work.dist_layout = _FakeDistLayout((10, 4), 0)
+    with pytest.raises(ValueError, match="tp_group=None"):
+        opt.setup_distributed(dp_group=dist.group.WORLD, shard_to_working_param={id(master): work}, is_zero=True)
+    opt.setup_distributed(dp_group=dist.group.WORLD, shard_to_working_param={id(master): torch.zeros(5, 4)},
+                          is_zero=True)  # 4 ranks x 6 = 20 elements + 4 padding, inferred
+    lay = opt._layout(master)
+    assert lay.flat == (min(6 * rank, 20), max(0, min(6, 20 - 6 * rank))) and lay.global_shape == (5, 4)
+
+
+def test_declarations_are_checked(pool):
+    pool.run(_errors_case)
+
+
+# ---- flat ranges in one process: the buffers reduced, the padding never read or written -------------------
+LOCAL_OPTS = {**{k: OPTS[k] for k in ("adafactor", "came", "came8", "lamb", "adamw8bit")},
+              "lamb8": ("Lamb", dict(lr=1e-2, nbits=8, min_8bit_size=0, block_size=64)),
+              "adamw8bit_q": ("AdamW8bit", dict(lr=1e-2, min_8bit_size=0, block_size=64))}
+SIZES = {"adafactor": "adafactor", "came": "came", "came8": "came", "lamb": "lamb", "lamb8": "lamb"}
+
+
+def _make_local(name, params):
+    cls, kw = LOCAL_OPTS[name]
+    return getattr(fastopt, cls)(params, **kw)
+
+
+@pytest.mark.parametrize("name", list(LOCAL_OPTS))
+def test_flat_range_with_padding_takes_the_plain_step(backend, name, monkeypatch):
+    """A flat layout holding the whole tensor plus 3 padding elements (NaN gradients there, which would poison
+    every norm if read) takes exactly the plain step, leaves the padding as it was, and reduces exactly the
+    buffers that `reduction_sizes` (the benchmark's count) says, one per phase for the whole bucket."""
+    from fastopt.distributed import declare_shard
+    from fastopt.distributed.layout import Layout
+    from fastopt.reference import adafactor, came, lamb
+    shapes = [(5, 7), (3,), (2, 3, 4), (1, 9)]
+    init, grads = _problem(shapes)
+    sizes = []
+    monkeypatch.setattr(Layout, "reduce", lambda self, buf: sizes.append((buf.numel(), buf.dtype)))
+    plain = [p.clone() for p in init]
+    padded = [declare_shard(torch.cat([p.reshape(-1), torch.full((3,), 7.0, dtype=p.dtype)]), p.shape, "group",
+                            flat_offset=0) for p in init]
+    opt_plain, opt_padded = _make_local(name, plain), _make_local(name, padded)
+    for gs in grads:
+        for p, q, g in zip(plain, padded, gs):
+            p.grad = g.clone()
+            q.grad = torch.cat([g.reshape(-1), torch.full((3,), float("nan"), dtype=g.dtype)])
+        opt_plain.step()
+        opt_padded.step()
+    for p, q, p0 in zip(plain, padded, init):
+        assert torch.equal(q[-3:], torch.full((3,), 7.0, dtype=q.dtype))
+        assert _rel(q[:-3].view_as(p) - p0, p - p0) <= 1e-12, name
+    for p, q in zip(plain, padded):
+        for k, v in opt_plain.state[p].items():
+            w = opt_padded.state[q][k]
+            if w.shape != v.shape:  # element-wise: the padded state's first elements
+                w = w.reshape(-1)[:v.numel()].view_as(v)
+            assert torch.allclose(w, v, rtol=1e-12, atol=0), (name, k)
+    kind = SIZES.get(name)
+    per_step = [] if kind is None else (lamb.reduction_sizes(shapes, torch.float64) if kind == "lamb" else
+                                       {"adafactor": adafactor, "came": came}[kind].reduction_sizes(shapes))
+    assert sizes == per_step * STEPS

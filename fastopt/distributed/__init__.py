@@ -1,4 +1,10 @@
-"""Layouts, batched collectives and the ZeRO wrapper."""
+"""Layouts and batched collectives; the ZeRO wrapper.
+
+`declare_shard(p, global_shape, group, dim=... | flat_offset=...)` declares a plain tensor sharded by hand
+(Megatron-style layers, flat ZeRO ranges); DTensor params (TP, FSDP2, both) need no declaration;
+`FastOptimizer.setup_distributed(...)` takes ColossalAI's declaration. See layout.py.
+"""
+from .layout import Layout, declare_shard, full_tensor, layout_of
 from .zero import ZeroRedundancyOptimizer
 
-__all__ = ["ZeroRedundancyOptimizer"]
+__all__ = ["ZeroRedundancyOptimizer", "Layout", "declare_shard", "full_tensor", "layout_of"]

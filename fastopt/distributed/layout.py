@@ -1,51 +1,129 @@
-"""How a parameter's local elements map onto its global tensor, read off the parameter itself.
+"""How a parameter's local elements map onto its global tensor, read off the parameter or declared by hand.
 
-A `Layout` says, for every dim of the global tensor, which global indices this rank holds (None: all of
-them), and the process group over which partial statistics of this param must be summed (the ranks that
-hold other pieces of it). DTensor placements give it: `Shard(d)` (tensor parallelism, FSDP2; uneven too),
-`_StridedShard(d, split_factor)` (FSDP2 on top of TP) — which is not a `Shard` subclass and whose
-`is_shard()` is False, so it is matched explicitly here — and `Replicate` (ignored: replicas hold the same
-elements). Plain tensors have no layout: every rank holds all of it (single process, or DDP, whose
-gradients are already averaged).
+A `Layout` says which elements of the global tensor this rank holds, and over which process groups the
+partial statistics of the param must be summed (the ranks that hold other pieces of it). Two kinds:
 
-The global indices are computed by distributing a 1-D `arange` with the placements that act on each dim,
-so they follow DTensor's own chunking rules exactly, uneven and strided shards included.
+- dim layouts: for every dim, the global indices held here (None: all of them). DTensor placements give
+  them: `Shard(d)` (tensor parallelism, FSDP2; uneven too), `_StridedShard(d, split_factor)` (FSDP2 on top
+  of TP) — which is not a `Shard` subclass and whose `is_shard()` is False, so it is matched explicitly
+  here — and `Replicate` (ignored: replicas hold the same elements). `declare_shard(p, ..., dim=d)` gives
+  one for a plain tensor sharded by hand (Megatron-style layers).
+- flat layouts: the rank holds the contiguous range [offset, offset + count) of the flattened global
+  tensor (ZeRO shards: a range may start and end mid-row); local elements past `count` are padding, which
+  the optimizers neither read nor write. `declare_shard(p, ..., flat_offset=o)` declares one; a flat range
+  of a tensor that is itself sharded (ZeRO over TP: `FastOptimizer.setup_distributed`) has that tensor's
+  layout as `base`.
+
+Plain tensors without a declaration have no layout (None): every rank holds all of it (single process, or
+DDP, whose gradients are already averaged).
+
+Stable API (the optimizers and the GaLore layout support use it): `Layout` with `global_shape`, `index`,
+`group`, `groups`, `group_key`, `flat`, `base`, `numel`, `count`, `is_flat`, `dim_index`, `batch_index`,
+`flat_index`, `factor_index`, `local_view`, `reduce`; `layout_of`, `local`, `declare_shard`, `make_layout`,
+`full_tensor`, `real_elements`.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["Layout", "layout_of", "local"]
+__all__ = ["Layout", "layout_of", "local", "declare_shard", "make_layout", "full_tensor", "real_elements"]
+
+_ATTR = "_fastopt_layout"  # where declare_shard keeps a plain tensor's declared layout
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Layout:
     global_shape: tuple[int, ...]
-    index: tuple[Tensor | None, ...]  # per dim: global indices held here (int64, on the param's device)
-    group: object  # process group over which this param's partial statistics are summed
-    group_key: tuple  # hashable identity of `group` (bucketing)
+    index: tuple[Tensor | None, ...]  # dim layouts: per dim, global indices held here (int64); flat: all None
+    group: object  # the first (for DTensors the only) process group over which partial statistics are summed
+    group_key: tuple  # hashable identity of `groups` (bucketing: one collective per phase per key)
+    flat: tuple[int, int] | None = None  # flat layouts: (offset, count) in the flattened `base` (or global)
+    base: "Layout | None" = None  # flat layouts: the layout of the tensor that was flattened (None: global)
+    groups: tuple = ()  # every group to sum over, in order (empty: (group,)); orthogonal groups, e.g. (tp, dp)
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        if not self.groups:
+            object.__setattr__(self, "groups", (self.group,))
 
     @property
     def numel(self) -> int:
         return math.prod(self.global_shape)
 
+    @property
+    def is_flat(self) -> bool:
+        return self.flat is not None
+
+    @property
+    def count(self) -> int:
+        """Real (non-padding) elements held here."""
+        if self.flat is not None:
+            return self.flat[1]
+        return math.prod(self.global_shape[d] if i is None else len(i) for d, i in enumerate(self.index))
+
     def dim_index(self, d: int, device) -> Tensor:
+        """Dim layouts: the global indices of dim d held here."""
+        if self.flat is not None:
+            raise ValueError("Layout.dim_index: a flat layout has no per-dim indices; use flat_index")
         idx = self.index[d]
-        return torch.arange(self.global_shape[d], device=device) if idx is None else idx
+        return torch.arange(self.global_shape[d], device=device) if idx is None else idx.to(device)
 
     def batch_index(self, device) -> Tensor:
-        """Global flat indices of the local matrices of a (..., R, C) param (its leading dims raveled)."""
+        """Dim layouts: global flat indices of the local matrices of a (..., R, C) param (leading dims raveled)."""
         lead = self.global_shape[:-2]
         flat = torch.zeros(1, dtype=torch.long, device=device)
         for d, n in enumerate(lead):
             flat = (flat[:, None] * n + self.dim_index(d, device)[None, :]).reshape(-1)
         return flat
+
+    def flat_index(self, device) -> Tensor:
+        """Global flat (row-major) index of every real local element, shaped like the local tensor (dim
+        layouts) or 1-D of `count` (flat layouts). Cached per device."""
+        key = ("flat", str(device))
+        if key not in self._cache:
+            if self.flat is not None:
+                off, n = self.flat
+                if self.base is None:
+                    idx = torch.arange(off, off + n, dtype=torch.long, device=device)
+                else:
+                    idx = self.base.flat_index(device).reshape(-1)[off:off + n]
+            else:
+                idx = torch.zeros((), dtype=torch.long, device=device)
+                for d, n in enumerate(self.global_shape):
+                    idx = idx.unsqueeze(-1) * n + self.dim_index(d, device)
+            self._cache[key] = idx
+        return self._cache[key]
+
+    def factor_index(self, device) -> tuple[Tensor, Tensor]:
+        """For a factored param (global shape (..., R, C)): the index of every real local element's row in
+        the flattened row factor (..., R) and of its column in the flattened column factor (..., C), shaped
+        like `flat_index`. Cached per device."""
+        key = ("factor", str(device))
+        if key not in self._cache:
+            r, c = self.global_shape[-2:]
+            f = self.flat_index(device)
+            self._cache[key] = (f // c, (f // (r * c)) * c + f % c)
+        return self._cache[key]
+
+    def local_view(self, x: Tensor) -> Tensor:
+        """The real elements of a local tensor (or of a state shaped like it), as a view: the local tensor
+        itself for dim layouts, its first `count` flattened elements for flat layouts."""
+        if self.flat is None:
+            return x
+        if not x.is_contiguous():
+            raise ValueError(f"fastopt: a flat-sharded tensor must be contiguous (got strides {x.stride()})")
+        return x.view(-1)[:self.flat[1]]
+
+    def reduce(self, buf: Tensor) -> None:
+        """Sum `buf` in place over every rank that holds a piece of the param: one all_reduce per group."""
+        for g in self.groups:
+            dist.all_reduce(buf, group=g)
 
 
 def local(t: Tensor) -> Tensor:
@@ -81,10 +159,7 @@ def _group_for(mesh, mesh_dims: tuple[int, ...]):
     return mesh[tuple(names[d] for d in mesh_dims)]._flatten().get_group()
 
 
-def layout_of(p: Tensor) -> Layout | None:
-    """The layout of `p`, or None when this rank holds all of it (plain tensor, or a replicated DTensor)."""
-    if not _is_dtensor(p):
-        return None
+def _dtensor_layout(p) -> Layout | None:
     from torch.distributed.tensor import distribute_tensor
     from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
 
@@ -108,5 +183,148 @@ def layout_of(p: Tensor) -> Layout | None:
         idx = distribute_tensor(probe, mesh, acting, src_data_rank=None).to_local()
         index.append(idx.clone())
     group = _group_for(mesh, sharded_mesh_dims)
-    key = (id(mesh), sharded_mesh_dims)
-    return Layout(tuple(p.shape), tuple(index), group, key)
+    return Layout(tuple(p.shape), tuple(index), group, _groups_key((group,)))
+
+
+def layout_of(p: Tensor) -> Layout | None:
+    """The layout of `p`: declared with `declare_shard`, else read off its DTensor placements; None when this
+    rank holds all of it (plain tensor, or a replicated DTensor)."""
+    declared = getattr(p, _ATTR, None)
+    if declared is not None:
+        return declared
+    if not _is_dtensor(p):
+        return None
+    return _dtensor_layout(p)
+
+
+def _groups_key(groups: tuple) -> tuple:
+    """Params whose layouts name the same groups share a bucket, whatever the layouts' kinds: one collective
+    per phase per group."""
+    return ("groups",) + tuple(id(g) for g in groups)
+
+
+def _check_groups(groups, owner: str) -> tuple:
+    if groups is None:
+        raise ValueError(f"{owner}: group=None: pass the process group of the ranks that hold the other pieces "
+                         "(fastopt never assumes the whole world)")
+    groups = tuple(groups) if isinstance(groups, (tuple, list)) else (groups,)
+    if not groups or any(g is None for g in groups):
+        raise ValueError(f"{owner}: group={groups!r} must be a process group or a non-empty tuple of them, "
+                         "none of them None")
+    return groups
+
+
+def make_layout(local_shape, global_shape, group, *, dim=None, start=None, flat_offset=None, base=None,
+                owner="declare_shard") -> Layout:
+    """A Layout for a local tensor of `local_shape`, checked; see `declare_shard`. `base` (flat layouts only):
+    the layout of the tensor that was flattened, when that tensor is itself a shard (ZeRO over TP)."""
+    groups = _check_groups(group, owner)
+    if not (isinstance(global_shape, (tuple, list, torch.Size)) and all(
+            isinstance(n, int) and n >= 0 for n in global_shape)):
+        raise ValueError(f"{owner}: global_shape={global_shape!r} must be a tuple of ints >= 0")
+    global_shape = tuple(int(n) for n in global_shape)
+    local_shape = tuple(local_shape)
+    if (dim is None) == (flat_offset is None):
+        raise ValueError(f"{owner}: pass exactly one of dim= (sharded along one dim) and flat_offset= "
+                         f"(a contiguous range of the flattened tensor); got dim={dim!r}, flat_offset={flat_offset!r}")
+    if dim is not None:
+        nd = len(global_shape)
+        if not (isinstance(dim, int) and -nd <= dim < nd):
+            raise ValueError(f"{owner}: dim={dim!r} must be a dim of global_shape={global_shape}")
+        dim %= nd
+        if len(local_shape) != nd or any(a != b for d, (a, b) in enumerate(zip(local_shape, global_shape))
+                                         if d != dim):
+            raise ValueError(f"{owner}: the local shape {local_shape} must equal global_shape={global_shape} "
+                             f"except along dim={dim}")
+        n_loc, n = local_shape[dim], global_shape[dim]
+        if start is None:
+            if len(groups) != 1:
+                raise ValueError(f"{owner}: start=None with several groups: pass start (the first global index "
+                                 f"along dim={dim} held here)")
+            # torch.chunk's rule, as DTensor's Shard: ceil(n / w) per rank, the last ones shorter or empty.
+            w, r = dist.get_world_size(groups[0]), dist.get_rank(groups[0])
+            size = -(-n // w)
+            start = min(r * size, n)
+            if n_loc != max(0, min(size, n - start)):
+                raise ValueError(f"{owner}: the local size {n_loc} along dim={dim} is not torch.chunk's share "
+                                 f"of {n} over {w} ranks for rank {r}; pass start= explicitly")
+        if not (isinstance(start, int) and 0 <= start and start + n_loc <= n):
+            raise ValueError(f"{owner}: start={start!r} must be an int with start + {n_loc} (the local size along "
+                             f"dim={dim}) <= {n}")
+        index = tuple(torch.arange(start, start + n_loc) if d == dim else None for d in range(nd))
+        return Layout(global_shape, index, groups[0], _groups_key(groups), groups=groups)
+    total = math.prod(global_shape) if base is None else base.count
+    n_loc = math.prod(local_shape)
+    if not (isinstance(flat_offset, int) and 0 <= flat_offset <= total):
+        raise ValueError(f"{owner}: flat_offset={flat_offset!r} must be an int in [0, {total}] (the elements of "
+                         "the flattened tensor)")
+    count = max(0, min(n_loc, total - flat_offset))
+    key = _groups_key(groups) if base is None else base.group_key + _groups_key(groups)
+    all_groups = groups if base is None else tuple(base.groups) + groups
+    return Layout(global_shape, (None,) * len(global_shape), all_groups[0], key, flat=(flat_offset, count),
+                  base=base, groups=all_groups)
+
+
+def declare_shard(p: Tensor, global_shape, group, *, dim: int | None = None, start: int | None = None,
+                  flat_offset: int | None = None) -> Tensor:
+    """Declare that plain tensor `p` is this rank's piece of a larger tensor, so that every fastopt optimizer
+    gives the single-process result on it. Returns `p` (the declaration is kept on the tensor).
+
+    Args:
+        p: the local piece (a parameter sharded by hand).
+        global_shape: the shape of the whole tensor.
+        group: the process group of the ranks that hold the other pieces, or a tuple of orthogonal groups
+            (e.g. (tp_group, dp_group)) whose product does; required: fastopt never assumes the whole world.
+        dim: `p` holds the global indices [start, start + p.shape[dim]) along `dim`, all of every other dim.
+        start: with `dim`, the first global index held here (default: torch.chunk's rule over `group`).
+        flat_offset: instead of `dim`, `p` holds the elements [flat_offset, flat_offset + p.numel()) of the
+            flattened (row-major) tensor, which may start and end mid-row; those past the end are padding.
+
+    Statistics over the whole tensor (row and column sums, norms) are summed over `group` with one
+    collective per phase for all the params that share it. Declare on the very tensor the optimizer gets
+    (`torch.nn.Parameter(t)` makes a new tensor object: declare the Parameter) and before its first step.
+    """
+    if _is_dtensor(p):
+        raise ValueError("declare_shard: p is a DTensor; its layout is read off its placements")
+    lay = make_layout(tuple(p.shape), global_shape, group, dim=dim, start=start, flat_offset=flat_offset)
+    setattr(p, _ATTR, lay)
+    return p
+
+
+def full_tensor(x: Tensor, layout: Layout | None) -> Tensor:
+    """The whole global tensor on every rank from its local piece `x` (real elements only), with one
+    all_reduce per group of the layout: each rank scatters its elements into zeros, the sum assembles them.
+    Moves the whole tensor: for tests, checkpoint tools and GaLore's projection, not for per-step statistics.
+    Replicated pieces (a dim layout under a mesh dim it is replicated over) are not double-counted: only
+    the layout's groups are summed over."""
+    if layout is None:
+        return x
+    out = torch.zeros(layout.numel, dtype=x.dtype, device=x.device)
+    out[layout.flat_index(x.device).reshape(-1)] = layout.local_view(x).reshape(-1)
+    layout.reduce(out)
+    return out.view(layout.global_shape)
+
+
+def real_elements(params: list, grads: list, states: list[dict], layouts: list | None, elementwise: tuple,
+                  absmax: dict | None = None) -> tuple[list, list, list]:
+    """Views of the real elements of every flat-sharded param of a bucket (padding cut off), of its grad and
+    of its element-wise states (`elementwise` keys, shaped like the local tensor); 8-bit scale keys in
+    `absmax` ({key: block_size}) are cut to the blocks of the real elements (blocks start at element 0, so
+    the first ones are the same blocks). Params of other layouts pass through unchanged."""
+    if layouts is None or not any(lay is not None and lay.is_flat for lay in layouts):
+        return params, grads, states
+    absmax = absmax or {}
+    ps, gs, ss = [], [], []
+    for p, g, s, lay in zip(params, grads, states, layouts):
+        if lay is None or not lay.is_flat:
+            ps.append(p), gs.append(g), ss.append(s)
+            continue
+        view = dict(s)
+        for k in elementwise:
+            if k in s:
+                view[k] = lay.local_view(s[k])
+        for k, block in absmax.items():
+            if k in s:
+                view[k] = s[k][:-(-lay.count // block)]
+        ps.append(lay.local_view(p)), gs.append(lay.local_view(g)), ss.append(view)
+    return ps, gs, ss

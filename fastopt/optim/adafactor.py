@@ -68,11 +68,11 @@ class Adafactor(FastOptimizer):
         """Row and column factors span the whole (global) matrix, identical on every rank that holds a piece
         of a sharded param; the element-wise states are shaped like the local piece."""
         dt = self.state_dtype(p)
-        here = tuple(local(p).shape)
+        here, shape = tuple(local(p).shape), self._global_shape(p)
         spec = {}
-        if p.dim() >= 2:
-            spec["exp_avg_sq_row"] = (tuple(p.shape[:-1]), dt)
-            spec["exp_avg_sq_col"] = (tuple(p.shape[:-2]) + (p.shape[-1],), dt)
+        if len(shape) >= 2:
+            spec["exp_avg_sq_row"] = (shape[:-1], dt)
+            spec["exp_avg_sq_col"] = (shape[:-2] + shape[-1:], dt)
         else:
             spec["exp_avg_sq"] = (here, dt)
         if group["beta1"] is not None:
@@ -87,3 +87,24 @@ class Adafactor(FastOptimizer):
         cache = self._plans.setdefault((id(group), params[0].device, params[0].dtype), {})
         ops.adafactor_step(params, grads, states, inv_scale=scaler.inv_scale, found_inf=scaler.found_inf,
                            cache=cache, layouts=layouts, reduce=reduce, **hyper)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Also takes transformers' `Adafactor` state_dicts: the same state keys (`exp_avg_sq_row`,
+        `exp_avg_sq_col` or `exp_avg_sq`, `exp_avg` with beta1), their int `step` becomes a tensor, their
+        `RMS` (recomputed there every step from the param, unused across steps) is dropped, and their groups
+        get this optimizer's `bf16_stochastic_round`."""
+        groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+        if isinstance(groups, list) and len(groups) == len(self.param_groups) and all(
+                isinstance(g, dict) and "bf16_stochastic_round" not in g and set(_TRANSFORMERS_KEYS) <= set(g)
+                for g in groups):
+            state = {pid: ({k: v for k, v in st.items() if k != "RMS"} if isinstance(st, dict) else st)
+                     for pid, st in state_dict.get("state", {}).items()}
+            state_dict = {"state": state,
+                          "param_groups": [{**g, "bf16_stochastic_round": ours["bf16_stochastic_round"]}
+                                           for g, ours in zip(groups, self.param_groups)]}
+        super().load_state_dict(state_dict)
+
+
+# Group keys of transformers' Adafactor; a state_dict whose groups hold these and no fastopt-only key is its.
+_TRANSFORMERS_KEYS = ("lr", "eps", "clip_threshold", "decay_rate", "beta1", "weight_decay", "scale_parameter",
+                      "relative_step", "warmup_init")

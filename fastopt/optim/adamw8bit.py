@@ -6,6 +6,7 @@ import math
 import torch
 
 from .. import ops
+from ..distributed.layout import local, real_elements
 from ..reference.quant import check_block_size
 from .base import FastOptimizer, check, check_betas
 
@@ -38,6 +39,9 @@ class AdamW8bit(FastOptimizer):
     """
 
     _name = "AdamW8bit"
+    # Element-wise: a sharded param steps on its local piece with no collective, its 8-bit blocks cut from
+    # the local piece (so they differ from a single process's blocks by the quantization error alone).
+    _supports_layouts = True
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, block_size=256,
                  min_8bit_size=4096):
@@ -57,16 +61,61 @@ class AdamW8bit(FastOptimizer):
         super().__init__(params, defaults)
 
     def _state_spec(self, p, group):
-        shape = tuple(p.shape)
-        if p.numel() >= group["min_8bit_size"]:
-            blocks = (math.ceil(p.numel() / group["block_size"]),)
+        shape = tuple(local(p).shape)
+        if math.prod(self._global_shape(p)) >= group["min_8bit_size"]:
+            blocks = (math.ceil(math.prod(shape) / group["block_size"]),)
             return {"state1": (shape, torch.uint8), "state2": (shape, torch.uint8),
                     "absmax1": (blocks, torch.float32), "absmax2": (blocks, torch.float32)}
         dt = self.state_dtype(p)
         return {"state1": (shape, dt), "state2": (shape, dt)}
 
-    def _step_group(self, group, params, grads, states, scaler):
+    def _step_group(self, group, params, grads, states, scaler, layouts=None, reduce=None):
         check_block_size(group["block_size"], self._name)
+        bs = group["block_size"]
+        params, grads, states = real_elements(params, grads, states, layouts, ("state1", "state2"),
+                                              {"absmax1": bs, "absmax2": bs})
         ops.adamw8bit_step(params, grads, states, lr=group["lr"], betas=group["betas"], eps=group["eps"],
                            weight_decay=group["weight_decay"], block_size=group["block_size"],
                            inv_scale=scaler.inv_scale, found_inf=scaler.found_inf)
+
+    def _quantized_keys(self, group):
+        bs = group["block_size"]
+        return {"state1": ("absmax1", True, bs), "state2": ("absmax2", False, bs)}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Also takes bitsandbytes' `AdamW8bit` state_dicts (same codes, same maps, same blocks of 256):
+        its per-param `__bnb_optimizer_quant_state__` entry is unpacked, `qmap1`/`qmap2` are checked against
+        fastopt's fixed maps and dropped, its int `step` becomes a tensor, and its groups (lr, betas, eps,
+        weight_decay; alpha, t_alpha, t_beta3 of its AdEMAMix variant are ignored) get this optimizer's
+        `block_size` and `min_8bit_size`. `state1`/`state2` and `absmax1`/`absmax2` keep their names."""
+        groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+        if isinstance(groups, list) and len(groups) == len(self.param_groups) and all(
+                isinstance(g, dict) and "block_size" not in g and {"lr", "betas", "eps", "weight_decay"} <= set(g)
+                for g in groups):
+            state_dict = {"state": {pid: _from_bnb(pid, st) for pid, st in state_dict.get("state", {}).items()},
+                          "param_groups": [{**{k: v for k, v in g.items() if k not in _BNB_ONLY},
+                                            "block_size": ours["block_size"], "min_8bit_size": ours["min_8bit_size"]}
+                                           for g, ours in zip(groups, self.param_groups)]}
+        super().load_state_dict(state_dict)
+
+
+# Group keys of bitsandbytes' 8-bit Adam family that fastopt's AdamW8bit does not have.
+_BNB_ONLY = ("alpha", "t_alpha", "t_beta3", "amsgrad", "optim_bits", "percentile_clipping", "block_wise",
+             "max_unorm", "skip_zeros", "is_paged")
+
+
+def _from_bnb(pid, st: dict) -> dict:
+    """One param's state in bitsandbytes' layout -> fastopt's (see AdamW8bit.load_state_dict)."""
+    from ..reference.quant import dynamic_map
+    if not isinstance(st, dict):
+        return st
+    st = dict(st)
+    st.update(st.pop("__bnb_optimizer_quant_state__", {}))
+    for key, signed in (("qmap1", True), ("qmap2", False)):
+        qmap = st.pop(key, None)
+        if qmap is not None and not torch.equal(qmap.to("cpu", torch.float32), dynamic_map(signed, "cpu")):
+            raise ValueError(f"AdamW8bit.load_state_dict: state[{pid!r}][{key!r}] is not bitsandbytes' dynamic "
+                             f"{'signed' if signed else 'unsigned'} map, the only one fastopt uses")
+    if not isinstance(st.get("step"), torch.Tensor) and "step" in st:
+        st["step"] = torch.tensor(float(st["step"]))
+    return st

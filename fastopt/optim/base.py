@@ -6,7 +6,6 @@ device and dtype). Everything torch users expect from `torch.optim` comes from `
 """
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from typing import Any, Callable, Iterable
 
@@ -14,7 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..distributed.layout import layout_of, local
+from .. import checkpoint as ckpt
+from ..distributed.layout import Layout, layout_of, local
 
 __all__ = ["FastOptimizer", "check", "check_betas", "ScalerArgs"]
 
@@ -56,6 +56,14 @@ class FastOptimizer(torch.optim.Optimizer):
     _step_supports_amp_scaling = True
     _name = "FastOptimizer"
 
+    def __init__(self, params, defaults: dict):
+        super().__init__(params, defaults)
+        self.state = ckpt.StateDict(dict, self.state)
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self.state = ckpt.StateDict(dict, self.state)  # torch.optim's load_state_dict hands a plain defaultdict
+
     # ---- subclass interface -------------------------------------------------------------------
     def _state_spec(self, p: Tensor, group: dict) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         raise NotImplementedError
@@ -70,12 +78,25 @@ class FastOptimizer(torch.optim.Optimizer):
         """fp64 params keep fp64 state (the math alone, no rounding); all others fp32."""
         return torch.float64 if p.dtype == torch.float64 else torch.float32
 
+    def _quantized_keys(self, group: dict) -> dict[str, tuple[str, bool, int]]:
+        """8-bit states a param may have in `group`: codes key -> (absmax key, signed map, block size)."""
+        return {}
+
+    def _elementwise_keys(self, p: Tensor, group: dict, spec: dict) -> set:
+        """The states of `spec` that hold one value per element of p: for a DTensor p they are DTensors like
+        it, so that DCP reshards them. By default those shaped like p's local piece, 8-bit scales excepted;
+        override where another state can have that shape too (GaLore's projected moments)."""
+        absmax = {a for a, _signed, _block in self._quantized_keys(group).values()}
+        here = tuple(local(p).shape)
+        return {k for k, (shape, _dtype) in spec.items() if k not in absmax and tuple(shape) == here}
+
     def _init_state(self, p: Tensor, group: dict) -> dict:
+        """Zeros of `_state_spec`; for a DTensor param the element-wise states are DTensors like it
+        (fastopt/checkpoint.py: DCP reshards them), whose local tensors `step()` hands to `_step_group`."""
         state = self.state[p]
         if not state:
-            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-            for key, (shape, dtype) in self._state_spec(p, group).items():
-                state[key] = torch.zeros(shape, dtype=dtype, device=p.device)
+            spec = self._state_spec(p, group)
+            state.update(ckpt.zero_state(spec, p, self._elementwise_keys(p, group, spec)))
         return state
 
     def _check_grads(self) -> None:
@@ -105,26 +126,91 @@ class FastOptimizer(torch.optim.Optimizer):
         cache[device] = ScalerArgs(inv, fi)
         return cache[device]
 
-    # Subclasses whose `_step_group` takes `layouts=` and `reduce=` are exact on sharded params (DTensor).
+    # Subclasses whose `_step_group` takes `layouts=` and `reduce=` are exact on sharded params (DTensor,
+    # declared shards, flat ZeRO ranges).
     _supports_layouts = False
 
     def _layout(self, p: Tensor):
+        """p's Layout (fastopt.distributed.layout): set by `setup_distributed`, else `layout_of(p)`."""
         cache = self.__dict__.setdefault("_layout_cache", {})
         key = id(p)
         if key not in cache:
             cache[key] = (p, layout_of(p))  # keep p alive so its id is not reused
         return cache[key][1]
 
+    def _global_shape(self, p: Tensor) -> tuple[int, ...]:
+        """The shape of the whole tensor that p is (a piece of)."""
+        lay = self._layout(p)
+        return tuple(p.shape) if lay is None else lay.global_shape
+
     def _buckets(self, params: Iterable[Tensor]) -> dict:
-        """Params with grads and elements, grouped by (device, dtype, reduction group): one fused launch
-        sequence, and one collective per phase, for each."""
+        """Params with grads and elements, grouped by (device, dtype, reduction groups): one fused launch
+        sequence, and one collective per phase and group, for each. A sharded param whose piece here is empty
+        stays in: every rank of its group must put the same params in the same buffers."""
         out: dict = defaultdict(list)
         for p in params:
-            if p.grad is None or p.numel() == 0:
-                continue
             lay = self._layout(p)
+            if p.grad is None or (p.numel() if lay is None else lay.numel) == 0:
+                continue
             out[(p.device, p.dtype, None if lay is None else lay.group_key)].append(p)
         return out
+
+    def setup_distributed(self, tp_group=None, dp_group=None, shard_to_working_param=None, padding_map=None,
+                          is_zero: bool = False) -> None:
+        """ColossalAI's `DistributedOptim.setup_distributed`, so that its users switch without rewriting: declare
+        how this optimizer's params are sharded. Call it before the first `step()`.
+
+        Args:
+            tp_group: the tensor-parallel group over which a working param is sharded (ColossalAI d_tensors:
+                one dim, even shards). Params that are DTensors or declared with
+                `fastopt.distributed.declare_shard` carry their own layout; other params are replicated over it.
+            dp_group: the ZeRO group (required with is_zero=True: never the whole world by default).
+            shard_to_working_param: {id(p): working param}: with ZeRO, p is this rank's flat shard of the
+                working param (the tensor used in forward/backward, itself possibly TP-sharded).
+            padding_map: {id(p) or id(working param): padding}: elements appended to the flattened working
+                param so that it splits evenly over dp_group (default: inferred from the sizes, and checked).
+            is_zero: p holds the range [rank * p.numel(), (rank + 1) * p.numel()) of the flattened (padded)
+                working param, rank = its rank in dp_group (ColossalAI's low-level ZeRO).
+        """
+        from ..distributed.layout import make_layout
+        n = f"{self._name}.setup_distributed"
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(f"{n}: torch.distributed is not initialized (init_process_group first)")
+        if is_zero and dp_group is None:
+            raise ValueError(f"{n}: is_zero=True needs dp_group (the ZeRO process group); fastopt never assumes "
+                             "the whole world")
+        mapping = shard_to_working_param or {}
+        pads = padding_map or {}
+        cache = self.__dict__.setdefault("_layout_cache", {})
+        for gi, group in enumerate(self.param_groups):
+            for pi, p in enumerate(group["params"]):
+                where = f"param_groups[{gi}]['params'][{pi}]"
+                working = mapping.get(id(p), p)
+                tp_lay = _working_layout(working, tp_group, n, where)
+                if not is_zero:
+                    if tuple(local(working).shape) != tuple(local(p).shape):
+                        raise ValueError(f"{n}: shard_to_working_param maps {where} of shape {tuple(p.shape)} to a "
+                                         f"working param of shape {tuple(working.shape)}; without is_zero=True "
+                                         "they must be the same tensor")
+                    cache[id(p)] = (p, tp_lay)
+                    continue
+                if id(p) not in mapping:
+                    raise ValueError(f"{n}: is_zero=True but shard_to_working_param has no entry for {where} "
+                                     f"(shape {tuple(p.shape)}); map id(shard) to the working param")
+                total = tp_lay.count if tp_lay is not None else working.numel()
+                world, rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
+                chunk = p.numel()
+                pad = pads.get(id(p), pads.get(id(working)))
+                if pad is None:
+                    pad = chunk * world - total
+                if pad < 0 or chunk * world != total + pad:
+                    raise ValueError(f"{n}: padding_map gives {pad} for {where}, but {world} ranks of dp_group x "
+                                     f"{chunk} elements each must equal the working param's {total} elements plus "
+                                     "the padding")
+                global_shape = tp_lay.global_shape if tp_lay is not None else tuple(working.shape)
+                lay = make_layout((chunk,), global_shape, dp_group, flat_offset=min(rank * chunk, total),
+                                  base=tp_lay, owner=n)
+                cache[id(p)] = (p, lay)
 
     @staticmethod
     def _advance_steps(steps: list[Tensor], scaler: ScalerArgs) -> None:
@@ -145,80 +231,127 @@ class FastOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             for (device, _dtype, group_key), params in self._buckets(group["params"]).items():
                 if group_key is not None and not self._supports_layouts:
-                    raise NotImplementedError(f"{self._name} does not support sharded (DTensor) parameters yet")
+                    raise NotImplementedError(f"{self._name} does not support sharded parameters yet")
                 grads = [local(p.grad) for p in params]
-                states = [self._init_state(p, group) for p in params]
+                states = [ckpt.local_state(self._init_state(p, group), p) for p in params]
                 scaler = self._scaler_args(device, scalers)
                 self._advance_steps([s["step"] for s in states], scaler)
                 if group_key is None:
                     self._step_group(group, [local(p) for p in params], grads, states, scaler)
                 else:
                     layouts = [self._layout(p) for p in params]
-                    pg = layouts[0].group
                     self._step_group(group, [local(p) for p in params], grads, states, scaler, layouts=layouts,
-                                     reduce=lambda buf: dist.all_reduce(buf, group=pg))
+                                     reduce=layouts[0].reduce)
         return loss
 
     # ---- state_dict -----------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """torch.optim's state_dict (tensors and plain numbers only: loads with `torch.load(weights_only=True)`),
+        with copies of the state tensors, zero state for trainable params that have none yet, and DTensor
+        params' state in the form `torch.distributed.checkpoint` reshards (see fastopt/checkpoint.py)."""
+        sd = super().state_dict()
+        # One form for every param, whatever layout each one has: a param that is plain under TP alone (a
+        # norm's weight) may be a DTensor under FSDP, and DCP matches states by name.
+        force = self.__dict__.get("_dequantize_8bit", False) or any(
+            ckpt.is_dtensor(p) for g in self.param_groups for p in g["params"])
+        state = {}
+        index = 0
+        for group in self.param_groups:
+            quantized = self._quantized_keys(group)
+            for p in group["params"]:
+                if p in self.state and self.state[p]:
+                    state[index] = ckpt.export_state(self.state[p], quantized, force)
+                elif p.requires_grad and p.numel() > 0:
+                    spec = self._state_spec(p, group)
+                    zero = ckpt.zero_state(spec, p, self._elementwise_keys(p, group, spec))
+                    state[index] = ckpt.export_state(zero, quantized, force)
+                index += 1
+        sd["state"] = state
+        return sd
+
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load after checking everything; on any mismatch raise and leave the optimizer as it was.
+        """Load after checking everything; on any mismatch raise and leave the optimizer as it was (on every
+        rank: with DTensor params, the ranks agree on the verdict, so call it on all of them, as DCP does).
 
-        Unlike `torch.optim.Optimizer`, state tensors keep their saved dtype (fp32 state of a bf16 param
-        stays fp32) and move to their param's device.
+        Takes this optimizer's state_dicts from any layout: DTensor states are redistributed to the params'
+        placements, plain full-size element-wise states are cut to the local piece, dequantized 8-bit states
+        are requantized into the local blocks (fastopt/checkpoint.py). Unlike `torch.optim.Optimizer`, state
+        tensors keep their saved dtype (fp32 state of a bf16 param stays fp32) and move to their param's device.
         """
-        self._validate_state_dict(state_dict)
-        saved_state = state_dict["state"]
+        new_state = self._validate_state_dict(state_dict)
         super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
-        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        params = [p for g in self.param_groups for p in g["params"]]
-        id_map = dict(zip(ids, params))
-        for pid, st in saved_state.items():
-            p = id_map[pid]
-            self.state[p] = {
-                k: (v.detach().to(device=p.device, dtype=torch.float32 if k == "step" else v.dtype, copy=True)
-                    if isinstance(v, Tensor) else v)
-                for k, v in st.items()
-            }
+        for p, st in new_state.items():
+            self.state[p] = st
 
-    def _validate_state_dict(self, state_dict: dict) -> None:
+    def _validate_state_dict(self, state_dict: dict) -> dict:
+        """{param: the state to install}, built from `state_dict` without touching the optimizer; raises
+        ValueError naming the first mismatch."""
         name = self._name
+        where = f"{name}.load_state_dict"
         if not isinstance(state_dict, dict) or set(state_dict) != {"state", "param_groups"}:
-            raise ValueError(f"{name}.load_state_dict: expected a dict with keys 'state' and 'param_groups'")
+            got = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
+            raise ValueError(f"{where}: expected a dict with keys 'state' and 'param_groups', got {got}")
         saved_groups = state_dict["param_groups"]
+        if not isinstance(saved_groups, list) or not all(isinstance(g, dict) and "params" in g
+                                                         for g in saved_groups):
+            raise ValueError(f"{where}: 'param_groups' must be a list of dicts with 'params'")
         if len(saved_groups) != len(self.param_groups):
-            raise ValueError(f"{name}.load_state_dict: state_dict has {len(saved_groups)} param groups, "
+            raise ValueError(f"{where}: state_dict has {len(saved_groups)} param groups, "
                              f"this optimizer has {len(self.param_groups)}")
         id_map = {}
         for gi, (g, sg) in enumerate(zip(self.param_groups, saved_groups)):
             if len(g["params"]) != len(sg["params"]):
-                raise ValueError(f"{name}.load_state_dict: param_groups[{gi}] has {len(sg['params'])} params "
+                raise ValueError(f"{where}: param_groups[{gi}] has {len(sg['params'])} params "
                                  f"in the state_dict, {len(g['params'])} here")
             ours = set(self.defaults)
             theirs = set(sg) - {"params", "param_names"}
             if not ours <= theirs:
-                raise ValueError(f"{name}.load_state_dict: param_groups[{gi}] lacks {sorted(ours - theirs)}: "
+                raise ValueError(f"{where}: param_groups[{gi}] lacks {sorted(ours - theirs)}: "
                                  f"not a {name} state_dict")
+            merged = {**g, **{k: v for k, v in sg.items() if k not in ("params", "param_names")}}
             for pid, p in zip(sg["params"], g["params"]):
-                id_map[pid] = (p, g)
-        for pid, st in state_dict["state"].items():
+                id_map[pid] = (p, merged)
+        saved_state = state_dict["state"]
+        if not isinstance(saved_state, dict):
+            raise ValueError(f"{where}: 'state' must be a dict (param id -> state), got "
+                             f"{type(saved_state).__name__}")
+        new_state, problem, sharded = {}, None, False
+        for pid, st in saved_state.items():
             if pid not in id_map:
-                raise ValueError(f"{name}.load_state_dict: state for unknown param id {pid}")
-            p, g = id_map[pid]
-            spec = self._state_spec(p, {**g, **{k: v for k, v in
-                                                 next(sg for sg in saved_groups if pid in sg["params"]).items()
-                                                 if k != "params"}})
-            expected = set(spec) | {"step"}
-            if set(st) != expected:
-                raise ValueError(f"{name}.load_state_dict: state of param {pid} has keys {sorted(st)}, "
-                                 f"expected {sorted(expected)}")
-            for k, (shape, _dtype) in spec.items():
-                v = st[k]
-                if not isinstance(v, Tensor) or tuple(v.shape) != tuple(shape):
-                    got = tuple(v.shape) if isinstance(v, Tensor) else type(v).__name__
-                    raise ValueError(f"{name}.load_state_dict: state[{pid}][{k!r}] has shape {got}, "
-                                     f"expected {tuple(shape)}")
-                if v.is_floating_point() and not torch.isfinite(v).all():
-                    raise ValueError(f"{name}.load_state_dict: state[{pid}][{k!r}] holds non-finite values")
-            step = st["step"]
-            if not isinstance(step, Tensor) or step.numel() != 1 or not math.isfinite(float(step)):
-                raise ValueError(f"{name}.load_state_dict: state[{pid}]['step'] must be a finite scalar tensor")
+                raise ValueError(f"{where}: state for unknown param id {pid!r}")
+            p, group = id_map[pid]
+            sharded = sharded or ckpt.is_dtensor(p)
+            spec = self._state_spec(p, group)
+            out, bad = ckpt.import_state(st, p, spec, self._quantized_keys(group),
+                                         self._elementwise_keys(p, group, spec),
+                                         f"{where}: state[{pid!r}]", local(p).device)
+            problem = problem or bad
+            new_state[p] = out
+        ckpt.agree(problem, sharded)
+        return new_state
+
+
+def _working_layout(working: Tensor, tp_group, owner: str, where: str) -> Layout | None:
+    """The tensor-parallel layout of a working param: its DTensor placements or `declare_shard` declaration,
+    or, for a ColossalAI d_tensor (a `dist_layout` with a global shape and a sharding spec), its shard along
+    one dim over `tp_group` (torch.chunk's rule, which is ColossalAI's even split when the dim divides);
+    None when it is whole here."""
+    from ..distributed.layout import make_layout
+    lay = layout_of(working)
+    if lay is not None:
+        return lay
+    spec = getattr(working, "dist_layout", None)
+    if spec is None:
+        return None
+    parts = {d: axes for d, axes in spec.sharding_spec.dim_partition_dict.items() if axes}
+    if not parts:
+        return None
+    if len(parts) > 1:
+        raise NotImplementedError(f"{owner}: the working param of {where} is sharded along dims {sorted(parts)}; "
+                                  "one sharded dim is supported (declare others with fastopt.distributed.declare_shard)")
+    if tp_group is None:
+        raise ValueError(f"{owner}: tp_group=None, but the working param of {where} is sharded along dim "
+                         f"{next(iter(parts))}; pass tp_group")
+    (d,) = parts
+    # ColossalAI splits evenly; torch.chunk's rule is the same there and also covers uneven shards.
+    return make_layout(tuple(working.shape), tuple(spec.global_shape), tp_group, dim=d % working.dim(), owner=owner)

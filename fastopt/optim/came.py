@@ -6,6 +6,7 @@ import math
 import torch
 
 from .. import ops
+from ..distributed.layout import local
 from ..reference import quant
 from ..reference.came import QBLOCK
 from .base import FastOptimizer, check, check_betas
@@ -41,6 +42,7 @@ class CAME(FastOptimizer):
     """
 
     _name = "CAME"
+    _supports_layouts = True
 
     def __init__(self, params, lr=None, eps=(1e-30, 1e-16), clip_threshold=1.0, betas=(0.9, 0.999, 0.9999),
                  weight_decay=0.0, bf16_stochastic_round=False, nbits=32):
@@ -63,27 +65,34 @@ class CAME(FastOptimizer):
         self._plans: dict = {}
 
     def _state_spec(self, p, group):
+        """The four factors span the whole (global) matrix, identical on every rank that holds a piece of a
+        sharded param; the momentum and the unfactored second moment are shaped like the local piece (8-bit:
+        blocks of the local piece)."""
         dt = self.state_dtype(p)
+        here, shape = tuple(local(p).shape), self._global_shape(p)
         spec = {}
         if group["nbits"] == 8:
-            spec["exp_avg"] = (tuple(p.shape), torch.uint8)
-            spec["exp_avg_absmax"] = ((quant.num_blocks(p.numel(), QBLOCK),), torch.float32)
+            spec["exp_avg"] = (here, torch.uint8)
+            spec["exp_avg_absmax"] = ((quant.num_blocks(math.prod(here), QBLOCK),), torch.float32)
         else:
-            spec["exp_avg"] = (tuple(p.shape), dt)
-        if p.dim() >= 2:
-            rows, cols = tuple(p.shape[:-1]), tuple(p.shape[:-2]) + (p.shape[-1],)
+            spec["exp_avg"] = (here, dt)
+        if len(shape) >= 2:
+            rows, cols = shape[:-1], shape[:-2] + shape[-1:]
             spec.update(exp_avg_sq_row=(rows, dt), exp_avg_sq_col=(cols, dt), exp_avg_res_row=(rows, dt),
                         exp_avg_res_col=(cols, dt))
         else:
-            spec["exp_avg_sq"] = (tuple(p.shape), dt)
+            spec["exp_avg_sq"] = (here, dt)
         return spec
 
-    def _step_group(self, group, params, grads, states, scaler):
+    def _step_group(self, group, params, grads, states, scaler, layouts=None, reduce=None):
         hyper = {k: group[k] for k in ("lr", "eps", "clip_threshold", "betas", "weight_decay",
                                        "bf16_stochastic_round", "nbits")}
         cache = self._plans.setdefault((id(group), params[0].device, params[0].dtype), {})
         ops.came_step(params, grads, states, inv_scale=scaler.inv_scale, found_inf=scaler.found_inf, cache=cache,
-                      **hyper)
+                      layouts=layouts, reduce=reduce, **hyper)
+
+    def _quantized_keys(self, group):
+        return {"exp_avg": ("exp_avg_absmax", True, QBLOCK)}
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Also takes came-pytorch's state_dicts: their int `step` becomes a tensor, their `RMS` (recomputed

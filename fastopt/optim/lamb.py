@@ -48,8 +48,8 @@ class Lamb(FastOptimizer):
     """
 
     _name = "Lamb"
-    # The norms are sums over elements: on a sharded param (DTensor) the local partial sums are summed over
-    # the ranks that hold its pieces (the base class's `reduce`), whatever the layout.
+    # The norms are sums over elements: on a sharded param the local partial sums are summed over the ranks
+    # that hold its pieces (the base class's `reduce`), whatever the layout (flat shards: padding cut off).
     _supports_layouts = True
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0, bias_correction=True,
@@ -77,12 +77,16 @@ class Lamb(FastOptimizer):
     def _state_spec(self, p, group):
         """Shaped like the local piece of a sharded param; 8-bit when the whole param is large enough."""
         shape = tuple(local(p).shape)
-        if group["nbits"] == 8 and p.numel() >= group["min_8bit_size"]:
+        if group["nbits"] == 8 and math.prod(self._global_shape(p)) >= group["min_8bit_size"]:
             blocks = (num_blocks(math.prod(shape), group["block_size"]),)
             return {"exp_avg": (shape, torch.uint8), "exp_avg_absmax": (blocks, torch.float32),
                     "exp_avg_sq": (shape, torch.uint8), "exp_avg_sq_absmax": (blocks, torch.float32)}
         dt = self.state_dtype(p)
         return {"exp_avg": (shape, dt), "exp_avg_sq": (shape, dt)}
+
+    def _quantized_keys(self, group):
+        bs = group["block_size"]
+        return {"exp_avg": ("exp_avg_absmax", True, bs), "exp_avg_sq": ("exp_avg_sq_absmax", False, bs)}
 
     def _check_grads(self) -> None:
         super()._check_grads()
@@ -95,4 +99,4 @@ class Lamb(FastOptimizer):
                                        "bf16_stochastic_round", "block_size")}
         cache = self._plans.setdefault((id(group), params[0].device, params[0].dtype), {})
         ops.lamb_step(params, grads, states, inv_scale=scaler.inv_scale, found_inf=scaler.found_inf, cache=cache,
-                      reduce=reduce, **hyper)
+                      layouts=layouts, reduce=reduce, **hyper)

@@ -54,32 +54,63 @@ def _commit(dst: Tensor, new: Tensor, found_inf: Tensor | None) -> None:
     dst.copy_(new)
 
 
+def scatter_rows_cols(sq: Tensor, lay, row: Tensor, col: Tensor) -> tuple[Tensor, Tensor]:
+    """Row and column sums (fp64) of the local elements `sq` of a sharded factored param, scattered into
+    zeros shaped like the global row factor `row` (..., R) and column factor `col` (..., C): summed over
+    the ranks that hold its pieces, they are the global sums. The elements may be any piece of the matrix
+    (whole rows or columns, strided blocks, a flat range cut mid-row)."""
+    ridx, cidx = lay.factor_index(sq.device)
+    sq = sq.to(torch.float64).reshape(-1)
+    rows = torch.zeros(row.numel(), dtype=torch.float64, device=sq.device).index_add_(0, ridx.reshape(-1), sq)
+    cols = torch.zeros(col.numel(), dtype=torch.float64, device=sq.device).index_add_(0, cidx.reshape(-1), sq)
+    return rows, cols
+
+
+def gather_factors(r_fac: Tensor, c_fac: Tensor, lay) -> tuple[Tensor, Tensor]:
+    """The row and column multipliers of every local element of a sharded param, shaped like its local piece,
+    from the global (..., R) and (..., C) factors."""
+    ridx, cidx = lay.factor_index(r_fac.device)
+    return r_fac.reshape(-1)[ridx], c_fac.reshape(-1)[cidx]
+
+
+def factored_sizes(shapes) -> int:
+    """Elements of the row and column statistics of every factored shape: sum of prod(shape[:-1]) +
+    prod(shape[:-2]) * shape[-1], O(rows + columns) per matrix."""
+    return sum(math.prod(s[:-1]) + math.prod(s[:-2]) * s[-1] for s in shapes if len(s) >= 2)
+
+
+def reduction_sizes(shapes) -> list[tuple[int, torch.dtype]]:
+    """The buffers `adafactor_step` hands to `reduce` for a bucket of params of these global shapes, in order
+    ((elements, dtype) per phase): the benchmark counts collectives and bytes from this, a test checks it."""
+    out = []
+    if any(len(s) >= 2 for s in shapes):
+        out.append((factored_sizes(shapes), torch.float64))
+    return out + [(2 * len(shapes), torch.float64)]
+
+
 def adafactor_step(params: list[Tensor], grads: list[Tensor], states: list[dict], *, lr, eps, clip_threshold,
                    decay_rate, beta1, weight_decay, scale_parameter, relative_step, warmup_init,
                    bf16_stochastic_round: bool = False, inv_scale: Tensor | None = None,
                    found_inf: Tensor | None = None, reduce: Reduce | None = None, layouts: list | None = None) -> None:
     """One step over a bucket of local tensors. `layouts[i]` (fastopt.distributed.layout.Layout or None)
-    places param i's local elements in its global tensor; the row and column factors are global."""
+    places param i's local elements in its global tensor (flat layouts: `params[i]` holds only the real
+    elements, see `layout.real_elements`); the row and column factors are global."""
     eps1, eps2 = eps
     layouts = layouts or [None] * len(params)
-    acc = [s["exp_avg_sq_row"].dtype if is_factored(p) else s["exp_avg_sq"].dtype for p, s in zip(params, states)]
-    gs = [g.to(a) * inv_scale if inv_scale is not None else g.to(a) for g, a in zip(grads, acc)]
     shapes = [tuple(p.shape) if lay is None else lay.global_shape for p, lay in zip(params, layouts)]
+    acc = [s["exp_avg_sq_row"].dtype if len(shape) >= 2 else s["exp_avg_sq"].dtype
+           for shape, s in zip(shapes, states)]
+    gs = [g.to(a) * inv_scale if inv_scale is not None else g.to(a) for g, a in zip(grads, acc)]
 
     # Phase 1: sums of G^2 over each (global) row and column of every factored param, in one flat buffer.
     parts = []
     for g, s, shape, lay in zip(gs, states, shapes, layouts):
         if len(shape) >= 2:
-            sq = (g * g).to(torch.float64)
-            rows, cols = sq.sum(-1), sq.sum(-2)
-            if lay is not None:  # scatter the local rows and columns into zeros of the global size
-                b, r, c = (lay.batch_index(g.device), lay.dim_index(len(shape) - 2, g.device),
-                           lay.dim_index(len(shape) - 1, g.device))
-                rows_g = torch.zeros(s["exp_avg_sq_row"].shape, dtype=torch.float64, device=g.device)
-                cols_g = torch.zeros(s["exp_avg_sq_col"].shape, dtype=torch.float64, device=g.device)
-                rows_g.view(-1, shape[-2])[b[:, None], r[None, :]] = rows.reshape(len(b), len(r))
-                cols_g.view(-1, shape[-1])[b[:, None], c[None, :]] = cols.reshape(len(b), len(c))
-                rows, cols = rows_g, cols_g
+            if lay is None:
+                sq = (g * g).to(torch.float64)
+                rows, cols = sq.sum(-1), sq.sum(-2)
+            else:
+                rows, cols = scatter_rows_cols(g * g, lay, s["exp_avg_sq_row"], s["exp_avg_sq_col"])
             parts += [rows.flatten(), cols.flatten()]
     stats = torch.cat(parts) if parts else None
     if stats is not None and reduce is not None:
@@ -100,12 +131,11 @@ def adafactor_step(params: list[Tensor], grads: list[Tensor], states: list[dict]
             c_new = beta2t * cols + (1 - beta2t) * (csum / shape[-2] + eps1)
             r_fac = (r_new / r_new.mean(dim=-1, keepdim=True)).rsqrt()
             c_fac = c_new.rsqrt()
-            if lay is not None:  # the factors of the local rows and columns
-                b, r, c = (lay.batch_index(g.device), lay.dim_index(len(shape) - 2, g.device),
-                           lay.dim_index(len(shape) - 1, g.device))
-                r_fac = r_fac.reshape(-1, shape[-2])[b[:, None], r[None, :]].reshape(g.shape[:-1])
-                c_fac = c_fac.reshape(-1, shape[-1])[b[:, None], c[None, :]].reshape(g.shape[:-2] + g.shape[-1:])
-            u = g * r_fac.unsqueeze(-1) * c_fac.unsqueeze(-2)
+            if lay is None:
+                u = g * r_fac.unsqueeze(-1) * c_fac.unsqueeze(-2)
+            else:
+                r_loc, c_loc = gather_factors(r_fac, c_fac, lay)
+                u = g * r_loc * c_loc
             new_states.append({"exp_avg_sq_row": r_new, "exp_avg_sq_col": c_new})
         else:
             v_new = beta2t * s["exp_avg_sq"] + (1 - beta2t) * (g * g + eps1)

@@ -26,13 +26,14 @@ precision and used as above, then quantized for storage.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
 from torch import Tensor
 
 from . import quant
-from .adafactor import _commit, is_factored
+from .adafactor import _commit, factored_sizes, gather_factors, scatter_rows_cols
 from .common import stochastic_round_bf16
 
 QBLOCK = 256  # bitsandbytes' block size for 8-bit optimizer states
@@ -40,49 +41,72 @@ QBLOCK = 256  # bitsandbytes' block size for 8-bit optimizer states
 Reduce = Callable[[Tensor], None]
 
 
-def _row_col_sums(xs: list[Tensor]) -> Tensor | None:
-    """One flat fp64 buffer: for every matrix batch x, its row sums then its column sums."""
+def reduction_sizes(shapes) -> list[tuple[int, torch.dtype]]:
+    """The buffers `came_step` hands to `reduce` for a bucket of params of these global shapes, in order
+    ((elements, dtype) per phase): G^2 row/column sums, U^2 sums, instability row/column sums."""
+    rc = factored_sizes(shapes)
+    mid = [(len(shapes), torch.float64)]
+    return [(rc, torch.float64)] + mid + [(rc, torch.float64)] if rc else mid
+
+
+def _row_col_sums(xs: list[Tensor], layouts: list, states: list[dict], keys: tuple[str, str]) -> Tensor | None:
+    """One flat fp64 buffer: for every factored x, its (global) row sums then its column sums; a sharded x's
+    local sums scattered into zeros of the global size (`states[i][keys[0]]`, `[keys[1]]` give the sizes)."""
     parts = []
-    for x in xs:
-        parts += [x.sum(-1).flatten(), x.sum(-2).flatten()]
+    for x, lay, s in zip(xs, layouts, states):
+        if lay is None:
+            parts += [x.sum(-1).flatten(), x.sum(-2).flatten()]
+        else:
+            parts += list(scatter_rows_cols(x, lay, s[keys[0]], s[keys[1]]))
     return torch.cat([t.to(torch.float64) for t in parts]) if parts else None
 
 
-def _factors(stats: Tensor, pos: int, row: Tensor, col: Tensor, beta: float, eps: float, shape) -> tuple:
+def _factors(stats: Tensor, pos: int, row: Tensor, col: Tensor, beta: float, eps: float, shape, lay=None) -> tuple:
     """EMA of the row/column means of x (+ eps) from their sums at stats[pos:]; the update's multipliers
-    rsqrt(R_t / mean(R_t)) (unsqueezed over columns) and rsqrt(C_t) (over rows); the new R_t, C_t; new pos."""
+    rsqrt(R_t / mean(R_t)) (unsqueezed over columns) and rsqrt(C_t) (over rows), or for a sharded param
+    (`lay`) those of its local elements; the new R_t, C_t; new pos. `shape` is the global shape."""
     rsum = stats[pos:pos + row.numel()].view_as(row).to(row.dtype)
     pos += row.numel()
     csum = stats[pos:pos + col.numel()].view_as(col).to(col.dtype)
     pos += col.numel()
     r_new = beta * row + (1 - beta) * (rsum / shape[-1] + eps)
     c_new = beta * col + (1 - beta) * (csum / shape[-2] + eps)
-    r_fac = (r_new / r_new.mean(dim=-1, keepdim=True)).rsqrt().unsqueeze(-1)
-    c_fac = c_new.unsqueeze(-2).rsqrt()
+    if lay is None:
+        r_fac = (r_new / r_new.mean(dim=-1, keepdim=True)).rsqrt().unsqueeze(-1)
+        c_fac = c_new.unsqueeze(-2).rsqrt()
+    else:
+        r_fac, c_fac = gather_factors((r_new / r_new.mean(dim=-1, keepdim=True)).rsqrt(), c_new.rsqrt(), lay)
     return r_fac, c_fac, r_new, c_new, pos
 
 
 def came_step(params: list[Tensor], grads: list[Tensor], states: list[dict], *, lr, eps, clip_threshold, betas,
               weight_decay, bf16_stochastic_round: bool = False, nbits: int = 32, inv_scale: Tensor | None = None,
-              found_inf: Tensor | None = None, reduce: Reduce | None = None) -> None:
-    """One step over a bucket of params (one device, one dtype)."""
+              found_inf: Tensor | None = None, reduce: Reduce | None = None, layouts: list | None = None) -> None:
+    """One step over a bucket of params (one device, one dtype). `layouts[i]` (fastopt.distributed.layout.Layout
+    or None) places param i's local elements in its global tensor (flat layouts: `params[i]` holds only the
+    real elements, see `layout.real_elements`); the four factors are global, identical on every rank."""
     eps1, eps2 = eps
     beta1, beta2, beta3 = betas
-    acc = [s["exp_avg_sq_row"].dtype if is_factored(p) else s["exp_avg_sq"].dtype for p, s in zip(params, states)]
+    layouts = layouts or [None] * len(params)
+    shapes = [tuple(p.shape) if lay is None else lay.global_shape for p, lay in zip(params, layouts)]
+    factored = [len(shape) >= 2 for shape in shapes]
+    acc = [s["exp_avg_sq_row"].dtype if f else s["exp_avg_sq"].dtype for f, s in zip(factored, states)]
     gs = [g.to(a) * inv_scale if inv_scale is not None else g.to(a) for g, a in zip(grads, acc)]
+    fac = [i for i, f in enumerate(factored) if f]
+    fac_lays, fac_states = [layouts[i] for i in fac], [states[i] for i in fac]
 
     # Phase 1: sums of G^2 over each row and column of every factored param, in one flat buffer.
-    stats = _row_col_sums([g * g for p, g in zip(params, gs) if is_factored(p)])
+    stats = _row_col_sums([gs[i] * gs[i] for i in fac], fac_lays, fac_states, ("exp_avg_sq_row", "exp_avg_sq_col"))
     if stats is not None and reduce is not None:
         reduce(stats)
 
     # Phase 2: new second-moment factors (or V_t) and the unclipped update's sum of squares.
     updates, new_states, sums = [], [], []
     pos = 0
-    for p, g, s in zip(params, gs, states):
-        if is_factored(p):
+    for g, s, shape, f, lay in zip(gs, states, shapes, factored, layouts):
+        if f:
             r_fac, c_fac, r_new, c_new, pos = _factors(stats, pos, s["exp_avg_sq_row"], s["exp_avg_sq_col"], beta2,
-                                                       eps1, g.shape)
+                                                       eps1, shape, lay)
             u = g * r_fac * c_fac
             new_states.append({"exp_avg_sq_row": r_new, "exp_avg_sq_col": c_new})
         else:
@@ -97,24 +121,24 @@ def came_step(params: list[Tensor], grads: list[Tensor], states: list[dict], *, 
 
     # Phase 3: clip, momentum, and the sums of the instability (U - M)^2 of every factored param.
     moms, res = [], []
-    for i, (p, g, s) in enumerate(zip(params, gs, states)):
-        clip = torch.clamp((sums[i].to(g.dtype) / p.numel()).sqrt() / clip_threshold, min=1.0)
+    for i, (g, s, shape, f) in enumerate(zip(gs, states, shapes, factored)):
+        clip = torch.clamp((sums[i].to(g.dtype) / math.prod(shape)).sqrt() / clip_threshold, min=1.0)
         u = updates[i] / clip
         m_old = _load_momentum(s, g.dtype, nbits)
         m_new = beta1 * m_old + (1 - beta1) * u
         moms.append(m_new)
-        if is_factored(p):
+        if f:
             res.append((u - m_new).square())
-    res_stats = _row_col_sums(res)
+    res_stats = _row_col_sums(res, fac_lays, fac_states, ("exp_avg_res_row", "exp_avg_res_col"))
     if res_stats is not None and reduce is not None:
         reduce(res_stats)
 
     # Phase 4: instability factors, confidence-scaled update, decay, write.
     pos = 0
-    for p, g, s, m_new, ns in zip(params, gs, states, moms, new_states):
-        if is_factored(p):
+    for p, g, s, m_new, ns, shape, f, lay in zip(params, gs, states, moms, new_states, shapes, factored, layouts):
+        if f:
             r_fac, c_fac, r_new, c_new, pos = _factors(res_stats, pos, s["exp_avg_res_row"], s["exp_avg_res_col"],
-                                                       beta3, eps2, g.shape)
+                                                       beta3, eps2, shape, lay)
             ns.update(exp_avg_res_row=r_new, exp_avg_res_col=c_new)
             u = m_new * r_fac * c_fac
         else:

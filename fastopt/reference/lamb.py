@@ -73,6 +73,12 @@ def _commit(dst: Tensor, new: Tensor, found_inf: Tensor | None) -> None:
     dst.copy_(new)
 
 
+def reduction_sizes(shapes, dtype: torch.dtype) -> list[tuple[int, torch.dtype]]:
+    """The buffer `lamb_step` hands to `reduce` for a bucket of params of these shapes and `dtype`: the
+    squared norms of p and of the update, two per param."""
+    return [(2 * len(shapes), torch.float64 if dtype == torch.float64 else torch.float32)]
+
+
 def lamb_step(params: list[Tensor], grads: list[Tensor], states: list[dict], *, lr, betas, eps, weight_decay,
               bias_correction, max_trust_ratio=None, bf16_stochastic_round: bool = False, block_size: int = 256,
               inv_scale: Tensor | None = None, found_inf: Tensor | None = None,

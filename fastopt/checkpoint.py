@@ -1,0 +1,275 @@
+"""Optimizer state that survives a change of layout (issue 8): how `FastOptimizer.state_dict()` and
+`load_state_dict()` present state, so that `torch.distributed.checkpoint` (DCP) reshards it and a plain
+`torch.save` / `torch.load(weights_only=True)` resumes bit for bit.
+
+A param's state, in memory and in a state_dict:
+
+- `step`: an fp32 scalar tensor, the same on every rank (python numbers are accepted on load).
+- Element-wise states (Adam moments, Adafactor's vector second moment and momentum, 8-bit codes): shaped like
+  the param. For a DTensor param they are DTensors with the param's mesh and placements (the optimizer's
+  kernels get their local tensors, which share storage), so DCP saves each element once and reloads it under
+  any other layout. On load, a plain tensor of the param's global shape is cut to this rank's piece, and a
+  DTensor with other placements is redistributed.
+- Factored states (Adafactor's and CAME's row and column statistics): plain full-length tensors, identical on
+  every rank, so they load under any layout as they are.
+- 8-bit states (codes + one fp32 absmax per block): for an optimizer of plain params (single process, DDP)
+  the state_dict holds the codes and absmax themselves: compact, exact, bitsandbytes' format. The blocks of a
+  DTensor param are cut from this rank's local piece, so they mean nothing under another layout: the
+  state_dict of an optimizer with any DTensor param holds every 8-bit state DEQUANTIZED (fp32, a DTensor for
+  a DTensor param, under the codes' key, and no absmax key; the same form for its plain params, which may
+  be DTensors under another layout), and `load_state_dict`
+  requantizes them into the blocks of the new local piece with `requantize`, which gives back the very same
+  values, bit for bit, wherever a new block holds the elements of one old block (the same layout, or layouts
+  whose local pieces start on block boundaries); elsewhere each element moves by at most half a quantization
+  step of its new block. A single process that loads a checkpoint saved from DTensor params needs its DCP
+  template in that form too: build it under `dequantized_8bit(optimizer)`.
+
+DCP's `get_optimizer_state_dict` runs a fake step (zero grads, lr=0) on an optimizer whose state is empty; a
+fastopt optimizer's state mapping is never empty in that sense (`StateDict`), and its `state_dict()` lists
+zero state for every trainable param that has none yet, so DCP gets a template without any step being taken.
+`state_dict()` returns copies: DCP's `load` writes into the template in place, and the optimizer must stay
+as it was until `load_state_dict` has checked everything (it costs one transient copy of the state).
+
+Usage (every rank; the loading side may use another mesh, parallelism or world size)::
+
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    dcp.save({"optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=path)
+    ...
+    sd = {"optim": get_optimizer_state_dict(model, opt)}   # the template (zero state if opt is fresh)
+    dcp.load(sd, checkpoint_id=path)                        # no_dist=True in a single process, and
+    set_optimizer_state_dict(model, opt, sd["optim"])      # `with dequantized_8bit(opt):` around the
+                                                            # template there for 8-bit state
+
+Not covered: plain tensors sharded by hand (`declare_shard`, `setup_distributed`'s flat ZeRO ranges) keep
+element-wise state of their local piece, which DCP cannot reshard; save those with their own layout.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from . import ops
+from .distributed.layout import local
+from .reference import quant as q
+
+__all__ = ["StateDict", "dequantized_8bit", "requantize", "is_dtensor"]
+
+
+class StateDict(defaultdict):
+    """torch.optim's `state` mapping (param -> dict), truthy even when empty.
+
+    `torch.distributed.checkpoint.state_dict._init_optim_state` steps an optimizer whose state is empty with
+    zero grads and lr=0 to create its state; that step is not harmless here (Adafactor's relative step size
+    ignores lr, and refuses lr=0 with relative_step=True). `FastOptimizer.state_dict()` provides the zero state
+    instead."""
+
+    def __bool__(self) -> bool:
+        return True
+
+
+@functools.lru_cache(maxsize=None)
+def _dtensor_type():
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return ()
+    return DTensor
+
+
+def is_dtensor(t) -> bool:
+    return isinstance(t, _dtensor_type())
+
+
+def local_state(st: dict, p: Tensor) -> dict:
+    """`st` with the local tensors of its DTensor states (sharing storage): what the kernels update. `st`
+    itself for a plain param (no copy: this runs for every param at every step)."""
+    return {k: local(v) for k, v in st.items()} if is_dtensor(p) else st
+
+
+def like_param(t: Tensor, p: Tensor) -> Tensor:
+    """`t`, this rank's piece of a state shaped like DTensor `p`, as a DTensor with p's mesh and placements
+    (sharing t's storage)."""
+    from torch.distributed.tensor import DTensor
+    return DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+
+def zero_state(spec: dict, p: Tensor, elementwise: set) -> dict:
+    """The state a param starts from: step 0 and zeros of `spec` (key -> (local shape, dtype)); the
+    `elementwise` keys of a DTensor param are DTensors like it."""
+    dev = local(p).device
+    st = {"step": torch.zeros((), dtype=torch.float32, device=dev)}
+    for key, (shape, dtype) in spec.items():
+        t = torch.zeros(shape, dtype=dtype, device=dev)
+        st[key] = like_param(t, p) if key in elementwise and is_dtensor(p) else t
+    return st
+
+
+@contextlib.contextmanager
+def dequantized_8bit(*optimizers):
+    """Within this block, the state_dicts of `optimizers` hold every 8-bit state in its dequantized fp32 form
+    (as DTensor params always do): the DCP template of a process that loads a checkpoint saved from DTensor
+    params, or a checkpoint meant for other block sizes."""
+    saved = [o.__dict__.get("_dequantize_8bit", False) for o in optimizers]
+    for o in optimizers:
+        o._dequantize_8bit = True
+    try:
+        yield
+    finally:
+        for o, s in zip(optimizers, saved):
+            o._dequantize_8bit = s
+
+
+def export_state(st: dict, quantized: dict, force_dequantize: bool) -> dict:
+    """A copy of one param's state for a state_dict; 8-bit states dequantized when the param is a DTensor
+    or `force_dequantize`."""
+    out = {k: (v.detach().clone() if isinstance(v, Tensor) else v) for k, v in st.items()}
+    for key, (akey, signed, block) in quantized.items():
+        if akey not in st or st[key].dtype != torch.uint8:
+            continue
+        codes = st[key]
+        if not (force_dequantize or is_dtensor(codes)):
+            continue
+        vals = ops.dequantize_blockwise(local(codes).contiguous(), st[akey], block, signed, torch.float32)
+        out[key] = like_param(vals, codes) if is_dtensor(codes) else vals
+        del out[akey]
+    return out
+
+
+def requantize(x: Tensor, block_size: int, signed: bool) -> tuple[Tensor, Tensor]:
+    """(codes, absmax) of fp32 values `x`, in blocks of `block_size` of its flattened elements.
+
+    Where a block's values are exactly map[c] * a for codes c and one scale a (they were dequantized from
+    blocks cut the same way), this finds such a pair, so that dequantizing gives `x` back bit for bit; the
+    plain nearest quantization (`quantize_blockwise`) cannot always, because the signed map's most negative
+    value is not -1: a block whose largest magnitude is negative comes back with a smaller absmax. Other
+    blocks get the nearest quantization."""
+    x = x.to(torch.float32)
+    codes, absmax = q.quantize_blockwise(x, block_size, signed)
+    if x.numel() == 0:
+        return codes, absmax
+    blocks = q._blocks(x, block_size)
+    m = q.dynamic_map(signed, x.device)
+    mag, arg = blocks.abs().max(dim=1)
+    extreme = blocks.gather(1, arg[:, None]).squeeze(1)
+    top = torch.where(extreme < 0, -m[0], m[-1])  # the map value the largest magnitude was coded as
+    a0 = mag / top
+    done = torch.zeros(blocks.shape[0], dtype=torch.bool, device=x.device)
+    flat_codes = codes.reshape(-1).clone()
+    n = x.numel()
+    up, down = torch.full_like(a0, float("inf")), torch.zeros_like(a0)
+    up1, down1 = torch.nextafter(a0, up), torch.nextafter(a0, down)
+    # mag / top may round an ulp or two away from the scale the values were made with
+    cands = [a0, up1, down1, torch.nextafter(up1, up), torch.nextafter(down1, down)]
+    for a in cands:
+        safe = torch.where(a > 0, a, torch.ones_like(a))
+        c = q.nearest_code((blocks / safe[:, None]).reshape(-1), m).view(blocks.shape)
+        ok = (m[c.long()] * a[:, None] == blocks).all(dim=1) & ~done
+        sel = ok.repeat_interleave(block_size)[:n]
+        flat_codes = torch.where(sel, c.reshape(-1)[:n], flat_codes)
+        absmax = torch.where(ok, a, absmax)
+        done |= ok
+    return flat_codes.view(x.shape), absmax
+
+
+def _local_of(v: Tensor, p: Tensor, key: str, where: str) -> Tensor:
+    """This rank's piece of element-wise state `v` of param `p` (a DTensor, or a plain full/local tensor)."""
+    from torch.distributed.tensor import distribute_tensor
+    if is_dtensor(v):
+        if is_dtensor(p):
+            if tuple(v.shape) != tuple(p.shape):
+                raise ValueError(f"{where}[{key!r}] has shape {tuple(v.shape)}, expected {tuple(p.shape)}")
+            if v.device_mesh != p.device_mesh:
+                raise ValueError(f"{where}[{key!r}] is a DTensor on another device mesh than its param")
+            if tuple(v.placements) != tuple(p.placements):
+                v = v.redistribute(p.device_mesh, p.placements)
+            return v.to_local()
+        return v.full_tensor()
+    if is_dtensor(p) and tuple(v.shape) == tuple(p.shape):
+        return distribute_tensor(v.to(local(p).device), p.device_mesh, p.placements, src_data_rank=None).to_local()
+    return v
+
+
+def import_state(st, p: Tensor, spec: dict, quantized: dict, elementwise: set, where: str,
+                 device) -> tuple[dict, str | None]:
+    """The state to install for param `p` from saved state `st`, as (state, problem with its values or None).
+
+    Structural mismatches (keys, shapes, dtypes) raise ValueError at once: every rank sees the same ones.
+    Non-finite values may sit in one rank's piece only, so they are returned for the caller to agree on
+    across ranks before raising."""
+    if not isinstance(st, dict):
+        raise ValueError(f"{where} is a {type(st).__name__}, expected a dict of tensors")
+    akeys = {akey: key for key, (akey, _s, _b) in quantized.items() if akey in spec}
+    dequantized = {key for akey, key in akeys.items()
+                   if akey not in st and isinstance(st.get(key), Tensor) and st[key].is_floating_point()}
+    expected = (set(spec) | {"step"}) - {quantized[k][0] for k in dequantized}
+    if set(st) != expected:
+        missing, extra = sorted(expected - set(st)), sorted(set(st) - expected)
+        raise ValueError(f"{where} has keys {sorted(st)}, expected {sorted(expected)} (missing {missing}, "
+                         f"unexpected {extra}): not this optimizer's state, or other hyperparameters")
+    out, problem = {}, None
+    step = st["step"]
+    if isinstance(step, Tensor) and step.numel() == 1 and not step.is_complex():
+        step = step.detach().reshape(()).to(device=device, dtype=torch.float32, copy=True)
+    elif isinstance(step, (int, float)) and not isinstance(step, bool):
+        step = torch.tensor(float(step), dtype=torch.float32, device=device)
+    else:
+        raise ValueError(f"{where}['step'] must be a scalar tensor or number, got {type(step).__name__}")
+    if not torch.isfinite(step) or step < 0:
+        raise ValueError(f"{where}['step']={float(step)} must be a finite number >= 0")
+    out["step"] = step
+    for key, (shape, dtype) in spec.items():
+        if key in akeys and akeys[key] in dequantized:
+            continue  # rebuilt from the dequantized codes below
+        v = st[key]
+        if not isinstance(v, Tensor):
+            raise ValueError(f"{where}[{key!r}] is a {type(v).__name__}, expected a tensor")
+        elem = key in elementwise and is_dtensor(p)
+        if is_dtensor(v) and not elem:
+            raise ValueError(f"{where}[{key!r}] is a DTensor; this state is a plain tensor, the same on every rank")
+        here = _local_of(v, p, key, where) if elem else v
+        if key in dequantized:
+            absmax_shape, _ = spec[quantized[key][0]]
+            if tuple(here.shape) != tuple(shape):
+                raise ValueError(f"{where}[{key!r}] has shape {tuple(here.shape)} here, expected {tuple(shape)}")
+            if not torch.isfinite(here).all():
+                problem = problem or f"{where}[{key!r}] holds non-finite values"
+                continue
+            _akey, signed, block = quantized[key]
+            codes, absmax = requantize(here.to(device), block, signed)
+            if tuple(absmax.shape) != tuple(absmax_shape):
+                raise ValueError(f"{where}[{key!r}]: {absmax.numel()} blocks, expected {absmax_shape}")
+            out[key] = like_param(codes, p) if elem else codes
+            out[quantized[key][0]] = absmax
+            continue
+        if tuple(here.shape) != tuple(shape):
+            raise ValueError(f"{where}[{key!r}] has shape {tuple(here.shape)}"
+                             f"{' here' if elem else ''}, expected {tuple(shape)}")
+        if dtype == torch.uint8 and here.dtype != torch.uint8:
+            raise ValueError(f"{where}[{key!r}] has dtype {here.dtype}, expected torch.uint8 (8-bit codes), or "
+                             f"a float tensor without {quantized.get(key, ('its absmax',))[0]!r} (dequantized)")
+        if dtype != torch.uint8 and not here.is_floating_point():
+            raise ValueError(f"{where}[{key!r}] has dtype {here.dtype}, expected a floating-point tensor")
+        if here.is_floating_point() and not torch.isfinite(here).all():
+            problem = problem or f"{where}[{key!r}] holds non-finite values"
+        t = here.detach().to(device=device, copy=True)
+        out[key] = like_param(t, p) if elem else t
+    return out, problem
+
+
+def agree(problem: str | None, distributed: bool) -> None:
+    """Raise ValueError(problem) on every rank when any rank has one (a collective when `distributed`)."""
+    if distributed and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        found = [None] * dist.get_world_size()
+        dist.all_gather_object(found, problem)
+        bad = [(r, f) for r, f in enumerate(found) if f is not None]
+        if bad:
+            r, f = bad[0]
+            raise ValueError(f + (f" (on rank {r})" if r != dist.get_rank() else ""))
+        return
+    if problem is not None:
+        raise ValueError(problem)

@@ -1,0 +1,299 @@
+"""fastopt.GaLoreAdamW: AdamW on low-rank projected gradients, fused (math: fastopt/reference/galore.py)."""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from .. import ops
+from ..distributed.layout import local
+from ..reference.galore import PROJ_TYPES, basis_shapes, projected_shape, projection_side
+from ..reference.quant import check_block_size, num_blocks
+from .base import FastOptimizer, check, check_betas
+
+__all__ = ["GaLoreAdamW", "GaLoreAdamW8bit", "get_galore_param_groups"]
+
+# A group with `rank` may leave these out; galore-torch's documented values.
+GROUP_DEFAULTS = dict(update_proj_gap=200, scale=0.25, proj_type="std")
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+class GaLoreAdamW(FastOptimizer):
+    """GaLore-AdamW (Zhao et al., 2024) with the semantics of galore-torch's `GaLoreAdamW`.
+
+    Param groups with a `rank` key (and optionally `update_proj_gap` (200), `scale` (0.25), `proj_type`
+    (`std`, `reverse_std`, `left`, `right`, `full`; default `std`)) are projected: each matrix's gradient is
+    projected onto the top-`rank` singular vectors of a gradient (the SVD runs at the first step and every
+    `update_proj_gap` steps after it, on the steps t with (t - 1) % update_proj_gap == 0), Adam runs on the
+    projected gradient, and its output is projected back, times `scale`. A param with more than two dims is a
+    batch of matrices over its last two dims, each with its own projection. Groups without `rank` are plain
+    AdamW. Transformers-style AdamW throughout: eps added to the uncorrected sqrt(v), step size
+    lr sqrt(1 - beta2^t) / (1 - beta1^t), decoupled weight decay p -= lr weight_decay p after the update.
+
+    Sharded params (DTensor Shard / _StridedShard placements: tensor parallelism, FSDP2, both on a 2-D mesh;
+    `fastopt.distributed.declare_shard`; flat ZeRO ranges, also through `setup_distributed`) give the
+    single-process result: on refresh steps the whole gradient is assembled (one all-reduce per param) and
+    every rank computes the same SVD; on every step each rank projects its piece and the projected gradients
+    of a bucket are summed in one all-reduce, after which each rank back-projects onto its own piece.
+
+    Args:
+        params: iterable of params or param-group dicts (see `get_galore_param_groups`).
+        lr: learning rate (>= 0).
+        betas: (beta1, beta2), each in [0, 1).
+        eps: added to sqrt(v) (>= 0).
+        weight_decay: decoupled decay (>= 0), applied after the update.
+        nbits: 32 (fp32 moments; fp64 for fp64 params) or 8 (both moments, of the projected shape, in the
+            8-bit block-wise format of `fastopt.quantize_blockwise`: signed map for m, unsigned for v).
+        min_8bit_size: with nbits=8, moments with fewer elements stay 32-bit.
+        block_size: elements per quantization block with nbits=8 (a power of two from 64 to 4096).
+
+    State per param (tensors only; loads with `torch.load(weights_only=True)`): `step` (fp32 scalar on the
+    param's device), `exp_avg`, `exp_avg_sq` (fp32, fp64 for fp64 params, or uint8 codes plus
+    `exp_avg_absmax`, `exp_avg_sq_absmax`, fp32, one per block; the param's shape without a projection), and
+    for projected params the bases `proj_left` ((..., m, rank) elements) and/or `proj_right` ((..., rank, n)),
+    in the moments' float dtype. A projected param's states are whole (rank-sized, the same on every rank of
+    a sharded param) and flat: `exp_avg` holds the (..., rank, n), (..., m, rank) or (..., rank, rank)
+    projected moments in row-major order. Works
+    with `torch.amp.GradScaler` without host sync on the steps without an SVD: a step with an inf gradient
+    changes nothing, step counter and bases included. The refresh schedule is decided on the host from a
+    mirror of the step counter; a skipped step is known there from GradScaler's found_inf of the previous
+    steps, copied asynchronously (on CUDA: to pinned memory, waited for by event one step later).
+    """
+
+    _name = "GaLoreAdamW"
+    # Sharded params (DTensor Shard(0) / Shard(1), FSDP2, 2-D meshes, declared shards, flat ZeRO ranges): the
+    # whole gradient is assembled for the SVD on refresh steps only, and the projected gradient is summed over
+    # the ranks that share a param, one collective per step for the bucket.
+    _supports_layouts = True
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01, nbits=32,
+                 min_8bit_size=4096, block_size=256):
+        defaults = self._check_hyper(dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, nbits=nbits,
+                                          min_8bit_size=min_8bit_size, block_size=block_size))
+        self._plans: dict = {}
+        self._host_steps: dict = {}  # id(state["step"]) -> [that tensor, its value as the host knows it]
+        self._pending: list = []     # (found_inf copy, CUDA event or None, host-step entries it may undo)
+        super().__init__(params, defaults)
+
+    # ---- validation -----------------------------------------------------------------------------------
+    def _check_hyper(self, hp: dict, where: str | None = None) -> dict:
+        """Checks the optimizer-wide keys present in `hp`: constructor arguments, or (`where`: the group's
+        name) a group's overrides."""
+        n = self._name
+
+        def name(k):
+            return k if where is None else f"{where}['{k}']"
+
+        out = dict(hp)
+        if "lr" in hp:
+            check(_number(hp["lr"]) and hp["lr"] >= 0, name("lr"), n, hp["lr"], "be a finite number >= 0")
+        if "betas" in hp:
+            out["betas"] = check_betas(n, hp["betas"], 2, name("betas"))
+        if "eps" in hp:
+            check(_number(hp["eps"]) and hp["eps"] >= 0, name("eps"), n, hp["eps"], "be a finite number >= 0")
+        if "weight_decay" in hp:
+            wd = hp["weight_decay"]
+            check(_number(wd) and wd >= 0, name("weight_decay"), n, wd, "be a finite number >= 0")
+        if "nbits" in hp:
+            check(hp["nbits"] in (32, 8) and _int(hp["nbits"]), name("nbits"), n, hp["nbits"], "be 32 or 8")
+        if "min_8bit_size" in hp:
+            m = hp["min_8bit_size"]
+            check(_int(m) and m >= 0, name("min_8bit_size"), n, m, "be an int >= 0")
+        if "block_size" in hp:
+            check_block_size(hp["block_size"], n if where is None else f"{n}: {name('block_size')}")
+        return out
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Validates a group before adding it: a projected group's keys, and each of its params' shape."""
+        n = self._name
+        gi = len(self.param_groups)
+        where = f"param_groups[{gi}]"
+        group = dict(param_group)
+        ps = group.get("params")
+        group["params"] = [ps] if isinstance(ps, Tensor) else list(ps if ps is not None else [])
+        group = self._check_hyper(group, where)
+        if "rank" in group:
+            for k, v in GROUP_DEFAULTS.items():
+                group.setdefault(k, v)
+            rank, gap = group["rank"], group["update_proj_gap"]
+            check(_int(rank) and rank >= 1, f"{where}['rank']", n, rank, "be an int >= 1")
+            check(_int(gap) and gap >= 1, f"{where}['update_proj_gap']", n, gap, "be an int >= 1")
+            check(_number(group["scale"]), f"{where}['scale']", n, group["scale"], "be a finite number")
+            check(group["proj_type"] in PROJ_TYPES, f"{where}['proj_type']", n, group["proj_type"],
+                  "be one of " + ", ".join(PROJ_TYPES))
+            self._check_projected(group, where, at_step=False)
+        else:
+            for k in GROUP_DEFAULTS:
+                check(k not in group, f"{where}['{k}']", n, group.get(k),
+                      "come with 'rank' (a group without 'rank' is plain AdamW)")
+        super().add_param_group(group)
+
+    def _check_projected(self, group: dict, where: str, at_step: bool = True) -> None:
+        """Each param of a projected group is a matrix (or a batch of them) with both dims >= rank, by its
+        global shape. Before the first step a plain 1-D tensor passes: `setup_distributed` may still declare
+        it a flat shard of a matrix (ColossalAI's ZeRO); `step()` checks again before changing anything."""
+        n, rank = self._name, group["rank"]
+        for pi, p in enumerate(group["params"]):
+            shape = self._global_shape(p)
+            if not at_step and len(shape) < 2 and self._layout(p) is None:
+                continue
+            check(len(shape) >= 2, f"{where}['params'][{pi}].shape", n, shape,
+                  "have 2 dims (more: a batch of matrices over the last two) to be projected; put vectors "
+                  "in a group without 'rank'")
+            check(rank <= min(shape[-2:]), f"{where}['rank']", n, rank,
+                  f"be at most min(m, n) = {min(shape[-2:])} of its param {pi} of shape {shape}")
+
+    def _check_grads(self) -> None:
+        super()._check_grads()
+        for gi, group in enumerate(self.param_groups):  # an lr scheduler or a user may have changed it
+            lr = group["lr"]
+            check(_number(lr) and lr >= 0, f"param_groups[{gi}]['lr']", self._name, lr, "be a finite number >= 0")
+            if "rank" in group:
+                self._check_projected(group, f"param_groups[{gi}]")
+
+    # ---- state ------------------------------------------------------------------------------------------
+    def _state_spec(self, p, group):
+        """Projected params: whole bases and moments (rank-sized), the same on every rank that holds a piece
+        of a sharded param, so a checkpoint reloads under any layout; kept flat (1-D), so that no rank-sized
+        state ever has the shape of a param's local piece, which is how fastopt/checkpoint.py recognizes the
+        element-wise states of a DTensor param. Others: element-wise, shaped like the local piece."""
+        shape = self._global_shape(p)
+        dt = self.state_dtype(p)
+        spec = {}
+        mshape = tuple(local(p).shape)
+        if "rank" in group:
+            side = projection_side(shape, group["proj_type"])
+            mshape = (math.prod(projected_shape(shape, group["rank"], side)),)
+            spec = {k: ((math.prod(s),), dt) for k, s in basis_shapes(shape, group["rank"], side).items()}
+        if group["nbits"] == 8 and math.prod(mshape) >= group["min_8bit_size"]:
+            blocks = (num_blocks(math.prod(mshape), group["block_size"]),)
+            spec.update({"exp_avg": (mshape, torch.uint8), "exp_avg_absmax": (blocks, torch.float32),
+                         "exp_avg_sq": (mshape, torch.uint8), "exp_avg_sq_absmax": (blocks, torch.float32)})
+        else:
+            spec.update({"exp_avg": (mshape, dt), "exp_avg_sq": (mshape, dt)})
+        return spec
+
+    def _quantized_keys(self, group):
+        bs = group["block_size"]
+        return {"exp_avg": ("exp_avg_absmax", True, bs), "exp_avg_sq": ("exp_avg_sq_absmax", False, bs)}
+
+    def _elementwise_keys(self, p, group, spec):
+        # Projected moments are whole (rank-sized) whatever their shape: not pieces of p (issue 8).
+        return set() if "rank" in group else super()._elementwise_keys(p, group, spec)
+
+    def _init_state(self, p, group):
+        fresh = not self.state[p]
+        state = super()._init_state(p, group)
+        if fresh:
+            self._host_steps[id(state["step"])] = [state["step"], 0]
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        # One read of each step counter here, so that step() never needs one.
+        self._host_steps = {id(s["step"]): [s["step"], int(s["step"].item())] for s in self.state.values()
+                            if "step" in s}
+        self._pending.clear()
+        self._plans.clear()
+
+    # ---- the refresh schedule, on the host --------------------------------------------------------------
+    def _resolve_pending(self) -> None:
+        """Undo the host's +1 for the earlier steps that GradScaler skipped (their found_inf is known by now)."""
+        for buf, event, entries in self._pending:
+            if event is not None:
+                event.synchronize()
+            if float(buf) != 0:
+                for e in entries:
+                    e[1] -= 1
+        self._pending.clear()
+
+    def _host_step(self, state: dict, found_inf: Tensor | None) -> list:
+        e = self._host_steps.get(id(state["step"]))
+        if e is None or e[0] is not state["step"]:
+            # State set from outside (not created nor loaded here): read it once. The device counter already
+            # counts this step unless found_inf is set.
+            before = int(state["step"].item()) - (1 if found_inf is None else 1 - int(found_inf.item()))
+            e = self._host_steps[id(state["step"])] = [state["step"], before]
+        return e
+
+    def _refresh_flags(self, states: list[dict], gap: int, found_inf: Tensor | None) -> list[bool]:
+        self._resolve_pending()
+        entries = [self._host_step(s, found_inf) for s in states]
+        for e in entries:
+            e[1] += 1  # provisional: undone by _resolve_pending if GradScaler skips this step
+        if found_inf is not None:
+            if found_inf.device.type == "cuda":
+                buf = torch.empty((), dtype=found_inf.dtype, pin_memory=True)
+                buf.copy_(found_inf, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+            else:
+                buf, event = found_inf.clone(), None
+            self._pending.append((buf, event, entries))
+        return [(e[1] - 1) % gap == 0 for e in entries]
+
+    # ---- the step -----------------------------------------------------------------------------------------
+    def _step_group(self, group, params, grads, states, scaler, layouts=None, reduce=None):
+        hyper = dict(lr=group["lr"], betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
+                     block_size=group["block_size"])
+        if "rank" in group:
+            refresh = self._refresh_flags(states, group["update_proj_gap"], scaler.found_inf)
+            if any(refresh):
+                ops.galore_refresh(grads, states, refresh, rank=group["rank"], inv_scale=scaler.inv_scale,
+                                   found_inf=scaler.found_inf, layouts=layouts)
+            hyper["scale"] = group["scale"]
+        cache = self._plans.setdefault((id(group), params[0].device, params[0].dtype), {})
+        ops.galore_step(params, grads, states, inv_scale=scaler.inv_scale, found_inf=scaler.found_inf, cache=cache,
+                        layouts=layouts, reduce=reduce, **hyper)
+
+
+class GaLoreAdamW8bit(GaLoreAdamW):
+    """`GaLoreAdamW` with nbits=8: both moments in the 8-bit block-wise format (no bitsandbytes needed)."""
+
+    _name = "GaLoreAdamW8bit"
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01, min_8bit_size=4096,
+                 block_size=256):
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, nbits=8,
+                         min_8bit_size=min_8bit_size, block_size=block_size)
+
+
+def _is_norm(module: torch.nn.Module) -> bool:
+    norms = (torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.modules.batchnorm._NormBase, torch.nn.RMSNorm)
+    return isinstance(module, norms) or "norm" in type(module).__name__.lower()
+
+
+def get_galore_param_groups(model: torch.nn.Module, weight_decay: float, rank: int = 256, update_proj_gap: int = 200,
+                            scale: float = 0.25, proj_type: str = "std") -> list[dict]:
+    """Param groups for `GaLoreAdamW`: the 2-D weights of `nn.Linear` layers projected (with `rank`, ...),
+    other params of two or more dims plain AdamW with `weight_decay`, and biases, norms' params and every
+    other vector or scalar plain AdamW without decay. A Linear weight with a dim smaller than `rank` stays
+    plain (its projection would keep no fewer numbers). Params without requires_grad are left out; a param
+    shared by several modules appears once. Empty groups are dropped."""
+    check(_int(rank) and rank >= 1, "rank", "get_galore_param_groups", rank, "be an int >= 1")
+    projected, decayed, plain = [], [], []
+    seen: set = set()
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            if not p.requires_grad or id(p) in seen:
+                continue
+            seen.add(id(p))
+            if isinstance(module, torch.nn.Linear) and name == "weight" and min(p.shape) >= rank:
+                projected.append(p)
+            elif p.dim() >= 2 and not _is_norm(module):
+                decayed.append(p)
+            else:
+                plain.append(p)
+    groups = [{"params": projected, "rank": rank, "update_proj_gap": update_proj_gap, "scale": scale,
+               "proj_type": proj_type, "weight_decay": weight_decay},
+              {"params": decayed, "weight_decay": weight_decay},
+              {"params": plain, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]

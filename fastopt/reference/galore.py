@@ -1,0 +1,363 @@
+"""GaLore-AdamW in plain torch: the spec, the CPU path and the oracle of the Triton kernels.
+
+Zhao et al., "GaLore: Memory-Efficient LLM Training by Gradient Low-Rank Projection" (2024), Algorithm 2,
+with the exact conventions of galore-torch's `GaLoreAdamW` (transformers-style AdamW). For a projected
+matrix p (m x n) with gradient G at step t (t counts from 1):
+
+    refresh when (t - 1) % update_proj_gap == 0:                          (Alg. 2, "if t mod T = 0")
+        U, s, Vh = svd(float32(G))                                        reduced SVD, always in fp32
+        P = U[:, :r]   (m x r)       left side
+        Q = Vh[:r, :]  (r x n)       right side
+    R   = P^T G  |  G Q^T  |  P^T G Q^T                                   projected gradient (left|right|full)
+    m_t = beta1 m_{t-1} + (1 - beta1) R                                   moments of the projected shape
+    v_t = beta2 v_{t-1} + (1 - beta2) R^2
+    N   = m_t / (sqrt(v_t) + eps)                                         eps on the uncorrected sqrt(v)
+    eta = lr sqrt(1 - beta2^t) / (1 - beta1^t)
+    p   = p - eta * scale * (P N  |  N Q  |  P N Q)                       back-projection
+    p   = p - lr * weight_decay * p                                       decoupled decay, after the update
+
+The side follows galore-torch's `GaLoreProjector`: `std` projects the smaller dimension (right when
+m >= n, else left), `reverse_std` the larger one, `left` / `right` / `full` as named. The moments are not
+reset when the subspace changes (galore-torch keeps them). Params without a projection (groups without
+`rank`) take the same AdamW step on the whole gradient.
+
+Beyond galore-torch: a param with more than two dims is a batch of matrices over its last two dims, each with
+its own projection (an SVD per matrix); the bases are kept in the param's state dtype (fp64 for fp64 params,
+else fp32, where galore-torch rounds them to the param's dtype); with 8-bit state (`exp_avg` / `exp_avg_sq`
+uint8 codes in the block-wise format of fastopt/reference/quant.py, signed map for m, unsigned for v) m_{t-1}
+and v_{t-1} are the dequantized states, N uses the exact m_t, v_t, and those are requantized after the update.
+
+Sharded params (fastopt/distributed/layout.py): the bases and moments are whole on every rank. A rank's
+piece is a set of rectangles of the matrices (one for a dim layout, a few for a flat range); the SVD takes the
+whole gradient (assembled on refresh steps only), R is the sum over the ranks of each rank's rectangles'
+products (P_r^T G_r placed at the rectangle's columns, G_r Q_r^T at its rows, P_r^T G_r Q_r^T added whole),
+and each rank writes the back-projection's entries of its own rectangles.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from .quant import dequantize_blockwise, quantize_blockwise
+
+PROJ_TYPES = ("std", "reverse_std", "left", "right", "full")
+# State keys of the bases: P (m x r, the left side) and Q (r x n, the right side).
+LEFT, RIGHT = "proj_left", "proj_right"
+
+
+def projection_side(shape, proj_type: str) -> str:
+    """'left', 'right' or 'full': which side of the (..., m, n) matrix is projected (galore-torch's rule)."""
+    m, n = shape[-2], shape[-1]
+    if proj_type == "std":
+        return "right" if m >= n else "left"
+    if proj_type == "reverse_std":
+        return "left" if m >= n else "right"
+    return proj_type
+
+
+def projected_shape(shape, rank: int, side: str) -> tuple:
+    """Shape of R (and of the moments)."""
+    *batch, m, n = shape
+    return tuple(batch) + {"left": (rank, n), "right": (m, rank), "full": (rank, rank)}[side]
+
+
+def basis_shapes(shape, rank: int, side: str) -> dict:
+    """State key -> shape of the bases a side needs."""
+    *batch, m, n = shape
+    out = {}
+    if side in ("left", "full"):
+        out[LEFT] = tuple(batch) + (m, rank)
+    if side in ("right", "full"):
+        out[RIGHT] = tuple(batch) + (rank, n)
+    return out
+
+
+def is_projected(state: dict) -> bool:
+    return LEFT in state or RIGHT in state
+
+
+def is_8bit(state: dict) -> bool:
+    return state["exp_avg"].dtype == torch.uint8
+
+
+def orthogonal_bases(g: Tensor, rank: int, side: str, dtype: torch.dtype) -> dict:
+    """The new bases from the SVD of the (unscaled) gradient: galore-torch's `get_orthogonal_matrix`, in
+    fp32 whatever the gradient's dtype; returned in `dtype`. A batch of matrices takes one SVD per matrix, on
+    a copy of its own: a batched SVD's last bits depend on where each matrix sits in memory (LAPACK's
+    vectorized paths), and each matrix must get the bases it would get as a param of its own."""
+    g = g.float()
+    if g.dim() == 2:
+        u, _s, vh = torch.linalg.svd(g, full_matrices=False)
+    else:
+        parts = [torch.linalg.svd(x.clone(), full_matrices=False) for x in g.reshape(-1, *g.shape[-2:])]
+        u = torch.stack([x[0] for x in parts]).view(*g.shape[:-2], *parts[0][0].shape)
+        vh = torch.stack([x[2] for x in parts]).view(*g.shape[:-2], *parts[0][2].shape)
+    out = {}
+    if side in ("left", "full"):
+        out[LEFT] = u[..., :, :rank].to(dtype)
+    if side in ("right", "full"):
+        out[RIGHT] = vh[..., :rank, :].to(dtype)
+    return out
+
+
+def state_views(state: dict, shape) -> tuple[Tensor | None, Tensor | None, tuple]:
+    """(P as (B, m, r), Q as (B, r, n), the moments' (B, a, b) shape) of a projected param of global `shape`
+    (..., m, n), B the product of its leading dims. The state keeps them flat: see `GaLoreAdamW._state_spec`."""
+    *batch, m, n = shape
+    nb = math.prod(batch)
+    left = right = None
+    if LEFT in state:
+        left = state[LEFT].view(nb, m, state[LEFT].numel() // (nb * m))
+    if RIGHT in state:
+        right = state[RIGHT].view(nb, state[RIGHT].numel() // (nb * n), n)
+    a = left.shape[2] if left is not None else m
+    b = right.shape[1] if right is not None else n
+    return left, right, (nb, a, b)
+
+
+def step_size(step: Tensor, *, lr, betas) -> Tensor:
+    """eta in float64 (1 - beta^t loses most of its digits in fp32 when beta is close to 1)."""
+    t = step.to(torch.float64)
+    beta1, beta2 = betas
+    return lr * (1 - torch.pow(beta2, t)).sqrt() / (1 - torch.pow(beta1, t))
+
+
+def _commit(dst: Tensor, new: Tensor, found_inf: Tensor | None) -> None:
+    """dst <- new, unless GradScaler found an inf this step (then dst is left as it was)."""
+    new = new.to(dst.dtype)
+    if found_inf is not None:
+        new = torch.where(found_inf > 0, dst, new)
+    dst.copy_(new)
+
+
+def refresh_bases(grads: list[Tensor], states: list[dict], refresh: list[bool], *, rank: int,
+                  inv_scale: Tensor | None = None, found_inf: Tensor | None = None,
+                  layouts: list | None = None) -> None:
+    """New bases for the params flagged in `refresh`; the SVD runs on these steps only. Shared by both back
+    ends (the SVD is torch.linalg.svd on either). A step GradScaler skips keeps the old bases. A sharded
+    param's whole gradient is assembled on every rank first (one all-reduce of it, on these steps only),
+    and every rank computes the same SVD of it."""
+    from ..distributed.layout import full_tensor
+    layouts = layouts if layouts is not None else [None] * len(grads)
+    for g, s, r, lay in zip(grads, states, refresh, layouts):
+        if not r or not is_projected(s):
+            continue
+        if lay is not None:
+            g = full_tensor(g, lay)
+        side = "full" if LEFT in s and RIGHT in s else ("left" if LEFT in s else "right")
+        dt = (s[LEFT] if LEFT in s else s[RIGHT]).dtype
+        g = g.to(dt)
+        if inv_scale is not None:
+            g = g * inv_scale.to(dt)
+        if found_inf is not None:  # an inf gradient would make the SVD fail; the step is discarded anyway
+            g = torch.nan_to_num(g, nan=0.0, posinf=0.0, neginf=0.0)
+        for key, basis in orthogonal_bases(g, rank, side, dt).items():
+            _commit(s[key], basis.reshape(s[key].shape), found_inf)
+
+
+def load_moments(state: dict, dtype: torch.dtype, block_size: int) -> tuple[Tensor, Tensor]:
+    """(m_{t-1}, v_{t-1}) in `dtype`, dequantized when the state is 8-bit."""
+    if not is_8bit(state):
+        return state["exp_avg"].to(dtype), state["exp_avg_sq"].to(dtype)
+    return (dequantize_blockwise(state["exp_avg"], state["exp_avg_absmax"], block_size, signed=True, dtype=dtype),
+            dequantize_blockwise(state["exp_avg_sq"], state["exp_avg_sq_absmax"], block_size, signed=False,
+                                 dtype=dtype))
+
+
+def store_moments(state: dict, m: Tensor, v: Tensor, block_size: int, found_inf: Tensor | None) -> None:
+    if is_8bit(state):
+        for key, x, signed in (("exp_avg", m, True), ("exp_avg_sq", v, False)):
+            codes, absmax = quantize_blockwise(x, block_size, signed=signed)
+            _commit(state[key], codes, found_inf)
+            _commit(state[key + "_absmax"], absmax, found_inf)
+    else:
+        _commit(state["exp_avg"], m, found_inf)
+        _commit(state["exp_avg_sq"], v, found_inf)
+
+
+class Rect:
+    """A rectangle of a projected param's matrices held here: global `batch` indices (B_r), `rows` and `cols`
+    (None: all of them), and `view(x)`, the (B_r, rows, cols) view of those elements in the local tensor x
+    (which must be contiguous for flat layouts: then the rectangle is a contiguous range of it)."""
+
+    __slots__ = ("batch", "rows", "cols", "view")
+
+    def __init__(self, batch, rows, cols, view):
+        self.batch, self.rows, self.cols, self.view = batch, rows, cols, view
+
+    def pick(self, x: Tensor, rows: bool, cols: bool) -> Tensor:
+        """The rectangle's batch, rows (if `rows`) and columns (if `cols`) of a whole (B, a, b) tensor."""
+        if self.batch is not None:
+            x = x[self.batch]
+        if rows and self.rows is not None:
+            x = x[:, self.rows]
+        if cols and self.cols is not None:
+            x = x[:, :, self.cols]
+        return x
+
+    def place(self, out: Tensor, x: Tensor, rows: bool, cols: bool) -> None:
+        """out[batch, rows (if `rows`), cols (if `cols`)] += x, for a whole (B, a, b) `out`."""
+        b = self.batch if self.batch is not None else torch.arange(out.shape[0], device=out.device)
+        r = self.rows if rows and self.rows is not None else torch.arange(out.shape[1], device=out.device)
+        c = self.cols if cols and self.cols is not None else torch.arange(out.shape[2], device=out.device)
+        out.index_put_((b[:, None, None], r[None, :, None], c[None, None, :]), x, accumulate=True)
+
+
+def _batch_count(shape) -> int:
+    return math.prod(shape[:-2])
+
+
+def _flat_rects(off: int, count: int, shape, batch_ix, row_ix, col_ix) -> list[Rect]:
+    """A range [off, off + count) of the flattened (B, m, n) tensor `shape` as rectangles (a partial row, whole
+    rows, a partial row, per matrix), each a contiguous range of the local flat tensor; global indices through
+    batch_ix / row_ix / col_ix (the flattened tensor's own indices when it is a piece of a larger one)."""
+    nb, m, n = shape
+    rects, pos, end = [], off, off + count
+    while pos < end:
+        b, within = divmod(pos, m * n)
+        i, j = divmod(within, n)
+        if j or end - pos < n:
+            k, width = 1, min(n - j, end - pos)
+        else:
+            k, width = min((end - pos) // n, m - i), n
+        lo = pos - off
+
+        def view(x, lo=lo, k=k, width=width):
+            return x.reshape(-1)[lo:lo + k * width].view(1, k, width)
+
+        rows = row_ix[i:i + k] if row_ix is not None else torch.arange(i, i + k)
+        cols = col_ix[j:j + width] if col_ix is not None else torch.arange(j, j + width)
+        rects.append(Rect(batch_ix[b:b + 1], rows, cols, view))
+        pos += k * width
+    return rects
+
+
+def local_rects(lay, shape, local_shape, device) -> list[Rect]:
+    """The rectangles of a (..., m, n) param of global `shape` that this rank holds under layout `lay`
+    (None: all of it), whose local tensor has `local_shape`."""
+    nd = len(shape)
+    if lay is None:
+        return [Rect(None, None, None, lambda x: x.reshape(_batch_count(shape), shape[-2], shape[-1]))]
+    if not lay.is_flat:
+        if math.prod(local_shape) == 0:
+            return []
+        lead_sharded = any(lay.index[d] is not None for d in range(nd - 2))
+        batch = lay.batch_index(device) if lead_sharded else None
+        rows = lay.dim_index(nd - 2, device) if lay.index[nd - 2] is not None else None
+        cols = lay.dim_index(nd - 1, device) if lay.index[nd - 1] is not None else None
+        loc = (_batch_count(local_shape), local_shape[-2], local_shape[-1])
+        return [Rect(batch, rows, cols, lambda x: x.reshape(loc))]
+    off, count = lay.flat
+    base = lay.base
+    if base is None:
+        arange = torch.arange(_batch_count(shape), device=device)
+        return [Rect(r.batch.to(device), r.rows.to(device), r.cols.to(device), r.view)
+                for r in _flat_rects(off, count, (_batch_count(shape), shape[-2], shape[-1]), arange, None, None)]
+    # A flat range of a piece that is itself sharded along dims (ZeRO over TP): rectangles of that piece.
+    piece = tuple(shape[d] if i is None else len(i) for d, i in enumerate(base.index))
+    rects = _flat_rects(off, count, (_batch_count(piece), piece[-2], piece[-1]), base.batch_index(device),
+                        base.dim_index(nd - 2, device), base.dim_index(nd - 1, device))
+    return [Rect(r.batch.to(device), r.rows.to(device), r.cols.to(device), r.view) for r in rects]
+
+
+def local_bases(state: dict, shape, rect: Rect) -> tuple[Tensor | None, Tensor | None]:
+    """(P at the rectangle's batch and rows, Q at its batch and columns), 3-D; None if absent."""
+    left, right, _ = state_views(state, shape)
+    left = rect.pick(left, True, False) if left is not None else None
+    right = rect.pick(right, False, True) if right is not None else None
+    return left, right
+
+
+def partial_projection(g: Tensor, state: dict, shape, rects: list[Rect], out: Tensor) -> None:
+    """out (the whole R, (B, a, b)) <- this rank's part of R: the sum over its rectangles of P_r^T G_r,
+    G_r Q_r^T or P_r^T G_r Q_r^T at their places, zeros elsewhere. Summed over the ranks, it is R."""
+    if len(rects) == 1 and rects[0].batch is None and rects[0].rows is None and rects[0].cols is None:
+        left, right = local_bases(state, shape, rects[0])
+        r = rects[0].view(g)
+        if left is not None:
+            r = left.transpose(1, 2) @ r
+        if right is not None:
+            r = r @ right.transpose(1, 2)
+        out.copy_(r)
+        return
+    out.zero_()
+    for rect in rects:
+        left, right = local_bases(state, shape, rect)
+        r = rect.view(g)
+        if left is not None:
+            r = left.transpose(1, 2) @ r
+        if right is not None:
+            r = r @ right.transpose(1, 2)
+        rect.place(out, r, rows=left is None, cols=right is None)
+
+
+def local_back_projection(n: Tensor, state: dict, shape, rect: Rect) -> Tensor:
+    """The rectangle's piece of P N, N Q or P N Q, from the whole N (B, a, b)."""
+    left, right = local_bases(state, shape, rect)
+    u = rect.pick(n, rows=left is None, cols=right is None)
+    if left is not None:
+        u = left @ u
+    if right is not None:
+        u = u @ right
+    return u
+
+
+def galore_step(params: list[Tensor], grads: list[Tensor], states: list[dict], *, lr, betas, eps, weight_decay,
+                scale=1.0, block_size: int = 256, inv_scale: Tensor | None = None,
+                found_inf: Tensor | None = None, layouts: list | None = None, reduce=None) -> None:
+    """One step over a bucket (same device and dtype) whose bases are already refreshed (`refresh_bases`);
+    each state's `step` is already advanced. Math in fp64 for fp64 params, else fp32.
+
+    Sharded params (`layouts[i]`, dim layouts): the moments and bases are whole on every rank; each rank
+    projects its piece of the gradient into a flat buffer of every projected param's R, `reduce(buf)` sums
+    it over the ranks (one collective for the bucket), and each rank back-projects onto its piece."""
+    beta1, beta2 = betas
+    layouts = layouts if layouts is not None else [None] * len(params)
+    acc = torch.float64 if params[0].dtype == torch.float64 else torch.float32
+    device = params[0].device
+    # Phase 1: the projected gradients of the whole bucket, in one flat buffer.
+    proj = [i for i, s in enumerate(states) if is_projected(s)]
+    buf = torch.empty(sum(states[i]["exp_avg"].numel() for i in proj), dtype=acc, device=device)
+    rs, shapes, rects, off = {}, {}, {}, 0
+    for i in proj:
+        lay = layouts[i]
+        shapes[i] = lay.global_shape if lay is not None else tuple(params[i].shape)
+        rects[i] = local_rects(lay, shapes[i], tuple(params[i].shape), device)
+        shape3 = state_views(states[i], shapes[i])[2]
+        rs[i] = buf[off:off + math.prod(shape3)].view(shape3)
+        off += rs[i].numel()
+        g = grads[i].to(acc)
+        if inv_scale is not None:
+            g = g * inv_scale.to(acc)
+        partial_projection(g.contiguous(), states[i], shapes[i], rects[i], rs[i])
+    if reduce is not None and proj:
+        reduce(buf)
+    # Phase 2: Adam on the (whole) projected gradients, back-projection onto the local pieces.
+    for i, (p, g, s) in enumerate(zip(params, grads, states)):
+        if i in rs:
+            r = rs[i]
+        else:
+            r = g.to(acc)
+            if inv_scale is not None:
+                r = r * inv_scale.to(acc)
+        m_old, v_old = load_moments(s, acc, block_size)
+        m = beta1 * m_old.reshape(r.shape) + (1 - beta1) * r
+        v = beta2 * v_old.reshape(r.shape) + (1 - beta2) * r * r
+        n = m / (v.sqrt() + eps)
+        eta = step_size(s["step"], lr=lr, betas=betas).to(acc)
+        store_moments(s, m.view(s["exp_avg"].shape), v.view(s["exp_avg"].shape), block_size, found_inf)
+        if i not in rs:
+            p_new = p.to(acc) - eta * n
+            if weight_decay > 0:
+                p_new = p_new - (lr * weight_decay) * p_new
+            _commit(p, p_new, found_inf)
+            continue
+        work = p.detach().clone().to(acc).contiguous()
+        for rect in rects[i]:
+            piece = rect.view(work)
+            piece -= eta * (scale * local_back_projection(n, s, shapes[i], rect))
+            if weight_decay > 0:
+                piece -= (lr * weight_decay) * piece
+        _commit(p, work.view(p.shape), found_inf)

@@ -1,0 +1,311 @@
+"""Fused GaLore-AdamW (the math: fastopt/reference/galore.py).
+
+Launches per projected param and step (the SVD of the refresh steps is torch.linalg.svd, outside):
+
+  left / right                                      full (P and Q)
+  1 _galore_matmul_kernel  R = P^T G  or  G Q^T     1a T = P^T G        1b R = T Q^T
+  2 _galore_adam_kernel    m_t, v_t (stored, fp32 or 8-bit codes), N = m_t / (sqrt(v_t) + eps) written over R
+  3 _galore_matmul_kernel  p -= eta scale (P N | N Q) in the epilogue, then the decoupled decay
+                                                    3a W = N Q          3b p -= eta scale P W, decay
+
+So the full-size update is never materialized: the back-projection's output tile goes straight into the
+parameter (read once, written once), and only rank-sized buffers (R, N, T, W) go through memory. A param
+without a projection takes one `_galore_adam_kernel` launch with the parameter update in it (plain AdamW).
+Params with more than two dims are batches of matrices: the batch is the grid's second axis. A sharded
+param's piece is one rectangle of its matrices (dim layouts) or a few (a flat ZeRO range: partial first row,
+whole rows, partial last row); each takes the same launches on its local elements, with the bases' rows or
+columns it needs gathered by torch (rank-sized), and its partial R is added into the bucket's flat buffer,
+which the caller's `reduce` sums over the ranks once per step.
+
+The matmul kernel is one tiled `tl.dot` loop over K with arbitrary strides (a transposed operand is a stride
+swap, nothing is copied), int64 offsets. fp32 dots pass `input_precision=DOT_PRECISION`, "ieee" by default:
+on GPUs Triton would otherwise round fp32 operands to tf32 (10-bit mantissa), far from the reference;
+`FASTOPT_GALORE_DOT=tf32` trades that for tensor-core speed. fp64 params multiply-and-sum the tile in fp64
+(no fp64 `tl.dot` is assumed). Low-precision params are loaded and multiplied in fp32.
+
+The 8-bit format is fastopt/reference/quant.py's (bitsandbytes' block-wise format, the extension's): each
+program of the Adam kernel holds whole quantization blocks of the flat rank-sized moments, dequantizes,
+updates, and requantizes them with kernels/lamb.py's block helpers (nearest map value, ties to the lower
+index), so its codes match the reference's and the extension's to the last bit.
+
+Hyperparameters travel as a float64 tensor (Triton passes Python floats as fp32); eta is computed per program
+in fp64 from the device step counter: no host sync, and a step GradScaler skips (found_inf) stores nothing.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from . import common
+from .common import INTERPRET, keep_limit, round_to, to_device
+from .lamb import _dequantize, _quantize_store
+
+DOT_PRECISION = os.environ.get("FASTOPT_GALORE_DOT", "ieee")
+# Matmul tiles: tl.dot needs 16 at least; small under the interpreter so the tests' matrices span several.
+# fp64 multiplies a [BM, BK, BN] product in registers: small tiles there.
+BM, BN, BK = (16, 16, 16) if INTERPRET else (64, 64, 32)
+BM64, BN64, BK64 = 16, 16, 16
+NUM_WARPS = 4
+# Adam kernel: [NQ, QB] tiles of the flat moments (QB = the quantization block with 8-bit state).
+QB32, NQ32 = (64, 2) if INTERPRET else (256, 8)
+TILE8 = 128 if INTERPRET else 2048
+
+# Slots of the float64 hyperparameter tensor.
+HYPER = ("lr", "beta1", "beta2", "1-beta1", "1-beta2", "log(beta1)", "log(beta2)", "eps", "lr*weight_decay",
+         "scale")
+
+
+@triton.jit
+def _eta(step_ptr, hyper_ptr):
+    """lr sqrt(1 - beta2^t) / (1 - beta1^t) in fp64 from the device step counter."""
+    t = tl.load(step_ptr).to(tl.float64)
+    return tl.load(hyper_ptr) * tl.sqrt(1.0 - tl.exp(t * tl.load(hyper_ptr + 6))) / \
+        (1.0 - tl.exp(t * tl.load(hyper_ptr + 5)))
+
+
+@triton.jit
+def _galore_matmul_kernel(a_ptr, b_ptr, c_ptr, acc_ref, M, N, K, sab, sam, sak, sbb, sbk, sbn, scb, scm, scn,
+                          step_ptr, hyper_ptr, inv_scale_ptr, found_inf_ptr, UPDATE: tl.constexpr,
+                          HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr, HAS_WD: tl.constexpr,
+                          FP64: tl.constexpr, PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                          BK: tl.constexpr):
+    """C = A @ B for one [BM, BN] tile of one matrix of the batch (program_id(1)).
+
+    UPDATE=False: C is stored (times inv_scale when HAS_SCALE). UPDATE=True: C is the parameter, and the tile
+    becomes p - eta * scale * (A @ B), then p - lr * weight_decay * p (HAS_WD), stored unless found_inf."""
+    acc_t = acc_ref.dtype.element_ty
+    pid = tl.program_id(0)
+    bid = tl.program_id(1).to(tl.int64)
+    tiles_n = tl.cdiv(N, BN)
+    rm = (pid // tiles_n).to(tl.int64) * BM + tl.arange(0, BM)
+    rn = (pid % tiles_n).to(tl.int64) * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK).to(tl.int64)
+    a_base = a_ptr + bid * sab
+    b_base = b_ptr + bid * sbb
+    acc = tl.zeros([BM, BN], dtype=acc_t)
+    for k0 in range(0, K, BK):
+        kk = k0 + rk
+        a = tl.load(a_base + rm[:, None] * sam + kk[None, :] * sak, mask=(rm[:, None] < M) & (kk[None, :] < K),
+                    other=0.0).to(acc_t)
+        b = tl.load(b_base + kk[:, None] * sbk + rn[None, :] * sbn, mask=(kk[:, None] < K) & (rn[None, :] < N),
+                    other=0.0).to(acc_t)
+        if FP64:
+            acc += tl.sum(a[:, :, None] * b[None, :, :], axis=1)
+        else:
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    c_offs = c_ptr + bid * scb + rm[:, None] * scm + rn[None, :] * scn
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    if UPDATE:
+        coef = (_eta(step_ptr, hyper_ptr) * tl.load(hyper_ptr + 9)).to(acc_t)
+        p = tl.load(c_offs, mask=mask, other=0.0).to(acc_t)
+        p = p - coef * acc
+        if HAS_WD:
+            p = p - tl.load(hyper_ptr + 8).to(acc_t) * p
+        keep = mask & (rm[:, None] < keep_limit(M, found_inf_ptr, HAS_INF))
+        tl.store(c_offs, round_to(p, c_ptr.dtype.element_ty), mask=keep)
+    else:
+        if HAS_SCALE:
+            acc = acc * tl.load(inv_scale_ptr).to(acc_t)
+        tl.store(c_offs, acc, mask=mask)
+
+
+@triton.jit
+def _galore_adam_kernel(r_ptr, m_ptr, v_ptr, ma_ptr, va_ptr, out_ptr, acc_ref, n, step_ptr, hyper_ptr,
+                        inv_scale_ptr, found_inf_ptr, map_s_ptr, map_u_ptr, HAS_SCALE: tl.constexpr,
+                        HAS_INF: tl.constexpr, HAS_WD: tl.constexpr, EIGHT: tl.constexpr, APPLY: tl.constexpr,
+                        QB: tl.constexpr, NQ: tl.constexpr):
+    """Adam on the flat (projected) gradient r: m_t, v_t stored (fp32/fp64, or requantized 8-bit codes with
+    EIGHT), then N = m_t / (sqrt(v_t) + eps) written to out (projected params), or, with APPLY (params
+    without a projection), the parameter update p -= eta N, p -= lr weight_decay p, with p at out."""
+    acc_t = acc_ref.dtype.element_ty
+    blk = tl.program_id(0).to(tl.int64) * NQ + tl.arange(0, NQ)
+    offs = blk[:, None] * QB + tl.arange(0, QB)[None, :]
+    mask = offs < n
+    limit = keep_limit(n, found_inf_ptr, HAS_INF)
+    keep = offs < limit
+    r = tl.load(r_ptr + offs, mask=mask, other=0.0).to(acc_t)
+    if HAS_SCALE:
+        r = r * tl.load(inv_scale_ptr).to(acc_t)
+    if EIGHT:
+        bmask = blk * QB < n
+        m_old = _dequantize(m_ptr, ma_ptr, offs, mask, blk, bmask, map_s_ptr).to(acc_t)
+        v_old = _dequantize(v_ptr, va_ptr, offs, mask, blk, bmask, map_u_ptr).to(acc_t)
+    else:
+        m_old = tl.load(m_ptr + offs, mask=mask, other=0.0).to(acc_t)
+        v_old = tl.load(v_ptr + offs, mask=mask, other=0.0).to(acc_t)
+    m = tl.load(hyper_ptr + 1).to(acc_t) * m_old + tl.load(hyper_ptr + 3).to(acc_t) * r
+    v = tl.load(hyper_ptr + 2).to(acc_t) * v_old + tl.load(hyper_ptr + 4).to(acc_t) * (r * r)
+    m = tl.where(mask, m, 0.0)
+    v = tl.where(mask, v, 0.0)
+    nrm = m / (tl.sqrt(v) + tl.load(hyper_ptr + 7).to(acc_t))
+    if APPLY:
+        p = tl.load(out_ptr + offs, mask=mask, other=0.0).to(acc_t)
+        p = p - _eta(step_ptr, hyper_ptr).to(acc_t) * nrm
+        if HAS_WD:
+            p = p - tl.load(hyper_ptr + 8).to(acc_t) * p
+        tl.store(out_ptr + offs, round_to(p, out_ptr.dtype.element_ty), mask=keep)
+    else:
+        tl.store(out_ptr + offs, nrm, mask=mask)
+    if EIGHT:
+        bkeep = blk * QB < limit
+        _quantize_store(m, m_ptr, ma_ptr, offs, blk, keep, bkeep, map_s_ptr)
+        _quantize_store(v, v_ptr, va_ptr, offs, blk, keep, bkeep, map_u_ptr)
+    else:
+        tl.store(m_ptr + offs, m, mask=keep)
+        tl.store(v_ptr + offs, v, mask=keep)
+
+
+# ---- host side ------------------------------------------------------------------------------------------
+LEFT, RIGHT = "proj_left", "proj_right"
+
+
+def _hyper(cache, lr, betas, eps, weight_decay, scale, device) -> torch.Tensor:
+    """The float64 hyperparameter tensor (see HYPER), rebuilt only when a value changed (e.g. lr)."""
+    key = ("hyper", device, lr, betas, eps, weight_decay, scale)
+    if cache is None or cache.get("hyper_key") != key:
+        b1, b2 = betas
+        values = [lr, b1, b2, 1.0 - b1, 1.0 - b2, math.log(b1) if b1 > 0 else -math.inf,
+                  math.log(b2) if b2 > 0 else -math.inf, eps, lr * weight_decay, scale]
+        t = to_device([float(x) for x in values], torch.float64, device)
+        if cache is None:
+            return t
+        cache["hyper_key"], cache["hyper"] = key, t
+    return cache["hyper"]
+
+
+def _scratch(shape, dtype, device) -> torch.Tensor:
+    out = torch.empty(shape, dtype=dtype, device=device)
+    if common.POISON:
+        out.fill_(float("nan"))
+    return out
+
+
+class _Launch:
+    """Arguments every launch of one step shares."""
+
+    def __init__(self, step, hyper, inv_scale, found_inf, weight_decay, fp64, dummy):
+        self.step, self.hyper = step, hyper
+        self.inv_scale, self.found_inf = inv_scale, found_inf
+        self.has_wd = weight_decay > 0
+        self.fp64 = fp64
+        self.dummy = dummy
+
+    def matmul(self, a, b, c, *, update=False, scale_input=False):
+        """c = a @ b (batched, any strides), or the parameter update into c (update=True)."""
+        nb, m, k = a.shape
+        n = b.shape[2]
+        if nb * m * n == 0:  # an empty local piece: nothing to compute (a K of 0 still stores zeros)
+            return
+        bm, bn, bk = (BM64, BN64, BK64) if self.fp64 else (BM, BN, BK)
+        grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), nb)
+        _galore_matmul_kernel[grid](
+            a, b, c, self.dummy, m, n, k, *a.stride(), *b.stride(), *c.stride(), self.step, self.hyper,
+            self.inv_scale if self.inv_scale is not None else self.dummy,
+            self.found_inf if self.found_inf is not None else self.dummy,
+            UPDATE=update, HAS_SCALE=scale_input and self.inv_scale is not None,
+            HAS_INF=self.found_inf is not None, HAS_WD=self.has_wd, FP64=self.fp64, PRECISION=DOT_PRECISION,
+            BM=bm, BN=bn, BK=bk, num_warps=NUM_WARPS)
+
+    def adam(self, r, state, out, *, apply, block_size, scale_input):
+        n = r.numel()
+        if n == 0:
+            return
+        eight = state["exp_avg"].dtype == torch.uint8
+        qb, nq = (block_size, max(1, TILE8 // block_size)) if eight else (QB32, NQ32)
+        if eight:
+            from fastopt.reference.quant import dynamic_map
+            maps = (dynamic_map(True, r.device), dynamic_map(False, r.device))
+            absmax = (state["exp_avg_absmax"], state["exp_avg_sq_absmax"])
+        else:
+            maps = absmax = (self.dummy, self.dummy)
+        _galore_adam_kernel[(triton.cdiv(n, qb * nq),)](
+            r, state["exp_avg"], state["exp_avg_sq"], *absmax, out, self.dummy, n, self.step, self.hyper,
+            self.inv_scale if self.inv_scale is not None else self.dummy,
+            self.found_inf if self.found_inf is not None else self.dummy, *maps,
+            HAS_SCALE=scale_input and self.inv_scale is not None, HAS_INF=self.found_inf is not None,
+            HAS_WD=self.has_wd, EIGHT=eight, APPLY=apply, QB=qb, NQ=nq, num_warps=NUM_WARPS)
+
+
+def galore_step(params, grads, states, *, lr, betas, eps, weight_decay, scale=1.0, block_size=256, inv_scale=None,
+                found_inf=None, cache=None, layouts=None, reduce=None):
+    """One step over a bucket (same device and dtype) whose bases are already refreshed; `step` advanced.
+    Sharded params as in the reference: each rank's partial R (the sum over the rectangles of the matrices it
+    holds: one for a dim layout, a few for a flat range) goes into one flat buffer for the bucket,
+    `reduce(buf)` sums it, and the back-projection writes each rectangle of the local piece. The bases' rows
+    or columns and N's block of a rectangle are gathered with torch (rank-sized); the kernels see local
+    tensors only."""
+    from fastopt.reference.galore import local_rects, state_views
+    device = params[0].device
+    acc = torch.float64 if params[0].dtype == torch.float64 else torch.float32
+    hyper = _hyper(cache, float(lr), tuple(float(b) for b in betas), float(eps), float(weight_decay),
+                   float(scale), device)
+    dummy = torch.empty(1, dtype=acc, device=device)
+    layouts = layouts if layouts is not None else [None] * len(params)
+    works = [p if p.is_contiguous() else p.contiguous() for p in params]
+    proj = [i for i, s in enumerate(states) if LEFT in s or RIGHT in s]
+    buf = _scratch(sum(states[i]["exp_avg"].numel() for i in proj), acc, device)
+    rs, shapes, rects, off = {}, {}, {}, 0
+    # Phase 1: every projected param's (partial) R into one flat buffer.
+    for i in proj:
+        s = states[i]
+        run = _Launch(s["step"], hyper, inv_scale, found_inf, weight_decay, acc == torch.float64, dummy)
+        lay = layouts[i]
+        shapes[i] = lay.global_shape if lay is not None else tuple(params[i].shape)
+        rects[i] = local_rects(lay, shapes[i], tuple(params[i].shape), device)
+        left_all, right_all, shape3 = state_views(s, shapes[i])
+        rs[i] = buf[off:off + math.prod(shape3)].view(shape3)
+        off += math.prod(shape3)
+        whole = len(rects[i]) == 1 and rects[i][0].batch is None and rects[i][0].rows is None and \
+            rects[i][0].cols is None
+        if not whole:
+            rs[i].zero_()
+        g = grads[i] if grads[i].is_contiguous() else grads[i].contiguous()
+        for rect in rects[i]:
+            left = rect.pick(left_all, True, False).contiguous() if left_all is not None else None
+            right = rect.pick(right_all, False, True).contiguous() if right_all is not None else None
+            g3 = rect.view(g)
+            nb, m, n = g3.shape
+            a = left.shape[2] if left is not None else m
+            b = right.shape[1] if right is not None else n
+            part = rs[i] if whole else _scratch((nb, a, b), acc, device)
+            if left is not None and right is not None:
+                t = _scratch((nb, a, n), acc, device)
+                run.matmul(left.transpose(1, 2), g3, t, scale_input=True)
+                run.matmul(t, right.transpose(1, 2), part)
+            elif left is not None:
+                run.matmul(left.transpose(1, 2), g3, part, scale_input=True)
+            else:
+                run.matmul(g3, right.transpose(1, 2), part, scale_input=True)
+            if not whole:
+                rect.place(rs[i], part, rows=left is None, cols=right is None)
+    if reduce is not None and proj:
+        reduce(buf)
+    # Phase 2: Adam (N over R, in place), then the back-projection fused with the update of each rectangle.
+    for i, (p, g, s, work) in enumerate(zip(params, grads, states, works)):
+        run = _Launch(s["step"], hyper, inv_scale, found_inf, weight_decay, acc == torch.float64, dummy)
+        if i not in rs:
+            run.adam(g.contiguous(), s, work, apply=True, block_size=block_size, scale_input=True)
+        else:
+            r = rs[i]
+            run.adam(r, s, r, apply=False, block_size=block_size, scale_input=False)
+            left_all, right_all, _ = state_views(s, shapes[i])
+            for rect in rects[i]:
+                left = rect.pick(left_all, True, False).contiguous() if left_all is not None else None
+                right = rect.pick(right_all, False, True).contiguous() if right_all is not None else None
+                nloc = rect.pick(r, rows=left is None, cols=right is None)
+                nloc = nloc if nloc.is_contiguous() else nloc.contiguous()
+                p3 = rect.view(work)
+                if left is not None and right is not None:
+                    w = _scratch((nloc.shape[0], nloc.shape[1], right.shape[2]), acc, device)
+                    run.matmul(nloc, right, w)
+                    run.matmul(left, w, p3, update=True)
+                elif left is not None:
+                    run.matmul(left, nloc, p3, update=True)
+                else:
+                    run.matmul(nloc, right, p3, update=True)
+        if work is not p:
+            p.copy_(work)
