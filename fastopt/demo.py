@@ -25,6 +25,7 @@ import math
 import os
 import random
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+
+from .distributed.layout import local
 
 WORDS = ("the optimizer keeps row and column factors of the second moment so memory grows with rows plus "
          "columns not rows times columns shards of a matrix share their statistics through one small "
@@ -118,8 +121,6 @@ def make_optimizer(name: str, model: nn.Module):
     if name == "adamw8bit":
         return fastopt.AdamW8bit(params, lr=1e-2)
     if name == "galore":
-        if not hasattr(fastopt, "GaLoreAdamW"):
-            raise NotImplementedError("fastopt.GaLoreAdamW is not in this build of fastopt")
         # Rank 16 of the 64-wide projections; the projection is refreshed every 20 steps.
         groups = fastopt.get_galore_param_groups(model, weight_decay=0.0, rank=16, update_proj_gap=20, scale=0.25)
         return fastopt.GaLoreAdamW(groups, lr=1e-2)
@@ -128,18 +129,13 @@ def make_optimizer(name: str, model: nn.Module):
     raise ValueError(f"make_optimizer: name={name!r} must be one of {', '.join(OPTIMIZERS)}")
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def state_bytes(opt) -> int:
     """Bytes of optimizer state held by this process (local pieces of DTensor states; step counters aside)."""
     total = 0
     for st in opt.state.values():
         for t in st.values():
             if isinstance(t, torch.Tensor) and t.dim() > 0:
-                t = _local(t)
+                t = local(t)
                 total += t.numel() * t.element_size()
     return total
 
@@ -352,13 +348,20 @@ def _distributed(rank: int, world: int, args, init_method: str, local_rank: int)
                             timeout=timedelta(seconds=args.timeout))
     try:
         mesh = init_device_mesh(device.type, (args.dp, args.tp), mesh_dim_names=("dp", "tp"))
-        return run(args, Parallel(rank, world, args.tp, args.dp, device, mesh))
+        results = run(args, Parallel(rank, world, args.tp, args.dp, device, mesh))
+        dist.barrier()  # no rank closes its connections while another still talks to it
+        return results
     finally:
         dist.destroy_process_group()
 
 
 def _spawned(rank: int, world: int, args, init_method: str) -> None:
     _distributed(rank, world, args, init_method, local_rank=rank)
+    # The work is done and written. Leave without the interpreter's teardown: gloo's background threads can
+    # abort it ("terminate called without an active exception"), which mp.spawn would report as a failure.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def parse_args(argv=None):
