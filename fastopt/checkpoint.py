@@ -5,13 +5,14 @@
 A param's state, in memory and in a state_dict:
 
 - `step`: an fp32 scalar tensor, the same on every rank (python numbers are accepted on load).
-- Element-wise states (Adam moments, Adafactor's vector second moment and momentum, 8-bit codes): shaped like
-  the param. For a DTensor param they are DTensors with the param's mesh and placements (the optimizer's
-  kernels get their local tensors, which share storage), so DCP saves each element once and reloads it under
-  any other layout. On load, a plain tensor of the param's global shape is cut to this rank's piece, and a
-  DTensor with other placements is redistributed.
-- Factored states (Adafactor's and CAME's row and column statistics): plain full-length tensors, identical on
-  every rank, so they load under any layout as they are.
+- Element-wise states (Adam moments, Adafactor's vector second moment and momentum, 8-bit codes; each
+  optimizer names them: `FastOptimizer._elementwise_keys`): shaped like the param. For a DTensor param they
+  are DTensors with the param's mesh and placements (the optimizer's kernels get their local tensors, which
+  share storage), so DCP saves each element once and reloads it under any other layout. On load, a plain
+  tensor of the param's global shape is cut to this rank's piece, and a DTensor with other placements is
+  redistributed.
+- Whole states (Adafactor's and CAME's row and column statistics, GaLore's bases and projected moments):
+  plain tensors, identical on every rank, so they load under any layout as they are.
 - 8-bit states (codes + one fp32 absmax per block): for an optimizer of plain params (single process, DDP)
   the state_dict holds the codes and absmax themselves: compact, exact, bitsandbytes' format. The blocks of a
   DTensor param are cut from this rank's local piece, so they mean nothing under another layout: the

@@ -248,7 +248,7 @@ def galore_step(params, grads, states, *, lr, betas, eps, weight_decay, scale=1.
     works = [p if p.is_contiguous() else p.contiguous() for p in params]
     proj = [i for i, s in enumerate(states) if LEFT in s or RIGHT in s]
     buf = _scratch(sum(states[i]["exp_avg"].numel() for i in proj), acc, device)
-    rs, shapes, rects, off = {}, {}, {}, 0
+    rs, shapes, rects, bases, off = {}, {}, {}, {}, 0
     # Phase 1: every projected param's (partial) R into one flat buffer.
     for i in proj:
         s = states[i]
@@ -264,9 +264,11 @@ def galore_step(params, grads, states, *, lr, betas, eps, weight_decay, scale=1.
         if not whole:
             rs[i].zero_()
         g = grads[i] if grads[i].is_contiguous() else grads[i].contiguous()
-        for rect in rects[i]:
-            left = rect.pick(left_all, True, False).contiguous() if left_all is not None else None
-            right = rect.pick(right_all, False, True).contiguous() if right_all is not None else None
+        # Each rectangle's rows of P and columns of Q, gathered once for both phases.
+        bases[i] = [(rect.pick(left_all, True, False).contiguous() if left_all is not None else None,
+                     rect.pick(right_all, False, True).contiguous() if right_all is not None else None)
+                    for rect in rects[i]]
+        for rect, (left, right) in zip(rects[i], bases[i]):
             g3 = rect.view(g)
             nb, m, n = g3.shape
             a = left.shape[2] if left is not None else m
@@ -292,10 +294,7 @@ def galore_step(params, grads, states, *, lr, betas, eps, weight_decay, scale=1.
         else:
             r = rs[i]
             run.adam(r, s, r, apply=False, block_size=block_size, scale_input=False)
-            left_all, right_all, _ = state_views(s, shapes[i])
-            for rect in rects[i]:
-                left = rect.pick(left_all, True, False).contiguous() if left_all is not None else None
-                right = rect.pick(right_all, False, True).contiguous() if right_all is not None else None
+            for rect, (left, right) in zip(rects[i], bases[i]):
                 nloc = rect.pick(r, rows=left is None, cols=right is None)
                 nloc = nloc if nloc.is_contiguous() else nloc.contiguous()
                 p3 = rect.view(work)

@@ -79,6 +79,108 @@ def assert_tracks(ours, truth, init, dtype, ref_lowp=None, what="params"):
         assert err <= 2 * ref_err + 1e-6, f"{what}: error {err:.3g} vs the reference's own {ref_err:.3g} at {dtype}"
 
 
+def step_with_inf_at(opt, params, grads, inf_step, device, poison=(0, 0, 0)) -> None:
+    """Run `grads` (one list per step) through `opt` under `torch.amp.GradScaler`, with an inf written into
+    `params[poison[0]].grad` at index `poison[1:]` on step `inf_step`, and check that this step changed
+    nothing: params, state keys (a param without state may get its first) and state values, bit for bit."""
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0 ** 12)
+    for t, step_grads in enumerate(grads):
+        loss = sum((p * gr.to(device=device, dtype=torch.float32)).sum() for p, gr in zip(params, step_grads))
+        scaler.scale(loss).backward()
+        if t == inf_step:
+            params[poison[0]].grad[poison[1:]] = float("inf")
+            before = ([p.detach().clone() for p in params],
+                      [{k: v.clone() for k, v in opt.state[p].items()} for p in params])
+        scaler.step(opt)
+        scaler.update()
+        if t == inf_step:
+            for p, p0, s0 in zip(params, *before):
+                assert torch.equal(p, p0)
+                assert set(opt.state[p]) == set(s0) or not s0
+                for k, v in s0.items():
+                    assert torch.equal(opt.state[p][k], v), k
+        opt.zero_grad(set_to_none=True)
+
+
+def through_8bit(m, v, block_size: int) -> tuple:
+    """m_t and v_t as 8-bit state keeps them (fastopt.reference.quant's block-wise format, signed map for m,
+    unsigned for v): (m, v) dequantized in float64, and (m codes, v codes)."""
+    from fastopt.reference.quant import dequantize_blockwise, quantize_blockwise
+    qm, am = quantize_blockwise(m, block_size, signed=True)
+    qv, av = quantize_blockwise(v, block_size, signed=False)
+    return (dequantize_blockwise(qm, am, block_size, signed=True, dtype=torch.float64),
+            dequantize_blockwise(qv, av, block_size, signed=False, dtype=torch.float64), (qm, qv))
+
+
+def check_skips_params_without_grad(make_opt, device, shapes=((3, 4), (5,))) -> None:
+    """`make_opt(a, b, e)` over fp64 params of `shapes` and an empty one: a step with a gradient for `a` and
+    the empty `e` only moves `a` and counts its step; `b` (no gradient) and `e` get no state."""
+    a = torch.randn(shapes[0], dtype=torch.float64, device=device, requires_grad=True)
+    b = torch.randn(shapes[1], dtype=torch.float64, device=device, requires_grad=True)
+    e = torch.empty(0, 3, dtype=torch.float64, device=device, requires_grad=True)
+    opt = make_opt(a, b, e)
+    a.grad = torch.randn_like(a)
+    e.grad = torch.empty_like(e)
+    a0, b0 = a.detach().clone(), b.detach().clone()
+    opt.step()
+    assert torch.equal(b, b0) and not opt.state[b] and not opt.state[e]
+    assert float(opt.state[a]["step"]) == 1 and not torch.equal(a, a0)
+
+
+def check_refuses_sparse_and_complex(make_opt, device) -> None:
+    """`make_opt(a, other)`: a sparse gradient of `other`, or a complex `other`, is refused on the first step,
+    naming the reason, before `a` or any state changes."""
+    a = torch.randn(4, 3, device=device, requires_grad=True)
+    emb = torch.randn(6, 3, device=device, requires_grad=True)
+    opt = make_opt(a, emb)
+    a.grad = torch.randn_like(a)
+    emb.grad = torch.sparse_coo_tensor([[0, 2]], torch.ones(2, 3), (6, 3)).to(device)
+    a0 = a.detach().clone()
+    with pytest.raises(RuntimeError, match="does not support sparse gradients"):
+        opt.step()
+    assert torch.equal(a, a0) and not opt.state[a]
+    z = torch.randn(3, 3, dtype=torch.complex64, device=device, requires_grad=True)
+    opt = make_opt(a, z)
+    a.grad = torch.randn_like(a)
+    z.grad = torch.randn_like(z)
+    with pytest.raises(RuntimeError, match="complex parameters"):
+        opt.step()
+    assert torch.equal(a, a0) and not opt.state[a]
+
+
+def check_no_host_sync(opt, params, steps: int, first_checked: int = 0) -> None:
+    """`steps` GradScaler steps of `opt` over CUDA `params` (loss: sum of p^2); from step `first_checked` on,
+    step() must not synchronize with the host (`torch.cuda.set_sync_debug_mode("error")` raises if it does)."""
+    scaler = torch.amp.GradScaler("cuda")
+    for t in range(steps):
+        scaler.scale(sum((p * p).sum() for p in params)).backward()
+        torch.cuda.synchronize()
+        if t >= first_checked:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            scaler.step(opt)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+
+
+class Counting:
+    """Stands in for a Triton kernel (`fn[grid](...)`) or a launching function (`fn(...)`) and appends `name`
+    to `log` at each launch: monkeypatch it over the module attribute the host code calls."""
+
+    def __init__(self, name: str, fn, log: list):
+        self.name, self.fn, self.log = name, fn, log
+
+    def __getitem__(self, grid):
+        self.log.append(self.name)
+        return self.fn[grid]
+
+    def __call__(self, *args, **kwargs):
+        self.log.append(self.name)
+        return self.fn(*args, **kwargs)
+
+
 def launches_per_step(monkeypatch, make_opt, shapes=((3, 4), (5,), (2, 2, 3)), repeats=(1, 4)) -> list[int]:
     """Triton launches of one (second) step of `make_opt(params)` over `shapes * r` params, for each r in
     `repeats`: equal counts mean launches do not grow with the number of params. Skips without Triton."""

@@ -27,7 +27,7 @@ from datetime import timedelta
 
 import torch.multiprocessing as mp
 
-__all__ = ["run", "DistPool", "DistError"]
+__all__ = ["run", "DistPool", "DistError", "placement"]
 
 
 class DistError(RuntimeError):
@@ -158,3 +158,15 @@ def run(fn, world_size: int, *args, timeout: float = 120.0, env: dict | None = N
     """Run `fn(rank, world_size, *args)` on `world_size` fresh gloo processes; per-rank results in rank order."""
     with DistPool(world_size, timeout=timeout, env=env) as pool:
         return pool.run(fn, *args)
+
+
+def placement(spec):
+    """A DTensor placement from its short spec: ("R",) Replicate, ("S", d) Shard(d), ("SS", d, split_factor)
+    _StridedShard (FSDP2 over TP)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+    if spec[0] == "R":
+        return Replicate()
+    if spec[0] == "S":
+        return Shard(spec[1])
+    return _StridedShard(spec[1], split_factor=spec[2])

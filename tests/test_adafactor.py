@@ -5,7 +5,8 @@ import io
 
 import pytest
 import torch
-from conftest import TOL, assert_tracks, rel_update_error, launches_per_step
+from conftest import (TOL, assert_tracks, rel_update_error, step_with_inf_at, launches_per_step,
+                      check_refuses_sparse_and_complex, check_skips_params_without_grad)
 from transformers.optimization import Adafactor as HFAdafactor
 
 import fastopt
@@ -116,22 +117,7 @@ def test_grad_scaler_and_skipped_overflow(backend, device):
     ref, _ = run(fastopt.Adafactor, init, grads[:inf_step] + grads[inf_step + 1:], torch.float32, device, beta1=0.9)
     params = [p.detach().clone().to(device=device, dtype=torch.float32).requires_grad_() for p in init]
     opt = fastopt.Adafactor(params, beta1=0.9)
-    scaler = torch.amp.GradScaler(device.type, init_scale=2.0 ** 12)
-    for t, step_grads in enumerate(grads):
-        loss = sum((p * gr.to(device=device, dtype=torch.float32)).sum() for p, gr in zip(params, step_grads))
-        scaler.scale(loss).backward()
-        if t == inf_step:
-            params[0].grad[0, 0] = float("inf")
-            before = ([p.detach().clone() for p in params],
-                      [{k: v.clone() for k, v in opt.state[p].items()} for p in params])
-        scaler.step(opt)
-        scaler.update()
-        if t == inf_step:
-            for p, p0, s0 in zip(params, *before):
-                assert torch.equal(p, p0)
-                for k, v in s0.items():
-                    assert torch.equal(opt.state[p][k], v), k
-        opt.zero_grad(set_to_none=True)
+    step_with_inf_at(opt, params, grads, inf_step, device)
     assert rel_update_error([p.cpu() for p in params], [p.cpu() for p in ref], init) <= TOL[torch.float32]
 
 
@@ -153,16 +139,8 @@ def test_lr_scheduler_drives_group_lr(backend, device):
 
 
 def test_skips_params_without_grad_and_empty_params(backend, device):
-    a = torch.randn(3, 4, dtype=torch.float64, device=device, requires_grad=True)
-    b = torch.randn(5, dtype=torch.float64, device=device, requires_grad=True)
-    e = torch.empty(0, 3, dtype=torch.float64, device=device, requires_grad=True)
-    opt = fastopt.Adafactor([a, b, e])
-    a.grad = torch.randn_like(a)
-    e.grad = torch.empty_like(e)
-    b0 = b.detach().clone()
-    opt.step()
-    assert torch.equal(b, b0) and not opt.state[b] and not opt.state[e]
-    assert float(opt.state[a]["step"]) == 1
+    check_skips_params_without_grad(lambda a, b, e: fastopt.Adafactor([a, b, e]), device)
+
 
 
 @pytest.mark.parametrize("kwargs, name", [
@@ -183,21 +161,8 @@ def test_bad_arguments_name_themselves(kwargs, name):
 
 
 def test_sparse_and_complex_refused_before_any_change(backend, device):
-    a = torch.randn(4, 3, device=device, requires_grad=True)
-    emb = torch.randn(6, 3, device=device, requires_grad=True)
-    opt = fastopt.Adafactor([a, emb])
-    a.grad = torch.randn_like(a)
-    emb.grad = torch.sparse_coo_tensor([[0, 2]], torch.ones(2, 3), (6, 3)).to(device)
-    a0 = a.detach().clone()
-    with pytest.raises(RuntimeError, match="does not support sparse gradients"):
-        opt.step()
-    assert torch.equal(a, a0) and not opt.state[a]
-    z = torch.randn(3, 3, dtype=torch.complex64, device=device, requires_grad=True)
-    opt = fastopt.Adafactor([a, z])
-    z.grad = torch.randn_like(z)
-    with pytest.raises(RuntimeError, match="complex parameters"):
-        opt.step()
-    assert torch.equal(a, a0)
+    check_refuses_sparse_and_complex(lambda a, other: fastopt.Adafactor([a, other]), device)
+
 
 
 def test_bad_state_dict_fails_and_changes_nothing():

@@ -6,7 +6,8 @@ import io
 import pytest
 import torch
 from came_pytorch import CAME as RefCAME
-from conftest import TOL, assert_tracks, rel_update_error, launches_per_step
+from conftest import (TOL, assert_tracks, rel_update_error, step_with_inf_at, launches_per_step,
+                      check_refuses_sparse_and_complex, check_skips_params_without_grad)
 
 import fastopt
 
@@ -157,22 +158,7 @@ def test_grad_scaler_and_skipped_overflow(backend, device, nbits):
     ref, _ = run(fastopt.CAME, init, grads[:inf_step] + grads[inf_step + 1:], torch.float32, device, **kw)
     params = make_params(init, torch.float32, device)
     opt = fastopt.CAME(params, **kw)
-    scaler = torch.amp.GradScaler(device.type, init_scale=2.0 ** 12)
-    for t, step_grads in enumerate(grads):
-        loss = sum((p * gr.to(device=device, dtype=torch.float32)).sum() for p, gr in zip(params, step_grads))
-        scaler.scale(loss).backward()
-        if t == inf_step:
-            params[1].grad[0, 0, 0] = float("inf")
-            before = ([p.detach().clone() for p in params],
-                      [{k: v.clone() for k, v in opt.state[p].items()} for p in params])
-        scaler.step(opt)
-        scaler.update()
-        if t == inf_step:
-            for p, p0, s0 in zip(params, *before):
-                assert torch.equal(p, p0)
-                for k, v in s0.items():
-                    assert torch.equal(opt.state[p][k], v), k
-        opt.zero_grad(set_to_none=True)
+    step_with_inf_at(opt, params, grads, inf_step, device, poison=(1, 0, 0, 0))
     assert rel_update_error([p.cpu() for p in params], [p.cpu() for p in ref], init) <= TOL[torch.float32]
 
 
@@ -288,16 +274,8 @@ def test_reduce_hook_once_per_phase(backend, device):
 
 
 def test_skips_params_without_grad_and_empty_params(backend, device):
-    a = torch.randn(3, 4, dtype=torch.float64, device=device, requires_grad=True)
-    b = torch.randn(5, dtype=torch.float64, device=device, requires_grad=True)
-    e = torch.empty(0, 3, dtype=torch.float64, device=device, requires_grad=True)
-    opt = fastopt.CAME([a, b, e], lr=1e-3)
-    a.grad = torch.randn_like(a)
-    e.grad = torch.empty_like(e)
-    b0 = b.detach().clone()
-    opt.step()
-    assert torch.equal(b, b0) and not opt.state[b] and not opt.state[e]
-    assert float(opt.state[a]["step"]) == 1
+    check_skips_params_without_grad(lambda a, b, e: fastopt.CAME([a, b, e], lr=1e-3), device)
+
 
 
 @pytest.mark.parametrize("kwargs, name", [
@@ -323,21 +301,8 @@ def test_bad_arguments_name_themselves(kwargs, name):
 
 
 def test_sparse_and_complex_refused_before_any_change(backend, device):
-    a = torch.randn(4, 3, device=device, requires_grad=True)
-    emb = torch.randn(6, 3, device=device, requires_grad=True)
-    opt = fastopt.CAME([a, emb], lr=1e-3)
-    a.grad = torch.randn_like(a)
-    emb.grad = torch.sparse_coo_tensor([[0, 2]], torch.ones(2, 3), (6, 3)).to(device)
-    a0 = a.detach().clone()
-    with pytest.raises(RuntimeError, match="does not support sparse gradients"):
-        opt.step()
-    assert torch.equal(a, a0) and not opt.state[a]
-    z = torch.randn(3, 3, dtype=torch.complex64, device=device, requires_grad=True)
-    opt = fastopt.CAME([a, z], lr=1e-3)
-    z.grad = torch.randn_like(z)
-    with pytest.raises(RuntimeError, match="complex parameters"):
-        opt.step()
-    assert torch.equal(a, a0) and not opt.state[a]
+    check_refuses_sparse_and_complex(lambda a, other: fastopt.CAME([a, other], lr=1e-3), device)
+
 
 
 def test_bad_state_dict_fails_and_changes_nothing():

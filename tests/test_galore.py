@@ -8,10 +8,11 @@ import re
 
 import pytest
 import torch
-from conftest import TOL, assert_tracks, rel_update_error
+from conftest import (TOL, Counting, assert_tracks, rel_update_error, step_with_inf_at,
+                      check_refuses_sparse_and_complex, check_skips_params_without_grad, through_8bit,
+                      check_no_host_sync)
 
 import fastopt
-from fastopt.reference.quant import dequantize_blockwise, quantize_blockwise
 
 galore_torch = pytest.importorskip("galore_torch")
 from galore_torch.galore_projector import GaLoreProjector  # noqa: E402
@@ -128,8 +129,8 @@ def assert_states_match(opt, params, ref_opt, owners, proj_type, rtol=TOL[torch.
         assert set(st) == {"step", "exp_avg", "exp_avg_sq", *keys}, (i, sorted(st))
         for key in ["exp_avg", "exp_avg_sq"] + keys:
             shape = galore_state(ref_opt, qs[0], key).shape
-            if projected:  # whole and flat: galore-torch's matrices, one after the other
-                assert st[key].shape == (len(qs) * shape.numel(),), (i, key)
+            if projected:  # whole: galore-torch's matrices, batched like the param
+                assert st[key].shape == (*p.shape[:-2], *shape), (i, key)
             else:
                 assert st[key].shape == p.shape, (i, key)
             ours = st[key].cpu().reshape(len(qs), *shape)
@@ -194,11 +195,7 @@ def galore8_reference(init, grads, proj_type, lr=LR, betas=(0.9, 0.999), eps=1e-
             if weight_decay > 0:
                 ps[i] = ps[i] - lr * weight_decay * ps[i]
             if m.numel() >= min_8bit_size:
-                qm, am = quantize_blockwise(m, block_size, signed=True)
-                qv, av = quantize_blockwise(v, block_size, signed=False)
-                codes[i] = (qm, qv)
-                m = dequantize_blockwise(qm, am, block_size, signed=True, dtype=torch.float64)
-                v = dequantize_blockwise(qv, av, block_size, signed=False, dtype=torch.float64)
+                m, v, codes[i] = through_8bit(m, v, block_size)
             ms[i], vs[i] = m, v
     return ps, codes
 
@@ -320,23 +317,7 @@ def test_grad_scaler_and_skipped_overflow(backend, device, nbits, inf_step):
         ref, ref_opt, owners = reference(init, kept, "std")
     params = [p.to(device=device, dtype=torch.float32, copy=True).requires_grad_() for p in init]
     opt = make_opt(params, **kw)
-    scaler = torch.amp.GradScaler(device.type, init_scale=2.0 ** 12)
-    for t, step_grads in enumerate(grads):
-        loss = sum((p * gr.to(device=device, dtype=torch.float32)).sum() for p, gr in zip(params, step_grads))
-        scaler.scale(loss).backward()
-        if t == inf_step:
-            params[0].grad[0, 0] = float("inf")
-            before = ([p.detach().clone() for p in params],
-                      [{k: v.clone() for k, v in opt.state[p].items()} for p in params])
-        scaler.step(opt)
-        scaler.update()
-        if t == inf_step:
-            for p, p0, s0 in zip(params, *before):
-                assert torch.equal(p, p0)
-                assert set(opt.state[p]) == set(s0) or not s0
-                for k, v in s0.items():
-                    assert torch.equal(opt.state[p][k], v), k
-        opt.zero_grad(set_to_none=True)
+    step_with_inf_at(opt, params, grads, inf_step, device)
     assert all(float(s["step"]) == len(grads) - 1 for s in opt.state.values())
     if nbits == 8:  # a power-of-two loss scale divides out exactly: the same run, bit for bit
         for p, q, r in zip(params, ref_opt.param_groups[0]["params"] + ref_opt.param_groups[1]["params"], ref):
@@ -377,16 +358,9 @@ def test_get_galore_param_groups():
 
 
 def test_skips_params_without_grad_and_empty_params(backend, device):
-    a = torch.randn(6, 5, dtype=torch.float64, device=device, requires_grad=True)
-    b = torch.randn(5, 4, dtype=torch.float64, device=device, requires_grad=True)
-    e = torch.empty(0, 3, dtype=torch.float64, device=device, requires_grad=True)
-    opt = fastopt.GaLoreAdamW([{"params": [a, b], "rank": 2}, {"params": [e]}], lr=LR)
-    a.grad = torch.randn_like(a)
-    e.grad = torch.empty_like(e)
-    a0, b0 = a.detach().clone(), b.detach().clone()
-    opt.step()
-    assert torch.equal(b, b0) and not opt.state[b] and not opt.state[e]
-    assert float(opt.state[a]["step"]) == 1 and not torch.equal(a, a0)
+    check_skips_params_without_grad(
+        lambda a, b, e: fastopt.GaLoreAdamW([{"params": [a, b], "rank": 2}, {"params": [e]}], lr=LR), device,
+        shapes=((6, 5), (5, 4)))
 
 
 @pytest.mark.parametrize("kwargs, name", [
@@ -439,22 +413,8 @@ def test_8bit_class_is_nbits_8():
 
 
 def test_sparse_and_complex_refused_before_any_change(backend, device):
-    a = torch.randn(4, 3, device=device, requires_grad=True)
-    emb = torch.randn(6, 3, device=device, requires_grad=True)
-    opt = fastopt.GaLoreAdamW([{"params": [a], "rank": 2}, {"params": [emb]}])
-    a.grad = torch.randn_like(a)
-    emb.grad = torch.sparse_coo_tensor([[0, 2]], torch.ones(2, 3), (6, 3)).to(device)
-    a0 = a.detach().clone()
-    with pytest.raises(RuntimeError, match="does not support sparse gradients"):
-        opt.step()
-    assert torch.equal(a, a0) and not opt.state[a]
-    z = torch.randn(3, 3, dtype=torch.complex64, device=device, requires_grad=True)
-    opt = fastopt.GaLoreAdamW([{"params": [a], "rank": 2}, {"params": [z]}])
-    a.grad = torch.randn_like(a)
-    z.grad = torch.randn_like(z)
-    with pytest.raises(RuntimeError, match="complex parameters"):
-        opt.step()
-    assert torch.equal(a, a0) and not opt.state[a]
+    check_refuses_sparse_and_complex(
+        lambda a, other: fastopt.GaLoreAdamW([{"params": [a], "rank": 2}, {"params": [other]}]), device)
 
 
 @pytest.mark.parametrize("proj_type, matmuls", [("left", 2), ("right", 2), ("full", 4)])
@@ -466,17 +426,8 @@ def test_launches_and_no_full_size_buffer(backend, device, proj_type, matmuls, m
         pytest.skip("counts Triton launches")
     from fastopt.kernels import galore as k
     launches, scratch = [], []
-
-    class Counting:
-        def __init__(self, name, fn):
-            self.name, self.fn = name, fn
-
-        def __getitem__(self, grid):
-            launches.append(self.name)
-            return self.fn[grid]
-
-    monkeypatch.setattr(k, "_galore_matmul_kernel", Counting("matmul", k._galore_matmul_kernel))
-    monkeypatch.setattr(k, "_galore_adam_kernel", Counting("adam", k._galore_adam_kernel))
+    monkeypatch.setattr(k, "_galore_matmul_kernel", Counting("matmul", k._galore_matmul_kernel, launches))
+    monkeypatch.setattr(k, "_galore_adam_kernel", Counting("adam", k._galore_adam_kernel, launches))
     real_scratch = k._scratch
     monkeypatch.setattr(k, "_scratch", lambda shape, *a: scratch.append(
         math.prod(shape) if isinstance(shape, tuple) else shape) or real_scratch(shape, *a))
@@ -497,18 +448,7 @@ def test_step_does_not_sync_with_the_host():
     params = [torch.randn(s, device="cuda", requires_grad=True) for s in [(96, 64), (64,)]]
     opt = fastopt.GaLoreAdamW([{"params": params[:1], "rank": 8, "update_proj_gap": 100},
                                {"params": params[1:]}], lr=1e-3)
-    scaler = torch.amp.GradScaler("cuda")
-    for t in range(4):
-        scaler.scale(sum((p * p).sum() for p in params)).backward()
-        torch.cuda.synchronize()
-        if t > 0:
-            torch.cuda.set_sync_debug_mode("error")
-        try:
-            scaler.step(opt)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        scaler.update()
-        opt.zero_grad(set_to_none=True)
+    check_no_host_sync(opt, params, steps=4, first_checked=1)
 
 
 # ---- sharded params (issue 7) ----------------------------------------------------------------------------
@@ -528,28 +468,19 @@ DIST_PROJ = 6  # the first six are projected
 DIST_STEPS = 8
 
 
-def _placement(spec):
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
-    if spec[0] == "R":
-        return Replicate()
-    if spec[0] == "S":
-        return Shard(spec[1])
-    return _StridedShard(spec[1], split_factor=spec[2])
-
-
 def _dtensor_galore(rank, world, init, grads, backends, proj_types):
     """Child of the dist test: every DIST_CASES param as a DTensor, stepped by fastopt.GaLoreAdamW on each
     back end and projection type; returns the whole params, the states and the collectives of each step."""
     import os
 
     import torch.distributed as dist
+    from dist_utils import placement
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import distribute_tensor
 
     meshes = {(4,): init_device_mesh("cpu", (4,), mesh_dim_names=("tp",)),
               (2, 2): init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))}
-    plc = [(meshes[m], [_placement(s) for s in pls]) for _, m, pls in DIST_CASES]
+    plc = [(meshes[m], [placement(s) for s in pls]) for _, m, pls in DIST_CASES]
     out = {}
     for backend, proj_type in [(b, t) for b in backends for t in proj_types]:
         os.environ["FASTOPT_BACKEND"] = backend

@@ -7,7 +7,9 @@ import re
 
 import pytest
 import torch
-from conftest import TOL, assert_tracks, rel_update_error
+from conftest import (TOL, Counting, assert_tracks, rel_update_error, step_with_inf_at,
+                      check_refuses_sparse_and_complex, check_skips_params_without_grad, through_8bit,
+                      check_no_host_sync)
 
 import fastopt
 from fastopt import ops
@@ -182,22 +184,7 @@ def test_grad_scaler_and_skipped_overflow(backend, device, nbits):
         ref, *_ = lamb_reference(init, grads[:inf_step] + grads[inf_step + 1:], **kw)
     params = [p.to(device=device, dtype=torch.float32, copy=True).requires_grad_() for p in init]
     opt = fastopt.Lamb(params, **kw)
-    scaler = torch.amp.GradScaler(device.type, init_scale=2.0 ** 12)
-    for t, step_grads in enumerate(grads):
-        loss = sum((p * gr.to(device=device, dtype=torch.float32)).sum() for p, gr in zip(params, step_grads))
-        scaler.scale(loss).backward()
-        if t == inf_step:
-            params[0].grad[0, 0] = float("inf")
-            before = ([p.detach().clone() for p in params],
-                      [{k: v.clone() for k, v in opt.state[p].items()} for p in params])
-        scaler.step(opt)
-        scaler.update()
-        if t == inf_step:
-            for p, p0, s0 in zip(params, *before):
-                assert torch.equal(p, p0)
-                for k, v in s0.items():
-                    assert torch.equal(opt.state[p][k], v), k
-        opt.zero_grad(set_to_none=True)
+    step_with_inf_at(opt, params, grads, inf_step, device)
     assert all(float(s["step"]) == len(grads) - 1 for s in opt.state.values())
     assert_tracks([p.detach().cpu() for p in params], ref, init, torch.float32)
 
@@ -310,7 +297,6 @@ def lamb8_reference(init, grads, lr, betas=(0.9, 0.999), eps=1e-6, weight_decay=
                     block_size=64, min_8bit_size=64):
     """LAMB as issue 4 states it, in float64, with m and v stored in the 8-bit block-wise format of issue 5
     (quantized after each step from the exact m_t, v_t, which the update uses). Returns (params, codes)."""
-    from fastopt.reference.quant import dequantize_blockwise, quantize_blockwise
     beta1, beta2 = betas
     ps = [x.clone() for x in init]
     ms = [torch.zeros_like(x) for x in ps]
@@ -328,11 +314,7 @@ def lamb8_reference(init, grads, lr, betas=(0.9, 0.999), eps=1e-6, weight_decay=
                 ratio = min(ratio, max_trust_ratio)
             ps[i] = ps[i] - eta * ratio * a
             if ps[i].numel() >= min_8bit_size:
-                qm, am = quantize_blockwise(m, block_size, signed=True)
-                qv, av = quantize_blockwise(v, block_size, signed=False)
-                codes[i] = (qm, qv)
-                m = dequantize_blockwise(qm, am, block_size, signed=True, dtype=torch.float64)
-                v = dequantize_blockwise(qv, av, block_size, signed=False, dtype=torch.float64)
+                m, v, codes[i] = through_8bit(m, v, block_size)
             ms[i], vs[i] = m, v
     return ps, codes
 
@@ -414,22 +396,9 @@ def test_launches_do_not_grow_with_the_number_of_params(backend, device, monkeyp
         pytest.skip("counts Triton launches")
     from fastopt.kernels import lamb as k
     launches = []
-
-    class Counting:
-        def __init__(self, name, fn):
-            self.name, self.fn = name, fn
-
-        def __getitem__(self, grid):
-            launches.append(self.name)
-            return self.fn[grid]
-
-        def __call__(self, *args, **kwargs):
-            launches.append(self.name)
-            return self.fn(*args, **kwargs)
-
-    monkeypatch.setattr(k, "_lamb_stats_kernel", Counting("stats", k._lamb_stats_kernel))
-    monkeypatch.setattr(k, "_lamb_apply_kernel", Counting("apply", k._lamb_apply_kernel))
-    monkeypatch.setattr(k, "segment_sum", Counting("segment_sum", k.segment_sum))
+    monkeypatch.setattr(k, "_lamb_stats_kernel", Counting("stats", k._lamb_stats_kernel, launches))
+    monkeypatch.setattr(k, "_lamb_apply_kernel", Counting("apply", k._lamb_apply_kernel, launches))
+    monkeypatch.setattr(k, "segment_sum", Counting("segment_sum", k.segment_sum, launches))
     counts = []
     for n in (2, 12):
         launches.clear()
@@ -443,30 +412,11 @@ def test_launches_do_not_grow_with_the_number_of_params(backend, device, monkeyp
 def test_step_does_not_sync_with_the_host():
     params = [torch.randn(s, device="cuda", requires_grad=True) for s in [(64, 32), (32,), ()]]
     opt = fastopt.Lamb(params, lr=LR, max_trust_ratio=2.0)
-    scaler = torch.amp.GradScaler("cuda")
-    for _ in range(3):  # the first step builds the cached tables
-        scaler.scale(sum((p * p).sum() for p in params)).backward()
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            scaler.step(opt)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        scaler.update()
-        opt.zero_grad(set_to_none=True)
+    check_no_host_sync(opt, params, steps=3)  # the first step, which builds the cached tables, too
 
 
 def test_skips_params_without_grad_and_empty_params(backend, device):
-    a = torch.randn(3, 4, dtype=torch.float64, device=device, requires_grad=True)
-    b = torch.randn(5, dtype=torch.float64, device=device, requires_grad=True)
-    e = torch.empty(0, 3, dtype=torch.float64, device=device, requires_grad=True)
-    opt = fastopt.Lamb([a, b, e], lr=LR)
-    a.grad = torch.randn_like(a)
-    e.grad = torch.empty_like(e)
-    a0, b0 = a.detach().clone(), b.detach().clone()
-    opt.step()
-    assert torch.equal(b, b0) and not opt.state[b] and not opt.state[e]
-    assert float(opt.state[a]["step"]) == 1 and not torch.equal(a, a0)
+    check_skips_params_without_grad(lambda a, b, e: fastopt.Lamb([a, b, e], lr=LR), device)
 
 
 @pytest.mark.parametrize("kwargs, name", [
@@ -504,19 +454,4 @@ def test_bad_group_lr_refused_before_any_change(backend, device):
 
 
 def test_sparse_and_complex_refused_before_any_change(backend, device):
-    a = torch.randn(4, 3, device=device, requires_grad=True)
-    emb = torch.randn(6, 3, device=device, requires_grad=True)
-    opt = fastopt.Lamb([a, emb])
-    a.grad = torch.randn_like(a)
-    emb.grad = torch.sparse_coo_tensor([[0, 2]], torch.ones(2, 3), (6, 3)).to(device)
-    a0 = a.detach().clone()
-    with pytest.raises(RuntimeError, match="does not support sparse gradients"):
-        opt.step()
-    assert torch.equal(a, a0) and not opt.state[a]
-    z = torch.randn(3, 3, dtype=torch.complex64, device=device, requires_grad=True)
-    opt = fastopt.Lamb([a, z])
-    a.grad = torch.randn_like(a)
-    z.grad = torch.randn_like(z)
-    with pytest.raises(RuntimeError, match="complex parameters"):
-        opt.step()
-    assert torch.equal(a, a0) and not opt.state[a]
+    check_refuses_sparse_and_complex(lambda a, other: fastopt.Lamb([a, other]), device)

@@ -35,6 +35,7 @@ class Adafactor(FastOptimizer):
 
     _name = "Adafactor"
     _supports_layouts = True
+    _elementwise_state = ("exp_avg", "exp_avg_sq")  # the factors are whole
 
     def __init__(self, params, lr=None, eps=(1e-30, 1e-3), clip_threshold=1.0, decay_rate=-0.8, beta1=None,
                  weight_decay=0.0, scale_parameter=True, relative_step=True, warmup_init=False,

@@ -42,6 +42,7 @@ class AdamW8bit(FastOptimizer):
     # Element-wise: a sharded param steps on its local piece with no collective, its 8-bit blocks cut from
     # the local piece (so they differ from a single process's blocks by the quantization error alone).
     _supports_layouts = True
+    _elementwise_state = ("state1", "state2")
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, block_size=256,
                  min_8bit_size=4096):
@@ -72,7 +73,7 @@ class AdamW8bit(FastOptimizer):
     def _step_group(self, group, params, grads, states, scaler, layouts=None, reduce=None):
         check_block_size(group["block_size"], self._name)
         bs = group["block_size"]
-        params, grads, states = real_elements(params, grads, states, layouts, ("state1", "state2"),
+        params, grads, states = real_elements(params, grads, states, layouts, self._elementwise_state,
                                               {"absmax1": bs, "absmax2": bs})
         ops.adamw8bit_step(params, grads, states, lr=group["lr"], betas=group["betas"], eps=group["eps"],
                            weight_decay=group["weight_decay"], block_size=group["block_size"],

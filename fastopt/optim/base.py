@@ -82,21 +82,21 @@ class FastOptimizer(torch.optim.Optimizer):
         """8-bit states a param may have in `group`: codes key -> (absmax key, signed map, block size)."""
         return {}
 
-    def _elementwise_keys(self, p: Tensor, group: dict, spec: dict) -> set:
-        """The states of `spec` that hold one value per element of p: for a DTensor p they are DTensors like
-        it, so that DCP reshards them. By default those shaped like p's local piece, 8-bit scales excepted;
-        override where another state can have that shape too (GaLore's projected moments)."""
-        absmax = {a for a, _signed, _block in self._quantized_keys(group).values()}
-        here = tuple(local(p).shape)
-        return {k for k, (shape, _dtype) in spec.items() if k not in absmax and tuple(shape) == here}
+    # The state keys that hold one value per element of the param (shaped like its local piece), declared by
+    # each optimizer: for a DTensor param they are DTensors like it, so that DCP reshards them
+    # (fastopt/checkpoint.py); every other state is whole, the same on every rank.
+    _elementwise_state: tuple[str, ...] = ()
+
+    def _elementwise_keys(self, group: dict) -> frozenset:
+        """The element-wise state keys of the params of `group` (`_elementwise_state` unless overridden)."""
+        return frozenset(self._elementwise_state)
 
     def _init_state(self, p: Tensor, group: dict) -> dict:
         """Zeros of `_state_spec`; for a DTensor param the element-wise states are DTensors like it
         (fastopt/checkpoint.py: DCP reshards them), whose local tensors `step()` hands to `_step_group`."""
         state = self.state[p]
         if not state:
-            spec = self._state_spec(p, group)
-            state.update(ckpt.zero_state(spec, p, self._elementwise_keys(p, group, spec)))
+            state.update(ckpt.zero_state(self._state_spec(p, group), p, self._elementwise_keys(group)))
         return state
 
     def _check_grads(self) -> None:
@@ -262,8 +262,7 @@ class FastOptimizer(torch.optim.Optimizer):
                 if p in self.state and self.state[p]:
                     state[index] = ckpt.export_state(self.state[p], quantized, force)
                 elif p.requires_grad and p.numel() > 0:
-                    spec = self._state_spec(p, group)
-                    zero = ckpt.zero_state(spec, p, self._elementwise_keys(p, group, spec))
+                    zero = ckpt.zero_state(self._state_spec(p, group), p, self._elementwise_keys(group))
                     state[index] = ckpt.export_state(zero, quantized, force)
                 index += 1
         sd["state"] = state
@@ -323,7 +322,7 @@ class FastOptimizer(torch.optim.Optimizer):
             sharded = sharded or ckpt.is_dtensor(p)
             spec = self._state_spec(p, group)
             out, bad = ckpt.import_state(st, p, spec, self._quantized_keys(group),
-                                         self._elementwise_keys(p, group, spec),
+                                         self._elementwise_keys(group),
                                          f"{where}: state[{pid!r}]", local(p).device)
             problem = problem or bad
             new_state[p] = out

@@ -43,6 +43,7 @@ class CAME(FastOptimizer):
 
     _name = "CAME"
     _supports_layouts = True
+    _elementwise_state = ("exp_avg", "exp_avg_sq")  # the four factors are whole
 
     def __init__(self, params, lr=None, eps=(1e-30, 1e-16), clip_threshold=1.0, betas=(0.9, 0.999, 0.9999),
                  weight_decay=0.0, bf16_stochastic_round=False, nbits=32):

@@ -58,14 +58,14 @@ class GaLoreAdamW(FastOptimizer):
     State per param (tensors only; loads with `torch.load(weights_only=True)`): `step` (fp32 scalar on the
     param's device), `exp_avg`, `exp_avg_sq` (fp32, fp64 for fp64 params, or uint8 codes plus
     `exp_avg_absmax`, `exp_avg_sq_absmax`, fp32, one per block; the param's shape without a projection), and
-    for projected params the bases `proj_left` ((..., m, rank) elements) and/or `proj_right` ((..., rank, n)),
-    in the moments' float dtype. A projected param's states are whole (rank-sized, the same on every rank of
-    a sharded param) and flat: `exp_avg` holds the (..., rank, n), (..., m, rank) or (..., rank, rank)
-    projected moments in row-major order. Works
-    with `torch.amp.GradScaler` without host sync on the steps without an SVD: a step with an inf gradient
-    changes nothing, step counter and bases included. The refresh schedule is decided on the host from a
-    mirror of the step counter; a skipped step is known there from GradScaler's found_inf of the previous
-    steps, copied asynchronously (on CUDA: to pinned memory, waited for by event one step later).
+    for projected params the bases `proj_left` (..., m, rank) and/or `proj_right` (..., rank, n), in the
+    moments' float dtype. A projected param's states are whole (rank-sized, the same on every rank of a
+    sharded param): `exp_avg` and `exp_avg_sq` have the projected shape (..., rank, n), (..., m, rank) or
+    (..., rank, rank). Works with `torch.amp.GradScaler` without host sync on the steps without an SVD: a
+    step with an inf gradient changes nothing, step counter and bases included. The refresh schedule is
+    decided on the host from a mirror of the step counter; a skipped step is known there from GradScaler's
+    found_inf of the previous steps, copied asynchronously (on CUDA: to pinned memory, waited for by event
+    one step later).
     """
 
     _name = "GaLoreAdamW"
@@ -73,6 +73,7 @@ class GaLoreAdamW(FastOptimizer):
     # whole gradient is assembled for the SVD on refresh steps only, and the projected gradient is summed over
     # the ranks that share a param, one collective per step for the bucket.
     _supports_layouts = True
+    _elementwise_state = ("exp_avg", "exp_avg_sq")  # groups without `rank` only: see _elementwise_keys
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01, nbits=32,
                  min_8bit_size=4096, block_size=256):
@@ -162,17 +163,16 @@ class GaLoreAdamW(FastOptimizer):
     # ---- state ------------------------------------------------------------------------------------------
     def _state_spec(self, p, group):
         """Projected params: whole bases and moments (rank-sized), the same on every rank that holds a piece
-        of a sharded param, so a checkpoint reloads under any layout; kept flat (1-D), so that no rank-sized
-        state ever has the shape of a param's local piece, which is how fastopt/checkpoint.py recognizes the
-        element-wise states of a DTensor param. Others: element-wise, shaped like the local piece."""
+        of a sharded param, so a checkpoint reloads under any layout (`_elementwise_keys`). Others:
+        element-wise, shaped like the local piece."""
         shape = self._global_shape(p)
         dt = self.state_dtype(p)
         spec = {}
         mshape = tuple(local(p).shape)
         if "rank" in group:
             side = projection_side(shape, group["proj_type"])
-            mshape = (math.prod(projected_shape(shape, group["rank"], side)),)
-            spec = {k: ((math.prod(s),), dt) for k, s in basis_shapes(shape, group["rank"], side).items()}
+            mshape = projected_shape(shape, group["rank"], side)
+            spec = {k: (s, dt) for k, s in basis_shapes(shape, group["rank"], side).items()}
         if group["nbits"] == 8 and math.prod(mshape) >= group["min_8bit_size"]:
             blocks = (num_blocks(math.prod(mshape), group["block_size"]),)
             spec.update({"exp_avg": (mshape, torch.uint8), "exp_avg_absmax": (blocks, torch.float32),
@@ -185,9 +185,9 @@ class GaLoreAdamW(FastOptimizer):
         bs = group["block_size"]
         return {"exp_avg": ("exp_avg_absmax", True, bs), "exp_avg_sq": ("exp_avg_sq_absmax", False, bs)}
 
-    def _elementwise_keys(self, p, group, spec):
-        # Projected moments are whole (rank-sized) whatever their shape: not pieces of p (issue 8).
-        return set() if "rank" in group else super()._elementwise_keys(p, group, spec)
+    def _elementwise_keys(self, group):
+        # A projected param's moments and bases are whole (rank-sized), the same on every rank (issue 8).
+        return frozenset() if "rank" in group else super()._elementwise_keys(group)
 
     def _init_state(self, p, group):
         fresh = not self.state[p]

@@ -51,6 +51,7 @@ class Lamb(FastOptimizer):
     # The norms are sums over elements: on a sharded param the local partial sums are summed over the ranks
     # that hold its pieces (the base class's `reduce`), whatever the layout (flat shards: padding cut off).
     _supports_layouts = True
+    _elementwise_state = ("exp_avg", "exp_avg_sq")
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0, bias_correction=True,
                  max_trust_ratio=None, bf16_stochastic_round=False, nbits=32, block_size=256, min_8bit_size=4096):

@@ -40,7 +40,7 @@ import math
 import torch
 from torch import Tensor
 
-from .quant import dequantize_blockwise, quantize_blockwise
+from .lamb import _commit, load_moments, step_size, store_moments
 
 PROJ_TYPES = ("std", "reverse_std", "left", "right", "full")
 # State keys of the bases: P (m x r, the left side) and Q (r x n, the right side).
@@ -78,10 +78,6 @@ def is_projected(state: dict) -> bool:
     return LEFT in state or RIGHT in state
 
 
-def is_8bit(state: dict) -> bool:
-    return state["exp_avg"].dtype == torch.uint8
-
-
 def orthogonal_bases(g: Tensor, rank: int, side: str, dtype: torch.dtype) -> dict:
     """The new bases from the SVD of the (unscaled) gradient: galore-torch's `get_orthogonal_matrix`, in
     fp32 whatever the gradient's dtype; returned in `dtype`. A batch of matrices takes one SVD per matrix, on
@@ -104,7 +100,7 @@ def orthogonal_bases(g: Tensor, rank: int, side: str, dtype: torch.dtype) -> dic
 
 def state_views(state: dict, shape) -> tuple[Tensor | None, Tensor | None, tuple]:
     """(P as (B, m, r), Q as (B, r, n), the moments' (B, a, b) shape) of a projected param of global `shape`
-    (..., m, n), B the product of its leading dims. The state keeps them flat: see `GaLoreAdamW._state_spec`."""
+    (..., m, n), B the product of its leading dims."""
     *batch, m, n = shape
     nb = math.prod(batch)
     left = right = None
@@ -115,21 +111,6 @@ def state_views(state: dict, shape) -> tuple[Tensor | None, Tensor | None, tuple
     a = left.shape[2] if left is not None else m
     b = right.shape[1] if right is not None else n
     return left, right, (nb, a, b)
-
-
-def step_size(step: Tensor, *, lr, betas) -> Tensor:
-    """eta in float64 (1 - beta^t loses most of its digits in fp32 when beta is close to 1)."""
-    t = step.to(torch.float64)
-    beta1, beta2 = betas
-    return lr * (1 - torch.pow(beta2, t)).sqrt() / (1 - torch.pow(beta1, t))
-
-
-def _commit(dst: Tensor, new: Tensor, found_inf: Tensor | None) -> None:
-    """dst <- new, unless GradScaler found an inf this step (then dst is left as it was)."""
-    new = new.to(dst.dtype)
-    if found_inf is not None:
-        new = torch.where(found_inf > 0, dst, new)
-    dst.copy_(new)
 
 
 def refresh_bases(grads: list[Tensor], states: list[dict], refresh: list[bool], *, rank: int,
@@ -155,26 +136,6 @@ def refresh_bases(grads: list[Tensor], states: list[dict], refresh: list[bool], 
             g = torch.nan_to_num(g, nan=0.0, posinf=0.0, neginf=0.0)
         for key, basis in orthogonal_bases(g, rank, side, dt).items():
             _commit(s[key], basis.reshape(s[key].shape), found_inf)
-
-
-def load_moments(state: dict, dtype: torch.dtype, block_size: int) -> tuple[Tensor, Tensor]:
-    """(m_{t-1}, v_{t-1}) in `dtype`, dequantized when the state is 8-bit."""
-    if not is_8bit(state):
-        return state["exp_avg"].to(dtype), state["exp_avg_sq"].to(dtype)
-    return (dequantize_blockwise(state["exp_avg"], state["exp_avg_absmax"], block_size, signed=True, dtype=dtype),
-            dequantize_blockwise(state["exp_avg_sq"], state["exp_avg_sq_absmax"], block_size, signed=False,
-                                 dtype=dtype))
-
-
-def store_moments(state: dict, m: Tensor, v: Tensor, block_size: int, found_inf: Tensor | None) -> None:
-    if is_8bit(state):
-        for key, x, signed in (("exp_avg", m, True), ("exp_avg_sq", v, False)):
-            codes, absmax = quantize_blockwise(x, block_size, signed=signed)
-            _commit(state[key], codes, found_inf)
-            _commit(state[key + "_absmax"], absmax, found_inf)
-    else:
-        _commit(state["exp_avg"], m, found_inf)
-        _commit(state["exp_avg_sq"], v, found_inf)
 
 
 class Rect:
@@ -236,10 +197,18 @@ def _flat_rects(off: int, count: int, shape, batch_ix, row_ix, col_ix) -> list[R
 
 def local_rects(lay, shape, local_shape, device) -> list[Rect]:
     """The rectangles of a (..., m, n) param of global `shape` that this rank holds under layout `lay`
-    (None: all of it), whose local tensor has `local_shape`."""
-    nd = len(shape)
+    (None: all of it), whose local tensor has `local_shape`. Built once per layout and device (cached on
+    the layout): every step uses them."""
     if lay is None:
         return [Rect(None, None, None, lambda x: x.reshape(_batch_count(shape), shape[-2], shape[-1]))]
+    key = ("galore_rects", tuple(shape), tuple(local_shape), str(device))
+    if key not in lay._cache:
+        lay._cache[key] = _local_rects(lay, tuple(shape), tuple(local_shape), device)
+    return lay._cache[key]
+
+
+def _local_rects(lay, shape, local_shape, device) -> list[Rect]:
+    nd = len(shape)
     if not lay.is_flat:
         if math.prod(local_shape) == 0:
             return []
@@ -346,7 +315,7 @@ def galore_step(params: list[Tensor], grads: list[Tensor], states: list[dict], *
         m = beta1 * m_old.reshape(r.shape) + (1 - beta1) * r
         v = beta2 * v_old.reshape(r.shape) + (1 - beta2) * r * r
         n = m / (v.sqrt() + eps)
-        eta = step_size(s["step"], lr=lr, betas=betas).to(acc)
+        eta = step_size(s["step"], lr=lr, betas=betas, bias_correction=True).to(acc)
         store_moments(s, m.view(s["exp_avg"].shape), v.view(s["exp_avg"].shape), block_size, found_inf)
         if i not in rs:
             p_new = p.to(acc) - eta * n

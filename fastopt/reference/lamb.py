@@ -59,7 +59,7 @@ def is_8bit(state: dict) -> bool:
 def load_moments(state: dict, dtype: torch.dtype, block_size: int) -> tuple[Tensor, Tensor]:
     """(m_{t-1}, v_{t-1}) in `dtype`, dequantized when the state is 8-bit."""
     if not is_8bit(state):
-        return state["exp_avg"], state["exp_avg_sq"]
+        return state["exp_avg"].to(dtype), state["exp_avg_sq"].to(dtype)
     return (dequantize_blockwise(state["exp_avg"], state["exp_avg_absmax"], block_size, signed=True, dtype=dtype),
             dequantize_blockwise(state["exp_avg_sq"], state["exp_avg_sq_absmax"], block_size, signed=False,
                                  dtype=dtype))
@@ -71,6 +71,18 @@ def _commit(dst: Tensor, new: Tensor, found_inf: Tensor | None) -> None:
     if found_inf is not None:
         new = torch.where(found_inf > 0, dst, new)
     dst.copy_(new)
+
+
+def store_moments(state: dict, m: Tensor, v: Tensor, block_size: int, found_inf: Tensor | None) -> None:
+    """m_t, v_t into the state (requantized when it is 8-bit), unless GradScaler found an inf this step."""
+    if is_8bit(state):
+        for key, x, signed in (("exp_avg", m, True), ("exp_avg_sq", v, False)):
+            codes, absmax = quantize_blockwise(x, block_size, signed=signed)
+            _commit(state[key], codes, found_inf)
+            _commit(state[key + "_absmax"], absmax, found_inf)
+    else:
+        _commit(state["exp_avg"], m, found_inf)
+        _commit(state["exp_avg_sq"], v, found_inf)
 
 
 def reduction_sizes(shapes, dtype: torch.dtype) -> list[tuple[int, torch.dtype]]:
@@ -110,14 +122,7 @@ def lamb_step(params: list[Tensor], grads: list[Tensor], states: list[dict], *, 
         ratio = trust_ratio(sums[2 * i], sums[2 * i + 1], max_trust_ratio)
         eta = step_size(s["step"], lr=lr, betas=betas, bias_correction=bias_correction)
         p_new = p.to(acc) - (eta * ratio.to(torch.float64)).to(acc) * a
-        if is_8bit(s):
-            for key, x, signed in (("exp_avg", m, True), ("exp_avg_sq", v, False)):
-                codes, absmax = quantize_blockwise(x, block_size, signed=signed)
-                _commit(s[key], codes, found_inf)
-                _commit(s[key + "_absmax"], absmax, found_inf)
-        else:
-            _commit(s["exp_avg"], m, found_inf)
-            _commit(s["exp_avg_sq"], v, found_inf)
+        store_moments(s, m, v, block_size, found_inf)
         if bf16_stochastic_round and p.dtype == torch.bfloat16:
             p_new = stochastic_round_bf16(p_new)
         _commit(p, p_new, found_inf)
