@@ -54,22 +54,18 @@ def use_triton(t: torch.Tensor) -> bool:
                        "TRITON_INTERPRET=1 before Python starts (Triton's interpreter), or use FASTOPT_BACKEND=torch")
 
 
-def _sharded(layouts) -> bool:
-    return layouts is not None and any(lay is not None for lay in layouts)
-
-
 def adafactor_step(params, grads, states, *, inv_scale=None, found_inf=None, reduce=None, cache=None, layouts=None,
                    **hyper):
     """One Adafactor step over a bucket (same device and dtype) of local tensors. `layouts[i]` maps param i's
     local elements onto its global tensor (None: it is all here); `reduce(buf)` sums a flat buffer across the
-    ranks that share these params (None: single process); `cache` keeps the kernels' tables between steps.
-    Sharded buckets take the reference path for now: the kernels learn index maps in TODO(#7)."""
+    ranks that share these params (None: single process); `cache` keeps the kernels' tables (and the index
+    maps of sharded params) between steps."""
     from .distributed.layout import real_elements
     params, grads, states = real_elements(params, grads, states, layouts, ("exp_avg", "exp_avg_sq"))
-    if use_triton(params[0]) and not _sharded(layouts):
+    if use_triton(params[0]):
         from .kernels import adafactor as k
         k.adafactor_step(params, grads, states, inv_scale=inv_scale, found_inf=found_inf, reduce=reduce,
-                         cache=cache, **hyper)
+                         cache=cache, layouts=layouts, **hyper)
     else:
         from .reference import adafactor as r
         r.adafactor_step(params, grads, states, inv_scale=inv_scale, found_inf=found_inf, reduce=reduce,
@@ -100,15 +96,15 @@ def came_step(params, grads, states, *, inv_scale=None, found_inf=None, reduce=N
     """One CAME step over a bucket (same device and dtype). `reduce(buf)` sums a flat buffer across the ranks
     that share these params, once per phase: the G^2 row/column sums, the per-param sums of U^2, the
     instability row/column sums (None: single process); `cache` keeps the kernels' tables between steps.
-    `layouts` as in `adafactor_step`; sharded buckets take the reference path for now (TODO(#7))."""
+    `layouts` as in `adafactor_step`."""
     from .distributed.layout import real_elements
     from .reference.came import QBLOCK
     params, grads, states = real_elements(params, grads, states, layouts, ("exp_avg", "exp_avg_sq"),
                                           {"exp_avg_absmax": QBLOCK})
-    if use_triton(params[0]) and not _sharded(layouts):
+    if use_triton(params[0]):
         from .kernels import came as k
         k.came_step(params, grads, states, inv_scale=inv_scale, found_inf=found_inf, reduce=reduce, cache=cache,
-                    **hyper)
+                    layouts=layouts, **hyper)
     else:
         from .reference import came as r
         r.came_step(params, grads, states, inv_scale=inv_scale, found_inf=found_inf, reduce=reduce,

@@ -15,6 +15,11 @@ Launches per step, each covering every param of the bucket (their number does no
 
 The gradient is read three times (statistics, RMS of the update, update): the RMS clip needs the sum of
 U^2 over the whole (possibly sharded) matrix before any element of X may be written.
+
+Sharded buckets (`layouts`) run the same launches with the factored kernels MAPPED (kernels/factored.py: local
+elements, global statistics through int64 row/column maps built once per layout and cached with the plan), plus
+one zero-fill of the statistics buffer before launch 1; RMS and step sizes use global numels. The buffers handed
+to `reduce` are float64 as in the reference (a float64 copy of them when the kernels accumulate in fp32).
 """
 from __future__ import annotations
 
@@ -26,7 +31,8 @@ import triton.language as tl
 
 from . import common
 from .common import (INTERPRET, keep_limit, load_ptr, round_to, program_table, ptr_table, segment_sum, stochastic_round_bf16, to_device)
-from .factored import FactoredPlan, launch_factors, launch_sq_stats, launch_usq, row_block
+from .factored import (FactoredPlan, col_map, global_numel, in_piece, launch_factors, launch_sq_stats, launch_usq,
+                       matrix_view, row_block, row_map)
 
 BLOCK_V = 256 if INTERPRET else 1024
 
@@ -61,8 +67,8 @@ def _vec_stats_kernel(g_ptrs, g_ref, p_ptrs, v_ptrs, step_ptrs, vmeta_ptr, prog_
     """V_t = b V + (1-b)(G^2 + eps1); partial sums of (G/sqrt(V_t))^2 and X^2."""
     pid = tl.program_id(0)
     j = tl.load(prog_param_ptr + pid)
-    n = tl.load(vmeta_ptr + j * 2)
-    prog_start = tl.load(vmeta_ptr + j * 2 + 1)
+    n = tl.load(vmeta_ptr + j * 3)
+    prog_start = tl.load(vmeta_ptr + j * 3 + 1)
     acc_t = part2_ptr.dtype.element_ty
     offs = (pid - prog_start).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
@@ -86,11 +92,11 @@ def _vec_stats_kernel(g_ptrs, g_ref, p_ptrs, v_ptrs, step_ptrs, vmeta_ptr, prog_
 
 
 @triton.jit
-def _apply_kernel(g_ptrs, g_ref, p_ptrs, m_ptrs, step_ptrs, meta_ptr, prog_param_ptr, stats_ptr, sums_ptr,
+def _apply_kernel(g_ptrs, g_ref, p_ptrs, m_ptrs, step_ptrs, meta_ptr, maps_ptr, prog_param_ptr, stats_ptr, sums_ptr,
                   inv_scale_ptr, found_inf_ptr, lr, eps2, clip_threshold, beta1, weight_decay,
                   HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr, RELATIVE: tl.constexpr, WARMUP: tl.constexpr,
                   SCALE_PARAM: tl.constexpr, HAS_MOM: tl.constexpr, HAS_WD: tl.constexpr, SR: tl.constexpr,
-                  BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+                  MAPPED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     pid = tl.program_id(0)
     i, B, R, C, row_off, col_off, _po, b, rb = row_block(meta_ptr, prog_param_ptr, pid, BLOCK_R)
     acc_t = stats_ptr.dtype.element_ty
@@ -100,20 +106,22 @@ def _apply_kernel(g_ptrs, g_ref, p_ptrs, m_ptrs, step_ptrs, meta_ptr, prog_param
     R_keep = keep_limit(R, found_inf_ptr, HAS_INF)
     step = _load_step(step_ptrs, i, acc_t)
     alpha, scale = _step_scale(step, tl.load(sums_ptr + 2 * i), tl.load(sums_ptr + 2 * i + 1),
-                               (B * R * C).to(acc_t), lr, eps2, clip_threshold, RELATIVE, WARMUP, SCALE_PARAM)
+                               global_numel(meta_ptr, i).to(acc_t), lr, eps2, clip_threshold, RELATIVE, WARMUP,
+                               SCALE_PARAM)
     g_ptr = load_ptr(g_ptrs, i, g_ref)
     p_ptr = load_ptr(p_ptrs, i, g_ref)
     rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < R
-    rfac = tl.load(stats_ptr + row_off + b * R + rows, mask=rmask, other=0.0) * scale
-    row_base = (b * R + rows).to(tl.int64) * C
+    row_base, rslot = row_map(meta_ptr, maps_ptr, i, b, rows, rmask, R, C, row_off, MAPPED)
+    rfac = tl.load(stats_ptr + rslot, mask=rmask, other=0.0) * scale
     for c0 in range(0, C, BLOCK_C):
         cols = c0 + tl.arange(0, BLOCK_C)
         cmask = cols < C
-        mask = rmask[:, None] & cmask[None, :]
-        keep = (rows < R_keep)[:, None] & cmask[None, :]
         offs = row_base[:, None] + cols[None, :]
-        cfac = tl.load(stats_ptr + col_off + b * C + cols, mask=cmask, other=0.0)
+        mask = in_piece(offs, rmask[:, None] & cmask[None, :], meta_ptr, i, MAPPED)
+        keep = in_piece(offs, (rows < R_keep)[:, None] & cmask[None, :], meta_ptr, i, MAPPED)
+        cfac = tl.load(stats_ptr + col_map(meta_ptr, maps_ptr, i, b, cols, cmask, C, col_off, MAPPED), mask=cmask,
+                       other=0.0)
         u = tl.load(g_ptr + offs, mask=mask, other=0.0).to(acc_t) * inv * rfac[:, None] * cfac[None, :]
         if HAS_MOM:
             m_ptr = load_ptr(m_ptrs, i, stats_ptr)
@@ -140,8 +148,8 @@ def _vec_apply_kernel(g_ptrs, g_ref, p_ptrs, v_ptrs, m_ptrs, step_ptrs, vmeta_pt
                       HAS_WD: tl.constexpr, SR: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     j = tl.load(prog_param_ptr + pid)
-    n = tl.load(vmeta_ptr + j * 2)
-    prog_start = tl.load(vmeta_ptr + j * 2 + 1)
+    n = tl.load(vmeta_ptr + j * 3)
+    prog_start = tl.load(vmeta_ptr + j * 3 + 1)
     acc_t = sums_ptr.dtype.element_ty
     offs = (pid - prog_start).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -151,7 +159,8 @@ def _vec_apply_kernel(g_ptrs, g_ref, p_ptrs, v_ptrs, m_ptrs, step_ptrs, vmeta_pt
     keep = offs < keep_limit(n, found_inf_ptr, HAS_INF)
     step = _load_step(step_ptrs, j, acc_t)
     k = sums_base + j
-    alpha, scale = _step_scale(step, tl.load(sums_ptr + 2 * k), tl.load(sums_ptr + 2 * k + 1), n.to(acc_t), lr,
+    numel = tl.load(vmeta_ptr + j * 3 + 2).to(acc_t)  # global: RMS over the whole (maybe sharded) param
+    alpha, scale = _step_scale(step, tl.load(sums_ptr + 2 * k), tl.load(sums_ptr + 2 * k + 1), numel, lr,
                                eps2, clip_threshold, RELATIVE, WARMUP, SCALE_PARAM)
     v = tl.load(load_ptr(v_ptrs, j, sums_ptr) + offs, mask=mask, other=1.0)
     g = tl.load(load_ptr(g_ptrs, j, g_ref) + offs, mask=mask, other=0.0).to(acc_t) * inv
@@ -177,13 +186,16 @@ def _vec_apply_kernel(g_ptrs, g_ref, p_ptrs, v_ptrs, m_ptrs, step_ptrs, vmeta_pt
 class AdafactorPlan:
     """Everything about a bucket that stays fixed between steps: tables and scratch buffers."""
 
-    def __init__(self, params, states, device, acc_dtype):
-        fac = [k for k, p in enumerate(params) if p.dim() >= 2]
-        vec = [k for k, p in enumerate(params) if p.dim() < 2]
+    def __init__(self, params, states, device, acc_dtype, layouts=None):
+        layouts = layouts or [None] * len(params)
+        gshapes = [tuple(p.shape) if lay is None else lay.global_shape for p, lay in zip(params, layouts)]
+        fac = [k for k, s in enumerate(gshapes) if len(s) >= 2]
+        vec = [k for k, s in enumerate(gshapes) if len(s) < 2]
         self.order = fac + vec
         self.n_fac = len(fac)
-        shapes = [(math.prod(params[k].shape[:-2]), params[k].shape[-2], params[k].shape[-1]) for k in fac]
-        self.fplan = FactoredPlan.build(shapes, device) if fac else None
+        views = [matrix_view(tuple(params[k].shape), layouts[k], device) for k in fac]
+        shapes = [v.view_shape for v in views]
+        self.fplan = FactoredPlan.build(views, device) if fac else None
         ordered_states = [states[k] for k in self.order]
         self.p_ptrs = ptr_table([params[k] for k in self.order], device)
         self.step_ptrs = ptr_table([s["step"] for s in ordered_states], device)
@@ -193,8 +205,9 @@ class AdafactorPlan:
         self.v_ptrs = ptr_table([s.get("exp_avg_sq") for s in ordered_states[self.n_fac:]], device)
         vprogs = [triton.cdiv(params[k].numel(), BLOCK_V) for k in vec]
         self.vprog_param, vstarts = program_table(vprogs, device)
-        self.vmeta = to_device([x for k, s in zip(vec, vstarts) for x in (params[k].numel(), s)], torch.int64,
-                               device)
+        # Per vector: (elements here, first program, global elements: RMS and step size are over the whole).
+        self.vmeta = to_device([x for k, s in zip(vec, vstarts) for x in (params[k].numel(), s, math.prod(gshapes[k]))],
+                               torch.int64, device)
         self.n_vprogs = sum(vprogs)
         # Per-param segments of the partial (sum U^2, sum X^2) buffer: factored programs, then vector programs.
         fac_progs = self.fplan.n_progs if fac else 0
@@ -217,14 +230,14 @@ class AdafactorPlan:
 
 def adafactor_step(params, grads, states, *, lr, eps, clip_threshold, decay_rate, beta1, weight_decay,
                    scale_parameter, relative_step, warmup_init, bf16_stochastic_round=False, inv_scale=None,
-                   found_inf=None, reduce=None, cache=None):
+                   found_inf=None, reduce=None, cache=None, layouts=None):
     device = params[0].device
     acc_dtype = torch.float64 if params[0].dtype == torch.float64 else torch.float32
     key = ("adafactor",) + tuple((p.data_ptr(), tuple(p.shape)) for p in params) + tuple(
-        (k, t.data_ptr()) for s in states for k, t in s.items())
+        (k, t.data_ptr()) for s in states for k, t in s.items()) + tuple(map(id, layouts or ()))
     plan = cache.get(key) if cache is not None else None
     if plan is None:
-        plan = AdafactorPlan(params, states, device, acc_dtype)
+        plan = AdafactorPlan(params, states, device, acc_dtype, layouts)
         if cache is not None:
             cache.clear()
             cache[key] = plan
@@ -242,7 +255,7 @@ def adafactor_step(params, grads, states, *, lr, eps, clip_threshold, decay_rate
     if fp is not None:
         launch_sq_stats(g_ptrs, g_ref, fp, plan.stats, plan.parts, inv_scale)
         if reduce is not None:
-            reduce(plan.stats)
+            common.reduce_fp64(reduce, plan.stats)
         launch_factors(fp, plan.stats, plan.row_ptrs, plan.col_ptrs, plan.step_ptrs, found_inf,
                        decay_rate=decay_rate, eps=eps1, beta_from_step=True)
         launch_usq(g_ptrs, g_ref, plan.p_ptrs, fp, plan.stats, plan.part2, inv_scale, width=2,
@@ -255,14 +268,14 @@ def adafactor_step(params, grads, states, *, lr, eps, clip_threshold, decay_rate
                                             SCALE_PARAM=scale_parameter, BLOCK=BLOCK_V, **flags)
     segment_sum(plan.part2, plan.seg_start, plan.seg_len, plan.sums, 2)
     if reduce is not None:
-        reduce(plan.sums)
+        common.reduce_fp64(reduce, plan.sums)
     hyper = (lr if lr is not None else 0.0, eps2, clip_threshold, beta1 if beta1 is not None else 0.0, weight_decay)
     consts = dict(RELATIVE=relative_step, WARMUP=warmup_init, SCALE_PARAM=scale_parameter, HAS_MOM=beta1 is not None,
                   HAS_WD=weight_decay != 0, SR=bf16_stochastic_round and params[0].dtype == torch.bfloat16, **flags)
     if fp is not None:
-        _apply_kernel[(fp.n_progs,)](g_ptrs, g_ref, plan.p_ptrs, plan.m_ptrs, plan.step_ptrs, fp.meta, fp.prog_param,
-                                     plan.stats, plan.sums, inv_arg, inf_arg, *hyper, BLOCK_R=fp.block_r,
-                                     BLOCK_C=fp.block_c, **consts)
+        _apply_kernel[(fp.n_progs,)](g_ptrs, g_ref, plan.p_ptrs, plan.m_ptrs, plan.step_ptrs, fp.meta, fp.maps,
+                                     fp.prog_param, plan.stats, plan.sums, inv_arg, inf_arg, *hyper, MAPPED=fp.mapped,
+                                     BLOCK_R=fp.block_r, BLOCK_C=fp.block_c, **consts)
     if plan.n_vprogs:
         _vec_apply_kernel[(plan.n_vprogs,)](*vec_args, plan.v_ptrs, plan.m_ptrs[nf:], plan.step_ptrs[nf:], plan.vmeta,
                                             plan.vprog_param, plan.sums, nf, inv_arg, inf_arg, *hyper, BLOCK=BLOCK_V,

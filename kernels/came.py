@@ -28,6 +28,12 @@ flattened param): 6 reads the codes instead of M and stores nothing; 9 and 6' be
 programs of whole quantization blocks that form U and M_t again from the gradient and the old codes (one more
 read of the gradient, but no full-precision copy of M anywhere), write X and store M_t's codes and scales.
 The codes are those of fastopt.reference.quant, bit for bit.
+
+Sharded buckets (`layouts`) run the same launches with the factored kernels MAPPED (kernels/factored.py: local
+elements, global statistics through int64 row/column maps built once per layout and cached with the plan), plus a
+zero-fill of each row/column statistics buffer before it is written; RMS uses global numels. The buffers handed to
+`reduce` are float64 as in the reference (a float64 copy of them when the kernels accumulate in fp32). 8-bit
+blocks are those of the local piece, as in the reference.
 """
 from __future__ import annotations
 
@@ -43,7 +49,8 @@ from fastopt.reference.quant import dynamic_map
 from . import common
 from .common import (INTERPRET, keep_limit, load_ptr, program_table, ptr_table, round_to, segment_sum,
                      stochastic_round_bf16, to_device)
-from .factored import FactoredPlan, _col_reduce_kernel, launch_factors, launch_sq_stats, launch_usq, load_meta, row_block
+from .factored import (FactoredPlan, col_map, global_numel, in_piece, launch_col_reduce, launch_factors,
+                       launch_sq_stats, launch_usq, load_meta, matrix_view, row_block, row_map)
 
 BLOCK_V = 256 if INTERPRET else 1024
 QBLOCK = tl.constexpr(QBLOCK_)  # elements per 8-bit quantization block (one fp32 absmax each)
@@ -110,9 +117,10 @@ def _quant8(x, mask, qmap_ptr):
 
 
 @triton.jit
-def _res_stats_kernel(g_ptrs, g_ref, m_ptrs, m_ref, absmax_ptrs, qmap_ptr, meta_ptr, prog_param_ptr, stats_ptr,
-                      sums_ptr, res_ptr, parts_ptr, inv_scale_ptr, found_inf_ptr, hyper_ptr, HAS_SCALE: tl.constexpr,
-                      HAS_INF: tl.constexpr, Q8: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _res_stats_kernel(g_ptrs, g_ref, m_ptrs, m_ref, absmax_ptrs, qmap_ptr, meta_ptr, maps_ptr, prog_param_ptr,
+                      stats_ptr, sums_ptr, res_ptr, parts_ptr, inv_scale_ptr, found_inf_ptr, hyper_ptr,
+                      HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr, Q8: tl.constexpr, MAPPED: tl.constexpr,
+                      BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """U = clip(G rfac cfac); M_t = b1 M + (1-b1) U (stored, except with Q8: _apply8_kernel recomputes M_t
     and stores its codes); row sums and column partials of (U - M_t)^2 into `res` / `parts`, laid out as
     _sq_stats_kernel lays out those of G^2."""
@@ -125,38 +133,40 @@ def _res_stats_kernel(g_ptrs, g_ref, m_ptrs, m_ref, absmax_ptrs, qmap_ptr, meta_
     R_keep = keep_limit(R, found_inf_ptr, HAS_INF)
     beta1 = tl.load(hyper_ptr + H_BETA1)
     omb1 = tl.load(hyper_ptr + H_OMB1)
-    scale = _clip_scale(tl.load(sums_ptr + i), (B * R * C).to(acc_t), tl.load(hyper_ptr + H_CLIP))
+    scale = _clip_scale(tl.load(sums_ptr + i), global_numel(meta_ptr, i).to(acc_t), tl.load(hyper_ptr + H_CLIP))
     g_ptr = load_ptr(g_ptrs, i, g_ref)
     m_ptr = load_ptr(m_ptrs, i, m_ref)
     absmax_ptr = load_ptr(absmax_ptrs, i, qmap_ptr)
     rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < R
-    rfac = tl.load(stats_ptr + row_off + b * R + rows, mask=rmask, other=0.0) * scale
-    row_base = (b * R + rows).to(tl.int64) * C
+    row_base, rslot = row_map(meta_ptr, maps_ptr, i, b, rows, rmask, R, C, row_off, MAPPED)
+    rfac = tl.load(stats_ptr + rslot, mask=rmask, other=0.0) * scale
     part_base = part_off + (b * tl.cdiv(R, BLOCK_R) + rb).to(tl.int64) * C
     acc_r = tl.zeros([BLOCK_R], dtype=acc_t)
     for c0 in range(0, C, BLOCK_C):
         cols = c0 + tl.arange(0, BLOCK_C)
         cmask = cols < C
-        mask = rmask[:, None] & cmask[None, :]
         offs = row_base[:, None] + cols[None, :]
-        cfac = tl.load(stats_ptr + col_off + b * C + cols, mask=cmask, other=0.0)
+        mask = in_piece(offs, rmask[:, None] & cmask[None, :], meta_ptr, i, MAPPED)
+        cfac = tl.load(stats_ptr + col_map(meta_ptr, maps_ptr, i, b, cols, cmask, C, col_off, MAPPED), mask=cmask,
+                       other=0.0)
         u = tl.load(g_ptr + offs, mask=mask, other=0.0).to(acc_t) * inv * rfac[:, None] * cfac[None, :]
         if Q8:
             m = beta1 * _dequant8(m_ptr, absmax_ptr, qmap_ptr, offs, mask).to(acc_t) + omb1 * u
         else:
             m = beta1 * tl.load(m_ptr + offs, mask=mask, other=0.0) + omb1 * u
-            tl.store(m_ptr + offs, m, mask=(rows < R_keep)[:, None] & cmask[None, :])
+            tl.store(m_ptr + offs, m, mask=in_piece(offs, (rows < R_keep)[:, None] & cmask[None, :], meta_ptr, i,
+                                                    MAPPED))
         d = u - m
         sq = d * d
         acc_r += tl.sum(sq, 1)
         tl.store(parts_ptr + part_base + cols, tl.sum(sq, 0), mask=cmask)
-    tl.store(res_ptr + row_off + b * R + rows, acc_r, mask=rmask)
+    tl.store(res_ptr + rslot, acc_r, mask=rmask)
 
 
 @triton.jit
-def _apply_kernel(p_ptrs, p_ref, m_ptrs, step_ptrs, meta_ptr, prog_param_ptr, res_ptr, found_inf_ptr, hyper_ptr,
-                  HAS_INF: tl.constexpr, HAS_WD: tl.constexpr, SR: tl.constexpr,
+def _apply_kernel(p_ptrs, p_ref, m_ptrs, step_ptrs, meta_ptr, maps_ptr, prog_param_ptr, res_ptr, found_inf_ptr,
+                  hyper_ptr, HAS_INF: tl.constexpr, HAS_WD: tl.constexpr, SR: tl.constexpr, MAPPED: tl.constexpr,
                   BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """X_t = X - lr wd X - lr M_t rsqrt(R'_t / mean R'_t) rsqrt(C'_t)."""
     pid = tl.program_id(0)
@@ -170,21 +180,23 @@ def _apply_kernel(p_ptrs, p_ref, m_ptrs, step_ptrs, meta_ptr, prog_param_ptr, re
     m_ptr = load_ptr(m_ptrs, i, res_ptr)
     rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < R
-    rfac = tl.load(res_ptr + row_off + b * R + rows, mask=rmask, other=0.0) * lr
-    row_base = (b * R + rows).to(tl.int64) * C
+    row_base, rslot = row_map(meta_ptr, maps_ptr, i, b, rows, rmask, R, C, row_off, MAPPED)
+    rfac = tl.load(res_ptr + rslot, mask=rmask, other=0.0) * lr
     for c0 in range(0, C, BLOCK_C):
         cols = c0 + tl.arange(0, BLOCK_C)
         cmask = cols < C
-        mask = rmask[:, None] & cmask[None, :]
         offs = row_base[:, None] + cols[None, :]
-        cfac = tl.load(res_ptr + col_off + b * C + cols, mask=cmask, other=0.0)
+        mask = in_piece(offs, rmask[:, None] & cmask[None, :], meta_ptr, i, MAPPED)
+        cfac = tl.load(res_ptr + col_map(meta_ptr, maps_ptr, i, b, cols, cmask, C, col_off, MAPPED), mask=cmask,
+                       other=0.0)
         u = tl.load(m_ptr + offs, mask=mask, other=0.0) * rfac[:, None] * cfac[None, :]
         p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(acc_t)
         if HAS_WD:
             p = p - lr_wd * p - u
         else:
             p = p - u
-        _store_param(p_ptr, offs, p, (rows < R_keep)[:, None] & cmask[None, :], step, i, SR)
+        _store_param(p_ptr, offs, p, in_piece(offs, (rows < R_keep)[:, None] & cmask[None, :], meta_ptr, i, MAPPED),
+                     step, i, SR)
 
 
 @triton.jit
@@ -194,8 +206,8 @@ def _vec_stats_kernel(g_ptrs, g_ref, v_ptrs, vmeta_ptr, prog_param_ptr, part_ptr
     """V_t = b2 V + (1-b2)(G^2 + eps1) (stored); partial sums of (G / sqrt(V_t))^2."""
     pid = tl.program_id(0)
     j = tl.load(prog_param_ptr + pid)
-    n = tl.load(vmeta_ptr + j * 2)
-    prog_start = tl.load(vmeta_ptr + j * 2 + 1)
+    n = tl.load(vmeta_ptr + j * 3)
+    prog_start = tl.load(vmeta_ptr + j * 3 + 1)
     offs = (pid - prog_start).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
     inv = 1.0
@@ -221,8 +233,8 @@ def _vec_apply_kernel(g_ptrs, g_ref, p_ptrs, p_ref, v_ptrs, m_ptrs, step_ptrs, v
     """U = clip(G / sqrt(V_t)); M_t = b1 M + (1-b1) U (stored); X_t = X - lr wd X - lr M_t."""
     pid = tl.program_id(0)
     j = tl.load(prog_param_ptr + pid)
-    n = tl.load(vmeta_ptr + j * 2)
-    prog_start = tl.load(vmeta_ptr + j * 2 + 1)
+    n = tl.load(vmeta_ptr + j * 3)
+    prog_start = tl.load(vmeta_ptr + j * 3 + 1)
     acc_t = sums_ptr.dtype.element_ty
     offs = (pid - prog_start).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -235,7 +247,8 @@ def _vec_apply_kernel(g_ptrs, g_ref, p_ptrs, p_ref, v_ptrs, m_ptrs, step_ptrs, v
     lr = tl.load(hyper_ptr + H_LR)
     lr_wd = tl.load(hyper_ptr + H_LR_WD)
     step = _load_step(step_ptrs, j, acc_t)
-    scale = _clip_scale(tl.load(sums_ptr + sums_base + j), n.to(acc_t), tl.load(hyper_ptr + H_CLIP))
+    scale = _clip_scale(tl.load(sums_ptr + sums_base + j), tl.load(vmeta_ptr + j * 3 + 2).to(acc_t),
+                        tl.load(hyper_ptr + H_CLIP))
     v = tl.load(load_ptr(v_ptrs, j, sums_ptr) + offs, mask=mask, other=1.0)
     g = tl.load(load_ptr(g_ptrs, j, g_ref) + offs, mask=mask, other=0.0).to(acc_t) * inv
     u = g / tl.sqrt(v) * scale
@@ -253,17 +266,18 @@ def _vec_apply_kernel(g_ptrs, g_ref, p_ptrs, p_ref, v_ptrs, m_ptrs, step_ptrs, v
 
 @triton.jit
 def _apply8_kernel(g_ptrs, g_ref, p_ptrs, p_ref, code_ptrs, code_ref, absmax_ptrs, v_ptrs, step_ptrs, qmeta_ptr,
-                   prog_param_ptr, meta_ptr, stats_ptr, res_ptr, sums_ptr, sums_base, qmap_ptr, inv_scale_ptr,
-                   found_inf_ptr, hyper_ptr, FACTORED: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr,
-                   HAS_WD: tl.constexpr, SR: tl.constexpr, QB_PER_PROG: tl.constexpr):
+                   prog_param_ptr, meta_ptr, maps_ptr, stats_ptr, res_ptr, sums_ptr, sums_base, qmap_ptr,
+                   inv_scale_ptr, found_inf_ptr, hyper_ptr, FACTORED: tl.constexpr, HAS_SCALE: tl.constexpr,
+                   HAS_INF: tl.constexpr, HAS_WD: tl.constexpr, SR: tl.constexpr, MAPPED: tl.constexpr,
+                   QB_PER_PROG: tl.constexpr):
     """nbits=8, one program per QB_PER_PROG quantization blocks of a param (flat, any shape): U = clip(G rfac
     cfac) (or clip(G / sqrt(V_t))), M_t = b1 M + (1-b1) U from the dequantized M, X_t = X - lr wd X -
     lr M_t rres cres (or - lr M_t), and M_t's codes and block scales stored. U and M_t are formed exactly as
     _res_stats_kernel formed them, so the instability statistics describe this M_t."""
     pid = tl.program_id(0)
     j = tl.load(prog_param_ptr + pid)
-    n = tl.load(qmeta_ptr + j * 2)
-    prog_start = tl.load(qmeta_ptr + j * 2 + 1)
+    n = tl.load(qmeta_ptr + j * 3)
+    prog_start = tl.load(qmeta_ptr + j * 3 + 1)
     acc_t = sums_ptr.dtype.element_ty
     blk = (pid - prog_start).to(tl.int64) * QB_PER_PROG + tl.arange(0, QB_PER_PROG)
     offs = blk[:, None] * QBLOCK + tl.arange(0, QBLOCK)[None, :]
@@ -277,12 +291,19 @@ def _apply8_kernel(g_ptrs, g_ref, p_ptrs, p_ref, code_ptrs, code_ref, absmax_ptr
     lr = tl.load(hyper_ptr + H_LR)
     lr_wd = tl.load(hyper_ptr + H_LR_WD)
     step = _load_step(step_ptrs, j, acc_t)
-    scale = _clip_scale(tl.load(sums_ptr + sums_base + j), n.to(acc_t), tl.load(hyper_ptr + H_CLIP))
+    scale = _clip_scale(tl.load(sums_ptr + sums_base + j), tl.load(qmeta_ptr + j * 3 + 2).to(acc_t),
+                        tl.load(hyper_ptr + H_CLIP))
     g = tl.load(load_ptr(g_ptrs, j, g_ref) + offs, mask=mask, other=0.0).to(acc_t) * inv
     if FACTORED:
         B, R, C, row_off, col_off, _po, _ps, _cps, _fps = load_meta(meta_ptr, j)
-        row = offs // C                        # b * R + r
-        col = (offs // (R * C)) * C + offs % C  # b * C + c
+        if MAPPED:  # local element -> view element -> global row and column slots
+            vo = offs + tl.load(meta_ptr + j * 16 + 12)
+            row = tl.load(maps_ptr + tl.load(meta_ptr + j * 16 + 14) + vo // C, mask=mask, other=0)
+            col = tl.load(maps_ptr + tl.load(meta_ptr + j * 16 + 15) + (vo // (R * C)) * C + vo % C, mask=mask,
+                          other=0)
+        else:
+            row = offs // C                        # b * R + r
+            col = (offs // (R * C)) * C + offs % C  # b * C + c
         rfac = tl.load(stats_ptr + row_off + row, mask=mask, other=0.0) * scale
         u = g * rfac * tl.load(stats_ptr + col_off + col, mask=mask, other=0.0)
     else:
@@ -315,13 +336,16 @@ def _apply8_kernel(g_ptrs, g_ref, p_ptrs, p_ref, code_ptrs, code_ref, absmax_ptr
 class CAMEPlan:
     """Everything about a bucket that stays fixed between steps: tables and scratch buffers."""
 
-    def __init__(self, params, states, device, acc_dtype, nbits):
-        fac = [k for k, p in enumerate(params) if p.dim() >= 2]
-        vec = [k for k, p in enumerate(params) if p.dim() < 2]
+    def __init__(self, params, states, device, acc_dtype, nbits, layouts=None):
+        layouts = layouts or [None] * len(params)
+        gshapes = [tuple(p.shape) if lay is None else lay.global_shape for p, lay in zip(params, layouts)]
+        fac = [k for k, s in enumerate(gshapes) if len(s) >= 2]
+        vec = [k for k, s in enumerate(gshapes) if len(s) < 2]
         self.order = fac + vec
         self.n_fac = len(fac)
-        shapes = [(math.prod(params[k].shape[:-2]), params[k].shape[-2], params[k].shape[-1]) for k in fac]
-        self.fplan = FactoredPlan.build(shapes, device) if fac else None
+        views = [matrix_view(tuple(params[k].shape), layouts[k], device) for k in fac]
+        shapes = [v.view_shape for v in views]
+        self.fplan = FactoredPlan.build(views, device) if fac else None
         st = [states[k] for k in self.order]
         nf = self.n_fac
         self.p_ptrs = ptr_table([params[k] for k in self.order], device)
@@ -334,8 +358,9 @@ class CAMEPlan:
         self.v_ptrs = ptr_table([s["exp_avg_sq"] for s in st[nf:]], device)
         vprogs = [triton.cdiv(params[k].numel(), BLOCK_V) for k in vec]
         self.vprog_param, vstarts = program_table(vprogs, device)
-        self.vmeta = to_device([x for k, s in zip(vec, vstarts) for x in (params[k].numel(), s)], torch.int64,
-                               device)
+        # Per vector: (elements here, first program, global elements: the RMS clip is over the whole).
+        self.vmeta = to_device([x for k, s in zip(vec, vstarts) for x in (params[k].numel(), s, math.prod(gshapes[k]))],
+                               torch.int64, device)
         self.n_vprogs = sum(vprogs)
         # Per-param segments of the partial sum-of-U^2 buffer: factored programs, then vector programs.
         f = self.fplan
@@ -357,8 +382,8 @@ class CAMEPlan:
             for ks in (fac, vec):
                 progs = [triton.cdiv(params[k].numel(), per_prog) for k in ks]
                 prog_param, qstarts = program_table(progs, device)
-                qmeta = to_device([x for k, q in zip(ks, qstarts) for x in (params[k].numel(), q)], torch.int64,
-                                  device)
+                qmeta = to_device([x for k, q in zip(ks, qstarts)
+                                   for x in (params[k].numel(), q, math.prod(gshapes[k]))], torch.int64, device)
                 self.qtables.append((sum(progs), prog_param, qmeta))
 
         self._hyper_key = None
@@ -375,14 +400,14 @@ class CAMEPlan:
 
 
 def came_step(params, grads, states, *, lr, eps, clip_threshold, betas, weight_decay, bf16_stochastic_round=False,
-              nbits=32, inv_scale=None, found_inf=None, reduce=None, cache=None):
+              nbits=32, inv_scale=None, found_inf=None, reduce=None, cache=None, layouts=None):
     device = params[0].device
     acc_dtype = torch.float64 if params[0].dtype == torch.float64 else torch.float32
     key = ("came",) + tuple((p.data_ptr(), tuple(p.shape)) for p in params) + tuple(
-        (k, t.data_ptr()) for s in states for k, t in s.items())
+        (k, t.data_ptr()) for s in states for k, t in s.items()) + tuple(map(id, layouts or ()))
     plan = cache.get(key) if cache is not None else None
     if plan is None:
-        plan = CAMEPlan(params, states, device, acc_dtype, nbits)
+        plan = CAMEPlan(params, states, device, acc_dtype, nbits, layouts)
         if cache is not None:
             cache.clear()
             cache[key] = plan
@@ -403,7 +428,7 @@ def came_step(params, grads, states, *, lr, eps, clip_threshold, betas, weight_d
         blocks = dict(BLOCK_R=fp.block_r, BLOCK_C=fp.block_c)
         launch_sq_stats(g_ptrs, g_ref, fp, plan.stats, plan.parts, inv_scale)
         if reduce is not None:
-            reduce(plan.stats)
+            common.reduce_fp64(reduce, plan.stats)
         launch_factors(fp, plan.stats, plan.sq_row_ptrs, plan.sq_col_ptrs, plan.step_ptrs, found_inf,
                        beta_from_step=False, hyper=hyper[H_BETA2:])
         launch_usq(g_ptrs, g_ref, g_ptrs, fp, plan.stats, plan.part1, inv_scale, width=1)
@@ -412,7 +437,7 @@ def came_step(params, grads, states, *, lr, eps, clip_threshold, betas, weight_d
                                             plan.fac_progs, inv_arg, inf_arg, hyper, BLOCK=BLOCK_V, **flags)
     segment_sum(plan.part1, plan.seg_start, plan.seg_len, plan.sums, 1)
     if reduce is not None:
-        reduce(plan.sums)
+        common.reduce_fp64(reduce, plan.sums)
     q8 = nbits == 8
     m_ref = states[plan.order[0]]["exp_avg"]
     absmax_ptrs = plan.absmax_ptrs if q8 else plan.m_ptrs
@@ -426,24 +451,26 @@ def came_step(params, grads, states, *, lr, eps, clip_threshold, betas, weight_d
         n_progs, prog_param, qmeta = plan.qtables[1]
         _apply8_kernel[(n_progs,)](g_ptrs[nf:], g_ref, plan.p_ptrs[nf:], p_ref, plan.m_ptrs[nf:], m_ref,
                                    absmax_ptrs[nf:], plan.v_ptrs, plan.step_ptrs[nf:], qmeta, prog_param, plan.sums,
-                                   plan.sums, plan.sums, plan.sums, nf, qmap, inv_arg, inf_arg, hyper, FACTORED=False,
-                                   QB_PER_PROG=QB_PER_PROG, **consts)
+                                   qmeta, plan.sums, plan.sums, plan.sums, nf, qmap, inv_arg, inf_arg, hyper,
+                                   FACTORED=False, MAPPED=False, QB_PER_PROG=QB_PER_PROG, **consts)
     if fp is not None:
-        _res_stats_kernel[(fp.n_progs,)](g_ptrs, g_ref, plan.m_ptrs, m_ref, absmax_ptrs, qmap, fp.meta, fp.prog_param,
-                                         plan.stats, plan.sums, plan.res, plan.parts, inv_arg, inf_arg, hyper, Q8=q8,
-                                         **flags, **blocks)
-        _col_reduce_kernel[(fp.n_colprogs,)](fp.meta, fp.colprog_param, plan.res, plan.parts, BLOCK_R=fp.block_r,
-                                             BLOCK=fp.block_col)
+        if fp.mapped:  # the slots of rows and columns held by other ranks
+            plan.res.zero_()
+        _res_stats_kernel[(fp.n_progs,)](g_ptrs, g_ref, plan.m_ptrs, m_ref, absmax_ptrs, qmap, fp.meta, fp.maps,
+                                         fp.prog_param, plan.stats, plan.sums, plan.res, plan.parts, inv_arg, inf_arg,
+                                         hyper, Q8=q8, MAPPED=fp.mapped, **flags, **blocks)
+        launch_col_reduce(fp, plan.res, plan.parts)
         if reduce is not None:
-            reduce(plan.res)
+            common.reduce_fp64(reduce, plan.res)
         launch_factors(fp, plan.res, plan.res_row_ptrs, plan.res_col_ptrs, plan.step_ptrs, found_inf,
                        beta_from_step=False, hyper=hyper[H_BETA3:])
         if q8:
             n_progs, prog_param, qmeta = plan.qtables[0]
             _apply8_kernel[(n_progs,)](g_ptrs, g_ref, plan.p_ptrs, p_ref, plan.m_ptrs, m_ref, absmax_ptrs, plan.v_ptrs,
-                                       plan.step_ptrs, qmeta, prog_param, fp.meta, plan.stats, plan.res, plan.sums, 0,
-                                       qmap, inv_arg, inf_arg, hyper, FACTORED=True, QB_PER_PROG=QB_PER_PROG, **consts)
+                                       plan.step_ptrs, qmeta, prog_param, fp.meta, fp.maps, plan.stats, plan.res,
+                                       plan.sums, 0, qmap, inv_arg, inf_arg, hyper, FACTORED=True, MAPPED=fp.mapped,
+                                       QB_PER_PROG=QB_PER_PROG, **consts)
         else:
-            _apply_kernel[(fp.n_progs,)](plan.p_ptrs, p_ref, plan.m_ptrs, plan.step_ptrs, fp.meta, fp.prog_param,
-                                         plan.res, inf_arg, hyper, HAS_INF=flags["HAS_INF"], HAS_WD=weight_decay != 0,
-                                         SR=sr, **blocks)
+            _apply_kernel[(fp.n_progs,)](plan.p_ptrs, p_ref, plan.m_ptrs, plan.step_ptrs, fp.meta, fp.maps,
+                                         fp.prog_param, plan.res, inf_arg, hyper, HAS_INF=flags["HAS_INF"],
+                                         HAS_WD=weight_decay != 0, SR=sr, MAPPED=fp.mapped, **blocks)

@@ -121,3 +121,14 @@ def segment_sum(parts: torch.Tensor, seg_start: torch.Tensor, seg_len: torch.Ten
     n = seg_start.numel()
     if n:
         _segment_sum_kernel[(n,)](parts, seg_start, seg_len, out, WIDTH=width, BLOCK=256 if not INTERPRET else 64)
+
+
+def reduce_fp64(reduce, buf: torch.Tensor) -> None:
+    """`reduce(buf)` through a float64 copy when `buf` is narrower: the buffers that ranks sum are float64 in the
+    reference (its `reduction_sizes`, which the layout benchmark counts), whatever the kernels accumulate in."""
+    if buf.dtype == torch.float64:
+        reduce(buf)
+        return
+    wide = buf.to(torch.float64)
+    reduce(wide)
+    buf.copy_(wide)

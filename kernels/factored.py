@@ -12,10 +12,20 @@ Three multi-tensor kernels, each one launch for all factored params of a bucket:
   factors R_t, C_t (exponential moving averages of the means of x^2 + eps), stores them as state, and
   overwrites the sums with what the update multiplies by: rsqrt(R_t / mean(R_t)) and rsqrt(C_t).
 
-Layout of the flat statistics buffer for param i: rows at meta.row_off (B*R), cols at meta.col_off (B*C).
+Layout of the flat statistics buffer for param i: rows at meta.row_off (B*R), cols at meta.col_off (B*C) of
+its GLOBAL matrix batch, rows of every param first, then columns.
+
+Sharded params (a `fastopt.distributed.layout.Layout`: dim shards, flat ranges cut mid-row, 3-D with a sharded
+batch dim) run the same kernels with MAPPED set. The row-block programs sweep a local "view" matrix (B, R, C)
+whose element (b, r, c) is local element (b R + r) C + c - shift when that lies in [0, count) (a flat range
+covers whole view rows but the first and last partly); int64 maps send view row b R + r and view column
+b C + c to their global row and column in the statistics buffer. Every local row and column goes to exactly
+one global slot, so the stores stay deterministic; slots of rows held by other ranks are zeroed first and
+`reduce` adds the ranks' pieces. The factor kernel works on the global factors as before.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -24,18 +34,57 @@ import triton.language as tl
 
 from .common import INTERPRET, keep_limit, load_ptr, program_table, tile_shape, to_device
 
-# Columns of the int64 meta table, one row per factored param.
-# B, R, C: the matrix batch; *_OFF: offsets into the stats and partials buffers; *_START: the param's first
-# program in each kernel's program table.
-M_B, M_R, M_C, M_ROW_OFF, M_COL_OFF, M_PART_OFF, M_PROG_START, M_COLPROG_START, M_FACTPROG_START = range(9)
-META_WIDTH = 9
+# Columns of the int64 meta table, one row per factored param (the jit functions below spell them as numbers).
+# B, R, C: the (local view) matrix batch the row-block programs sweep; *_OFF: offsets into the stats and
+# partials buffers; *_START: the param's first program in each kernel's program table; GR, GC: the global
+# matrix (the factors); GNUMEL: global elements (RMS); SHIFT, COUNT, RMAP, CMAP: see the module docstring
+# (unsharded: 0, B R C, and identity maps, which only MAPPED kernels read).
+(M_B, M_R, M_C, M_ROW_OFF, M_COL_OFF, M_PART_OFF, M_PROG_START, M_COLPROG_START, M_FACTPROG_START, M_GR, M_GC,
+ M_GNUMEL, M_SHIFT, M_COUNT, M_RMAP, M_CMAP) = range(16)
+META_WIDTH = 16
 
 
 @triton.jit
 def load_meta(meta_ptr, i):
-    base = meta_ptr + i * 9
+    base = meta_ptr + i * 16
     return (tl.load(base + 0), tl.load(base + 1), tl.load(base + 2), tl.load(base + 3), tl.load(base + 4),
             tl.load(base + 5), tl.load(base + 6), tl.load(base + 7), tl.load(base + 8))
+
+
+@triton.jit
+def global_numel(meta_ptr, i):
+    return tl.load(meta_ptr + i * 16 + 11)
+
+
+@triton.jit
+def row_map(meta_ptr, maps_ptr, i, b, rows, rmask, R, C, row_off, MAPPED: tl.constexpr):
+    """(local element offset of each row's column 0 (int64; negative where a flat range starts mid-row),
+    stats index of each row) for rows `rows` of view matrix b of param i."""
+    first = (b * R + rows).to(tl.int64) * C
+    if MAPPED:
+        first = first - tl.load(meta_ptr + i * 16 + 12)
+        slot = row_off + tl.load(maps_ptr + tl.load(meta_ptr + i * 16 + 14) + b * R + rows, mask=rmask, other=0)
+    else:
+        slot = row_off + b * R + rows
+    return first, slot
+
+
+@triton.jit
+def col_map(meta_ptr, maps_ptr, i, b, cols, cmask, C, col_off, MAPPED: tl.constexpr):
+    """Stats index of each column `cols` of view matrix b of param i."""
+    if MAPPED:
+        return col_off + tl.load(maps_ptr + tl.load(meta_ptr + i * 16 + 15) + b * C + cols, mask=cmask, other=0)
+    else:
+        return col_off + b * C + cols
+
+
+@triton.jit
+def in_piece(offs, mask, meta_ptr, i, MAPPED: tl.constexpr):
+    """`mask` limited to the elements this rank holds (MAPPED: offsets in [0, count))."""
+    if MAPPED:
+        return mask & (offs >= 0) & (offs < tl.load(meta_ptr + i * 16 + 13))
+    else:
+        return mask
 
 
 @triton.jit
@@ -50,8 +99,8 @@ def row_block(meta_ptr, prog_param_ptr, pid, BLOCK_R: tl.constexpr):
 
 
 @triton.jit
-def _sq_stats_kernel(x_ptrs, x_ref, meta_ptr, prog_param_ptr, stats_ptr, parts_ptr, inv_scale_ptr,
-                     HAS_SCALE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _sq_stats_kernel(x_ptrs, x_ref, meta_ptr, maps_ptr, prog_param_ptr, stats_ptr, parts_ptr, inv_scale_ptr,
+                     HAS_SCALE: tl.constexpr, MAPPED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     pid = tl.program_id(0)
     i, B, R, C, row_off, col_off, part_off, b, rb = row_block(meta_ptr, prog_param_ptr, pid, BLOCK_R)
     x_ptr = load_ptr(x_ptrs, i, x_ref)
@@ -61,23 +110,25 @@ def _sq_stats_kernel(x_ptrs, x_ref, meta_ptr, prog_param_ptr, stats_ptr, parts_p
         inv = tl.load(inv_scale_ptr)
     rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < R
-    row_base = (b * R + rows).to(tl.int64) * C
+    row_base, rslot = row_map(meta_ptr, maps_ptr, i, b, rows, rmask, R, C, row_off, MAPPED)
     part_base = part_off + (b * tl.cdiv(R, BLOCK_R) + rb).to(tl.int64) * C
     acc_r = tl.zeros([BLOCK_R], dtype=acc_t)
     for c0 in range(0, C, BLOCK_C):
         cols = c0 + tl.arange(0, BLOCK_C)
         cmask = cols < C
-        x = tl.load(x_ptr + row_base[:, None] + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
+        offs = row_base[:, None] + cols[None, :]
+        mask = in_piece(offs, rmask[:, None] & cmask[None, :], meta_ptr, i, MAPPED)
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0)
         x = x.to(acc_t) * inv
         sq = x * x
         acc_r += tl.sum(sq, 1)
         tl.store(parts_ptr + part_base + cols, tl.sum(sq, 0), mask=cmask)
-    tl.store(stats_ptr + row_off + b * R + rows, acc_r, mask=rmask)
+    tl.store(stats_ptr + rslot, acc_r, mask=rmask)
 
 
 @triton.jit
-def _col_reduce_kernel(meta_ptr, prog_param_ptr, stats_ptr, parts_ptr, BLOCK_R: tl.constexpr,
-                       BLOCK: tl.constexpr):
+def _col_reduce_kernel(meta_ptr, maps_ptr, prog_param_ptr, stats_ptr, parts_ptr, MAPPED: tl.constexpr,
+                       BLOCK_R: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     i = tl.load(prog_param_ptr + pid)
     B, R, C, row_off, col_off, part_off, _ps, colprog_start, _fps = load_meta(meta_ptr, i)
@@ -90,7 +141,7 @@ def _col_reduce_kernel(meta_ptr, prog_param_ptr, stats_ptr, parts_ptr, BLOCK_R: 
     acc = tl.zeros([BLOCK], dtype=stats_ptr.dtype.element_ty)
     for rb in range(0, nrb):
         acc += tl.load(parts_ptr + part_off + (b * nrb + rb).to(tl.int64) * C + cols, mask=cmask, other=0.0)
-    tl.store(stats_ptr + col_off + b * C + cols, acc, mask=cmask)
+    tl.store(stats_ptr + col_map(meta_ptr, maps_ptr, i, b, cols, cmask, C, col_off, MAPPED), acc, mask=cmask)
 
 
 @triton.jit
@@ -106,7 +157,9 @@ def _factor_kernel(meta_ptr, prog_param_ptr, stats_ptr, row_ptrs, col_ptrs, step
     """
     pid = tl.program_id(0)
     i = tl.load(prog_param_ptr + pid)
-    B, R, C, row_off, col_off, _po, _ps, _cps, factprog_start = load_meta(meta_ptr, i)
+    _B, _R, _C, row_off, col_off, _po, _ps, _cps, factprog_start = load_meta(meta_ptr, i)
+    R = tl.load(meta_ptr + i * 16 + 9)  # the global matrix: the factors are whole on every rank
+    C = tl.load(meta_ptr + i * 16 + 10)
     b = pid - factprog_start
     acc_t = stats_ptr.dtype.element_ty
     R_keep = keep_limit(R, found_inf_ptr, HAS_INF)
@@ -150,9 +203,9 @@ def _factor_kernel(meta_ptr, prog_param_ptr, stats_ptr, row_ptrs, col_ptrs, step
 
 
 @triton.jit
-def _usq_kernel(g_ptrs, g_ref, p_ptrs, meta_ptr, prog_param_ptr, stats_ptr, part_ptr, inv_scale_ptr,
-                HAS_SCALE: tl.constexpr, WIDTH: tl.constexpr, SCALE_PARAM: tl.constexpr, BLOCK_R: tl.constexpr,
-                BLOCK_C: tl.constexpr):
+def _usq_kernel(g_ptrs, g_ref, p_ptrs, meta_ptr, maps_ptr, prog_param_ptr, stats_ptr, part_ptr, inv_scale_ptr,
+                HAS_SCALE: tl.constexpr, WIDTH: tl.constexpr, SCALE_PARAM: tl.constexpr, MAPPED: tl.constexpr,
+                BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """part[pid * WIDTH] = sum over the program's rows of U^2, U = G rsqrt(R_t / mean R_t) rsqrt(C_t) (the
     factors `_factor_kernel` left in stats); with WIDTH 2 also part[pid * 2 + 1] = the rows' sum of X^2
     (zero unless SCALE_PARAM)."""
@@ -166,16 +219,17 @@ def _usq_kernel(g_ptrs, g_ref, p_ptrs, meta_ptr, prog_param_ptr, stats_ptr, part
         inv = tl.load(inv_scale_ptr)
     rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < R
-    rfac = tl.load(stats_ptr + row_off + b * R + rows, mask=rmask, other=0.0)
-    row_base = (b * R + rows).to(tl.int64) * C
+    row_base, rslot = row_map(meta_ptr, maps_ptr, i, b, rows, rmask, R, C, row_off, MAPPED)
+    rfac = tl.load(stats_ptr + rslot, mask=rmask, other=0.0)
     u_acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=acc_t)
     p_acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=acc_t)
     for c0 in range(0, C, BLOCK_C):
         cols = c0 + tl.arange(0, BLOCK_C)
         cmask = cols < C
-        mask = rmask[:, None] & cmask[None, :]
         offs = row_base[:, None] + cols[None, :]
-        cfac = tl.load(stats_ptr + col_off + b * C + cols, mask=cmask, other=0.0)
+        mask = in_piece(offs, rmask[:, None] & cmask[None, :], meta_ptr, i, MAPPED)
+        cfac = tl.load(stats_ptr + col_map(meta_ptr, maps_ptr, i, b, cols, cmask, C, col_off, MAPPED), mask=cmask,
+                       other=0.0)
         g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(acc_t) * inv
         u = g * rfac[:, None] * cfac[None, :]
         u_acc += u * u
@@ -188,17 +242,24 @@ def _usq_kernel(g_ptrs, g_ref, p_ptrs, meta_ptr, prog_param_ptr, stats_ptr, part
 
 
 def launch_sq_stats(x_ptrs, x_ref, plan, stats, parts, inv_scale):
-    _sq_stats_kernel[(plan.n_progs,)](x_ptrs, x_ref, plan.meta, plan.prog_param, stats, parts,
+    if plan.mapped:  # the slots of rows and columns held by other ranks
+        stats.zero_()
+    _sq_stats_kernel[(plan.n_progs,)](x_ptrs, x_ref, plan.meta, plan.maps, plan.prog_param, stats, parts,
                                       inv_scale if inv_scale is not None else stats,
-                                      HAS_SCALE=inv_scale is not None, BLOCK_R=plan.block_r, BLOCK_C=plan.block_c)
-    _col_reduce_kernel[(plan.n_colprogs,)](plan.meta, plan.colprog_param, stats, parts, BLOCK_R=plan.block_r,
-                                           BLOCK=plan.block_col)
+                                      HAS_SCALE=inv_scale is not None, MAPPED=plan.mapped, BLOCK_R=plan.block_r,
+                                      BLOCK_C=plan.block_c)
+    launch_col_reduce(plan, stats, parts)
+
+
+def launch_col_reduce(plan, stats, parts):
+    _col_reduce_kernel[(plan.n_colprogs,)](plan.meta, plan.maps, plan.colprog_param, stats, parts, MAPPED=plan.mapped,
+                                           BLOCK_R=plan.block_r, BLOCK=plan.block_col)
 
 
 def launch_usq(g_ptrs, g_ref, p_ptrs, plan, stats, part, inv_scale, *, width: int, scale_parameter: bool = False):
-    _usq_kernel[(plan.n_progs,)](g_ptrs, g_ref, p_ptrs, plan.meta, plan.prog_param, stats, part,
+    _usq_kernel[(plan.n_progs,)](g_ptrs, g_ref, p_ptrs, plan.meta, plan.maps, plan.prog_param, stats, part,
                                  inv_scale if inv_scale is not None else stats, HAS_SCALE=inv_scale is not None,
-                                 WIDTH=width, SCALE_PARAM=scale_parameter, BLOCK_R=plan.block_r,
+                                 WIDTH=width, SCALE_PARAM=scale_parameter, MAPPED=plan.mapped, BLOCK_R=plan.block_r,
                                  BLOCK_C=plan.block_c)
 
 
@@ -210,6 +271,64 @@ def launch_factors(plan, stats, row_ptrs, col_ptrs, step_ptrs, found_inf, *, bet
                                              hyper if hyper is not None else stats,
                                              BETA_FROM_STEP=beta_from_step, HAS_INF=found_inf is not None,
                                              HYPER_FROM_PTR=hyper is not None, BLOCK=plan.block_vec)
+
+
+@dataclass
+class MatrixView:
+    """How the row-block programs see one factored param: view (B, R, C), global (GB, GR, GC), and for a
+    sharded param the element shift, the elements held and the row/column maps (see the module docstring)."""
+    B: int
+    R: int
+    C: int
+    GB: int
+    GR: int
+    GC: int
+    shift: int = 0
+    count: int = -1
+    rmap: torch.Tensor | None = None
+    cmap: torch.Tensor | None = None
+
+    @property
+    def view_shape(self) -> tuple[int, int, int]:
+        return self.B, self.R, self.C
+
+
+def matrix_view(local_shape, lay, device) -> MatrixView:
+    """The MatrixView of a factored param with local shape `local_shape` and layout `lay` (None: unsharded;
+    flat layouts: the param holds `lay.count` real elements)."""
+    if lay is None:
+        b, r, c = math.prod(local_shape[:-2]), local_shape[-2], local_shape[-1]
+        return MatrixView(b, r, c, b, r, c, 0, b * r * c)
+    g = lay.global_shape
+    gb, gr, gc = math.prod(g[:-2]), g[-2], g[-1]
+    off, n = lay.flat if lay.is_flat else (0, None)
+    mat = lay.base if lay.is_flat else lay  # the matrix batch the elements are a range of (None: the global one)
+    if mat is None:
+        bm, rm, cm = gb, gr, gc
+        mr = torch.arange(gb * gr, dtype=torch.int64, device=device)
+        mc = torch.arange(gb * gc, dtype=torch.int64, device=device)
+    else:
+        if mat.is_flat:
+            raise NotImplementedError("fastopt: a flat range of a flat range has no factored kernel layout")
+        nd = len(g)
+        shape = [g[d] if idx is None else len(idx) for d, idx in enumerate(mat.index)]
+        bm, rm, cm = math.prod(shape[:-2]), shape[-2], shape[-1]
+        bidx = mat.batch_index(device)
+        mr = (bidx[:, None] * gr + mat.dim_index(nd - 2, device)[None, :]).reshape(-1)
+        mc = (bidx[:, None] * gc + mat.dim_index(nd - 1, device)[None, :]).reshape(-1)
+    if n is None:
+        n = bm * rm * cm
+    if n == 0:
+        return MatrixView(0, 0, 0, gb, gr, gc, 0, 0, mr[:0], mc[:0])
+    per, last = rm * cm, off + n - 1
+    b0, b1 = off // per, last // per
+    # One matrix: only the rows the range touches; several: whole matrices (at most two partly held).
+    rs, rv = ((off // cm) % rm, (last // cm) % rm - (off // cm) % rm + 1) if b0 == b1 else (0, rm)
+    bv = b1 - b0 + 1
+    bs = b0 + torch.arange(bv, dtype=torch.int64, device=device)
+    rows = (bs[:, None] * rm + rs + torch.arange(rv, dtype=torch.int64, device=device)[None, :]).reshape(-1)
+    cols = (bs[:, None] * cm + torch.arange(cm, dtype=torch.int64, device=device)[None, :]).reshape(-1)
+    return MatrixView(bv, rv, cm, gb, gr, gc, off - (b0 * rm + rs) * cm, n, mr[rows], mc[cols])
 
 
 @dataclass
@@ -230,29 +349,46 @@ class FactoredPlan:
     stats_numel: int
     parts_numel: int
     prog_starts: list
+    maps: torch.Tensor
+    mapped: bool
 
     @staticmethod
-    def build(shapes: list[tuple[int, int, int]], device: torch.device) -> "FactoredPlan":
-        block_r, block_c = tile_shape(max(c for _, _, c in shapes))
+    def build(views: list, device: torch.device) -> "FactoredPlan":
+        """`views`: a MatrixView per param, or (B, R, C) for an unsharded one. Any view with maps makes every
+        kernel of the plan MAPPED (unsharded params get identity maps: O(rows + columns) int64)."""
+        views = [v if isinstance(v, MatrixView) else MatrixView(*v, *v) for v in views]
+        mapped = any(v.rmap is not None for v in views)
+        shapes = [v.view_shape for v in views]
+        block_r, block_c = tile_shape(max(max(c for _, _, c in shapes), 1))
         if INTERPRET:
             block_r, block_c = min(block_r, 16), min(block_c, 64)
         block_col = 64 if INTERPRET else 256
         meta, progs, colprogs, factprogs = [], [], [], []
         row_off = part_off = 0
-        for b, r, c in shapes:
+        for (b, r, c), v in zip(shapes, views):
             progs.append(b * triton.cdiv(r, block_r))
             colprogs.append(b * triton.cdiv(c, block_col))
-            factprogs.append(b)
+            factprogs.append(v.GB)  # the factors are global: every rank forms all of them
         prog_param, prog_starts = program_table(progs, device)
         colprog_param, colprog_starts = program_table(colprogs, device)
         factprog_param, factprog_starts = program_table(factprogs, device)
-        col_total = sum(b * r for b, r, _ in shapes)
+        col_total = sum(v.GB * v.GR for v in views)
         col_off = col_total
-        for k, (b, r, c) in enumerate(shapes):
-            meta += [b, r, c, row_off, col_off, part_off, prog_starts[k], colprog_starts[k], factprog_starts[k]]
-            row_off += b * r
-            col_off += b * c
+        maps, map_off = [], 0
+        for k, ((b, r, c), v) in enumerate(zip(shapes, views)):
+            rmap_off, cmap_off = map_off, map_off + b * r
+            if mapped:
+                ar = torch.arange
+                maps += [v.rmap if v.rmap is not None else ar(b * r, dtype=torch.int64, device=device),
+                         v.cmap if v.cmap is not None else ar(b * c, dtype=torch.int64, device=device)]
+                map_off += b * r + b * c
+            meta += [b, r, c, row_off, col_off, part_off, prog_starts[k], colprog_starts[k], factprog_starts[k],
+                     v.GR, v.GC, v.GB * v.GR * v.GC, v.shift, v.count if v.count >= 0 else b * r * c, rmap_off,
+                     cmap_off]
+            row_off += v.GB * v.GR
+            col_off += v.GB * v.GC
             part_off += b * triton.cdiv(r, block_r) * c
+        maps = torch.cat(maps).to(torch.int64) if maps else torch.zeros(1, dtype=torch.int64, device=device)
         return FactoredPlan(len(shapes), to_device(meta, torch.int64, device), prog_param, colprog_param,
                             factprog_param, sum(progs), sum(colprogs), sum(factprogs), block_r, block_c, block_col,
-                            256 if INTERPRET else 1024, col_off, part_off, prog_starts)
+                            256 if INTERPRET else 1024, col_off, part_off, prog_starts, maps, mapped)
