@@ -14,7 +14,13 @@
 # device returns at most 8 files). Unpack that into bench/results/ to commit it.
 # Wheels in .whl/ (carried) are installed to /tmp/site first: the image lacks some test dependencies.
 # Knobs: PYTHON, GPU_CHECK_BUDGET_S, PYTEST_WORKERS (default 4 with pytest-xdist, 0: serial),
-# PYTEST_ARGS, BENCH_ARGS, FASTOPT_COMMIT (recorded when the tree has no .git).
+# PYTEST_ARGS, BENCH_ARGS, FASTOPT_COMMIT (recorded when the tree has no .git), and for splitting the work over
+# several device calls (each at most 10 minutes; the machine stays warm only 30 s between them):
+#   GPU_CHECK_STAGES   the stages to run, of: info install tests gpu_checks bench (default: all five)
+#   TESTS_MAX_S        the tests stage's cap (default 270; e.g. 500 when a call runs info install tests alone)
+#   CHECKS_MAX_S       the gpu_checks stage's cap (default 150)
+# e.g. call 1: GPU_CHECK_STAGES="info install tests" TESTS_MAX_S=500 bash bench/gpu_check.sh
+#      call 2: GPU_CHECK_STAGES="info install gpu_checks bench" bash bench/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the folder that receives the results}"
@@ -112,12 +118,19 @@ main() {
   fi
   export FASTOPT_COMMIT=${FASTOPT_COMMIT:-unknown}
   echo "gpu_check: commit $FASTOPT_COMMIT, budget ${BUDGET}s, $(date -u)"
-  stage info 60 480 info
-  stage install 90 450 install
-  [ "${RC[install]}" = 0 ] || echo "WARNING: install failed; the stages below will fail to import fastopt"
-  stage tests 270 190 tests
-  stage gpu_checks 150 100 checks
-  stage bench 600 10 bench
+  local want=" ${GPU_CHECK_STAGES:-info install tests gpu_checks bench} "
+  # The reserves keep time for the stages after each one, counted only when those stages run.
+  local r_tests=0 r_checks=0 r_bench=0
+  [[ $want == *" bench "* ]] && r_bench=90
+  [[ $want == *" gpu_checks "* ]] && r_checks=90
+  [[ $want == *" tests "* ]] && r_tests=100
+  [[ $want == *" info "* ]] && stage info 60 $((r_tests + r_checks + r_bench + 60)) info
+  [[ $want == *" install "* ]] && stage install 90 $((r_tests + r_checks + r_bench + 30)) install
+  [[ $want == *" install "* && "${RC[install]}" != 0 ]] && \
+    echo "WARNING: install failed; the stages below will fail to import fastopt"
+  [[ $want == *" tests "* ]] && stage tests "${TESTS_MAX_S:-270}" $((r_checks + r_bench)) tests
+  [[ $want == *" gpu_checks "* ]] && stage gpu_checks "${CHECKS_MAX_S:-150}" "$r_bench" checks
+  [[ $want == *" bench "* ]] && stage bench 600 10 bench
 
   # The suite files go to $OUT as they are, everything else into one tarball (at most 8 files come back).
   mkdir -p "$WORK/results"

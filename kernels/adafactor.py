@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from . import common
-from .common import (INTERPRET, keep_limit, load_ptr, round_to, program_table, ptr_table, segment_sum, stochastic_round_bf16, to_device)
+from .common import (INTERPRET, GradTable, keep_limit, load_ptr, round_to, program_table, ptr_table, segment_sum, stochastic_round_bf16, to_device)
 from .factored import (FactoredPlan, col_map, global_numel, in_piece, launch_factors, launch_sq_stats, launch_usq,
                        matrix_view, row_block, row_map)
 
@@ -198,6 +198,7 @@ class AdafactorPlan:
         self.fplan = FactoredPlan.build(views, device) if fac else None
         ordered_states = [states[k] for k in self.order]
         self.p_ptrs = ptr_table([params[k] for k in self.order], device)
+        self.grad_table = GradTable()
         self.step_ptrs = ptr_table([s["step"] for s in ordered_states], device)
         self.m_ptrs = ptr_table([s.get("exp_avg") for s in ordered_states], device)
         self.row_ptrs = ptr_table([s.get("exp_avg_sq_row") for s in ordered_states[:self.n_fac]], device)
@@ -244,7 +245,7 @@ def adafactor_step(params, grads, states, *, lr, eps, clip_threshold, decay_rate
     if common.POISON:
         for buf in (plan.stats, plan.parts, plan.part2, plan.sums):
             buf.fill_(float("nan"))
-    g_ptrs = ptr_table([grads[k] for k in plan.order], device)
+    g_ptrs = plan.grad_table([grads[k] for k in plan.order], device)
     g_ref = grads[0]
     eps1, eps2 = eps
     dummy = plan.sums

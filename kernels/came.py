@@ -47,7 +47,7 @@ from fastopt.reference.came import QBLOCK as QBLOCK_
 from fastopt.reference.quant import dynamic_map
 
 from . import common
-from .common import (INTERPRET, keep_limit, load_ptr, program_table, ptr_table, round_to, segment_sum,
+from .common import (INTERPRET, GradTable, keep_limit, load_ptr, program_table, ptr_table, round_to, segment_sum,
                      stochastic_round_bf16, to_device)
 from .factored import (FactoredPlan, col_map, global_numel, in_piece, launch_col_reduce, launch_factors,
                        launch_sq_stats, launch_usq, load_meta, matrix_view, row_block, row_map)
@@ -349,6 +349,7 @@ class CAMEPlan:
         st = [states[k] for k in self.order]
         nf = self.n_fac
         self.p_ptrs = ptr_table([params[k] for k in self.order], device)
+        self.grad_table = GradTable()
         self.step_ptrs = ptr_table([s["step"] for s in st], device)
         self.m_ptrs = ptr_table([s["exp_avg"] for s in st], device)
         self.sq_row_ptrs = ptr_table([s["exp_avg_sq_row"] for s in st[:nf]], device)
@@ -415,7 +416,7 @@ def came_step(params, grads, states, *, lr, eps, clip_threshold, betas, weight_d
         for buf in plan.scratch():
             buf.fill_(float("nan"))
     hyper = plan.hyper(hyper_values(lr, eps, clip_threshold, betas, weight_decay))
-    g_ptrs = ptr_table([grads[k] for k in plan.order], device)
+    g_ptrs = plan.grad_table([grads[k] for k in plan.order], device)
     g_ref = grads[0]
     p_ref = params[0]
     flags = dict(HAS_SCALE=inv_scale is not None, HAS_INF=found_inf is not None)

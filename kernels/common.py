@@ -36,6 +36,23 @@ def ptr_table(tensors: list, device: torch.device) -> torch.Tensor:
     return to_device([0 if t is None else t.data_ptr() for t in tensors], torch.int64, device)
 
 
+class GradTable:
+    """The gradient pointer table of a bucket, rebuilt only when a gradient moved: a step whose grads sit where
+    they sat last step copies nothing from the host, so a CUDA graph captured after warm-up steps replays with a
+    table that stays valid (a per-step copy from a pinned buffer would read whatever reused that buffer)."""
+
+    __slots__ = ("key", "table")
+
+    def __init__(self):
+        self.key, self.table = None, None
+
+    def __call__(self, grads: list, device: torch.device) -> torch.Tensor:
+        key = tuple(g.data_ptr() for g in grads)
+        if key != self.key:
+            self.table, self.key = ptr_table(grads, device), key
+        return self.table
+
+
 def program_table(counts: list[int], device: torch.device) -> tuple[torch.Tensor, list[int]]:
     """(prog_param, starts): program `pid` works on param prog_param[pid], its starts[i]-th program is pid."""
     starts, owner = [], []

@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from . import common
-from .common import (INTERPRET, keep_limit, load_ptr, program_table, ptr_table, round_to, segment_sum,
+from .common import (INTERPRET, GradTable, keep_limit, load_ptr, program_table, ptr_table, round_to, segment_sum,
                      stochastic_round_bf16, to_device)
 
 # Elements per program. Small under the interpreter so that the tests' small params span several programs.
@@ -320,22 +320,16 @@ class LambPlan:
         self.sums = torch.empty(2 * len(params), dtype=acc_dtype, device=device)
         self.hyper_key = None
         self.hyper = None
-        self.grad_key = None
-        self.g32 = self.g8 = None
+        self.g32, self.g8 = GradTable(), GradTable()
         if idx8:
             from fastopt.reference.quant import dynamic_map
             self.map_s = dynamic_map(True, device)
             self.map_u = dynamic_map(False, device)
 
     def grad_tables(self, grads, device) -> tuple:
-        """Gradient pointer tables of both kinds, rebuilt only when a gradient moved: a step whose grads sit
-        where they sat last step copies nothing from the host (so a CUDA graph of it replays correctly)."""
-        key = tuple(g.data_ptr() for g in grads)
-        if key != self.grad_key:
-            self.g32 = ptr_table([grads[k] for k in self.t32.idx], device) if self.t32 is not None else None
-            self.g8 = ptr_table([grads[k] for k in self.t8.idx], device) if self.t8 is not None else None
-            self.grad_key = key
-        return self.g32, self.g8
+        """Gradient pointer tables of both kinds (common.GradTable: rebuilt only when a gradient moved)."""
+        return (self.g32([grads[k] for k in self.t32.idx], device) if self.t32 is not None else None,
+                self.g8([grads[k] for k in self.t8.idx], device) if self.t8 is not None else None)
 
     def hyperparameters(self, lr, betas, eps, weight_decay, max_trust_ratio, device) -> torch.Tensor:
         """The float64 hyperparameter tensor (see HYPER), rebuilt only when a value changed (e.g. lr)."""
