@@ -48,7 +48,7 @@ def kernel_bytes(pset, dtype, *, scale_parameter: bool = True, beta1: bool = Fal
     s = common.elem_bytes(dtype)
     a = 8 if dtype == torch.float64 else 4
     mats = [shape for _, shape in pset.shapes if len(shape) >= 2]
-    block_r = tile_shape(max(sh[-1] for sh in mats))[0] if mats else 1
+    block_r = tile_shape(max(sh[-1] for sh in mats), sum(math.prod(sh[:-1]) for sh in mats))[0] if mats else 1
     total = 0
     for _, shape in pset.shapes:
         n = math.prod(shape)

@@ -55,7 +55,7 @@ def kernel_bytes(pset, dtype, nbits: int = 32) -> int | None:
     s = common.elem_bytes(dtype)
     a = 8 if dtype == torch.float64 else 4
     mats = [shape for _, shape in pset.shapes if len(shape) >= 2]
-    block_r = tile_shape(max(sh[-1] for sh in mats))[0] if mats else 1
+    block_r = tile_shape(max(sh[-1] for sh in mats), sum(math.prod(sh[:-1]) for sh in mats))[0] if mats else 1
     q = 1 + 4 / QBLOCK  # bytes per element of an 8-bit momentum: the code and a share of its block's scale
     total = 0
     for _, shape in pset.shapes:

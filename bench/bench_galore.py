@@ -58,7 +58,8 @@ def _groups(pset, params, rank, gap):
 
 
 def _bytes(pset, dtype, rank, nbits=32, block_size=256, min_8bit=4096) -> tuple[int, int]:
-    """(min_bytes, fastopt kernel_bytes) of one step without an SVD, over the whole set."""
+    """(min_bytes, fastopt kernel_bytes) of one step without an SVD, over the whole set: kernel bytes are the
+    minimal bytes plus R and N of each projected matrix (`kb` collects only those)."""
     s = common.elem_bytes(dtype)
     mb = kb = 0
     for name, shape in pset.shapes:
@@ -70,7 +71,7 @@ def _bytes(pset, dtype, rank, nbits=32, block_size=256, min_8bit=4096) -> tuple[
             basis = 4 * rank * (k if m >= k else m)
             state = (4 + 16 / block_size) * r_elems if nbits == 8 and r_elems >= min_8bit else 16 * r_elems
             mb += basis + state
-            kb += basis + state + 4 * 4 * r_elems                # R and N: each written once, read once
+            kb += 4 * 4 * r_elems                                # R and N: each written once, read once
         else:
             state = (4 + 16 / block_size) * n if nbits == 8 and n >= min_8bit else 16 * n
             mb += state

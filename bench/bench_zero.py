@@ -10,8 +10,9 @@ Two measurements:
    Per scheme, in fresh processes: the median [p20-p80] time of one iteration (zero_grad, forward, backward,
    step; rank 0's clock, a barrier before each), the peak resident memory of rank 0 over its resident
    memory before the optimizer was built (`ru_maxrss` minus RSS: includes every temporary), and exact tensor
-   counts on rank 0: optimizer state bytes, and gradient bytes held after backward (`.grad` plus the
-   wrapper's ZeRO-2 accumulators). The processes run with `MALLOC_MMAP_THRESHOLD_=65536`, so that glibc
+   counts on rank 0 (bytes of the distinct storages): optimizer state bytes, and gradient bytes held after
+   backward (`.grad` plus the wrapper's ZeRO-2 accumulators, which hold one count per param after the
+   gradients). The processes run with `MALLOC_MMAP_THRESHOLD_=65536`, so that glibc
    hands large blocks back at free and resident memory follows the live tensors (this slows allocation for
    every scheme alike). Written to `bench/results/zero-dp-cpu.{json,md}`.
 2. The wrapper at world size 1 (`run(args)`, the suite interface of bench/common.py; run by
@@ -78,11 +79,14 @@ def _rss_bytes() -> int:
 
 
 def _tensor_bytes(ts) -> int:
+    """Bytes of the distinct storages behind `ts` (views of one flat buffer count the buffer once)."""
     seen, total = set(), 0
     for t in ts:
-        if isinstance(t, torch.Tensor) and t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            total += t.numel() * t.element_size()
+        if isinstance(t, torch.Tensor):
+            s = t.untyped_storage()
+            if s.data_ptr() not in seen:
+                seen.add(s.data_ptr())
+                total += s.nbytes()
     return total
 
 
@@ -141,20 +145,31 @@ def _dp_worker(rank: int, world: int, init_file: str, out_dir: str, cfg: dict) -
                param_bytes=_tensor_bytes(params))
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(res, f)
+    dist.barrier()  # no rank closes its connections while another still talks to it
     dist.destroy_process_group()
 
 
-def run_dp(cfg: dict) -> list[dict]:
+def _dp_spawned(rank: int, world: int, init_file: str, out_dir: str, cfg: dict) -> None:
+    _dp_worker(rank, world, init_file, out_dir, cfg)
+    # The work is done and written. Leave without the interpreter's teardown: gloo's background threads can
+    # abort it ("terminate called without an active exception"), which mp.spawn would report as a failure.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def run_dp(cfg: dict, schemes=tuple(SCHEMES)) -> list[dict]:
+    """One row per scheme (names of SCHEMES), each measured in `cfg["world"]` fresh processes."""
     import torch.multiprocessing as mp
 
     # glibc: big blocks from mmap, returned at free, so that resident memory follows the live tensors (by
     # default the mmap threshold grows after the first free and freed blocks linger in the heap).
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))
     rows = []
-    for scheme in SCHEMES:
+    for scheme in schemes:
         with tempfile.TemporaryDirectory(prefix="fastopt-bench-zero-") as tmp:
             c = dict(cfg, scheme=scheme)
-            mp.spawn(_dp_worker, args=(cfg["world"], os.path.join(tmp, "rdv"), tmp, c), nprocs=cfg["world"],
+            mp.spawn(_dp_spawned, args=(cfg["world"], os.path.join(tmp, "rdv"), tmp, c), nprocs=cfg["world"],
                      join=True)
             per = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(cfg["world"])]
         r0 = per[0]

@@ -70,8 +70,8 @@ DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 FIELDS = (
     "bench", "impl", "ours", "set", "set_label", "n_params", "n_tensors", "dtype", "device", "backend", "status",
     "reason", "ms_median", "ms_p20", "ms_p80", "n_timed", "min_bytes_per_param", "kernel_bytes_per_param", "gbps",
-    "frac_copy", "kernel_gbps", "state_bytes", "state_bytes_per_param", "launches_per_step", "copies_per_step",
-    "speedup", "baseline", "notes",
+    "frac_copy", "kernel_gbps", "kernel_frac_copy", "state_bytes", "state_bytes_per_param", "scratch_bytes_per_param",
+    "launches_per_step", "copies_per_step", "speedup", "baseline", "notes",
 )
 
 
@@ -269,6 +269,34 @@ def state_bytes(opt: torch.optim.Optimizer) -> int:
     return total
 
 
+def scratch_bytes(opt: torch.optim.Optimizer) -> int:
+    """Bytes of the device buffers fastopt's kernels keep between steps beside the state (pointer tables, statistics
+    and partial-sum buffers of the cached plans in `opt._plans`); 0 for other optimizers."""
+    seen = {t.data_ptr() for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)}
+    total = 0
+
+    def visit(x, depth):
+        nonlocal total
+        if depth > 4:
+            return
+        if isinstance(x, torch.Tensor):
+            if x.data_ptr() not in seen and x.numel():
+                seen.add(x.data_ptr())
+                total += x.numel() * x.element_size()
+        elif isinstance(x, dict):
+            for v in x.values():
+                visit(v, depth + 1)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                visit(v, depth + 1)
+        elif type(x).__module__.startswith("fastopt.") and hasattr(x, "__dict__"):
+            for v in vars(x).values():
+                visit(v, depth + 1)
+
+    visit(getattr(opt, "_plans", None), 0)
+    return total
+
+
 # ---- one measurement ----------------------------------------------------------------------------------
 def _result(args, bench, impl, pset, dtype, *, ours=False, status="ok", reason="", backend="", notes="", **kw) -> dict:
     r = dict.fromkeys(FIELDS)
@@ -327,6 +355,7 @@ def _measure(args, bench, impl, pset, dtype, make_opt, base, backend, step, seed
     fn()  # creates the state (and compiles kernels)
     _sync(device)
     sbytes = state_bytes(opt)
+    scratch = scratch_bytes(opt)
     q, reps = time_fn(fn, device, args.warmup_ms, args.rep_ms)
     launches, copies = count_launches(fn, device)
     cp = copy_bandwidth(args)
@@ -334,8 +363,9 @@ def _measure(args, bench, impl, pset, dtype, make_opt, base, backend, step, seed
     gbps = mb * n / (q[1] * 1e-3) / 1e9
     return _result(args, bench, impl, pset, dtype, backend=label, ms_p20=q[0], ms_median=q[1], ms_p80=q[2],
                    n_timed=reps, gbps=gbps, frac_copy=gbps / cp["gbps"],
-                   kernel_gbps=None if kb is None else kb * n / (q[1] * 1e-3) / 1e9, state_bytes=sbytes,
-                   state_bytes_per_param=sbytes / n, launches_per_step=launches, copies_per_step=copies, **base)
+                   kernel_gbps=None if kb is None else kb * n / (q[1] * 1e-3) / 1e9,
+                   kernel_frac_copy=None if kb is None else kb * n / (q[1] * 1e-3) / 1e9 / cp["gbps"],
+                   state_bytes=sbytes, state_bytes_per_param=sbytes / n, scratch_bytes_per_param=scratch / n, launches_per_step=launches, copies_per_step=copies, **base)
 
 
 # ---- machine, outputs ---------------------------------------------------------------------------------
@@ -414,9 +444,12 @@ def markdown_table(results: list[dict], machine: dict, copy: dict | None, title:
                   ""]
     lines += ["ms: median step time, [p20–p80]. GB/s and % copy: the minimal bytes of the step (min B/param, each "
               "input read once and each output written once) over the median time; kernel B/param: what our "
-              "kernels actually move. speedup: the fastest other implementation's median over ours.", ""]
+              "kernels actually move, and kernel % copy the same over the median time. scratch B/param: the device "
+              "buffers our kernels keep beside the state. speedup: the fastest other implementation's median over "
+              "ours.", ""]
     hdr = ["bench", "params", "dtype", "impl", "backend", "ms [p20–p80]", "speedup", "min B/param",
-           "kernel B/param", "GB/s", "% copy", "state B/param", "launches/step", "status"]
+           "kernel B/param", "GB/s", "% copy", "kernel % copy", "state B/param", "scratch B/param", "launches/step",
+           "status"]
     lines.append("| " + " | ".join(hdr) + " |")
     lines.append("|" + "---|" * len(hdr))
     for r in results:
@@ -432,7 +465,9 @@ def markdown_table(results: list[dict], machine: dict, copy: dict | None, title:
             _fmt(r.get("speedup"), "{:.2f}x"), _fmt(r.get("min_bytes_per_param"), "{:.2f}"),
             _fmt(r.get("kernel_bytes_per_param"), "{:.2f}"), _fmt(r.get("gbps"), "{:.4g}"),
             _fmt(None if r.get("frac_copy") is None else 100 * r["frac_copy"], "{:.0f}%"),
-            _fmt(r.get("state_bytes_per_param"), "{:.3g}"), _fmt(r.get("launches_per_step"), "{:.0f}"), status,
+            _fmt(None if r.get("kernel_frac_copy") is None else 100 * r["kernel_frac_copy"], "{:.0f}%"),
+            _fmt(r.get("state_bytes_per_param"), "{:.3g}"), _fmt(r.get("scratch_bytes_per_param"), "{:.3g}"),
+            _fmt(r.get("launches_per_step"), "{:.0f}"), status,
         ]) + " |")
     notes = sorted({f"{r['bench']}/{r['impl']}: {r['notes']}" for r in results if r.get("notes")})
     if notes:

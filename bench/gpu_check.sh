@@ -18,7 +18,7 @@
 # several device calls (each at most 10 minutes; the machine stays warm only 30 s between them):
 #   GPU_CHECK_STAGES   the stages to run, of: info install tests gpu_checks bench (default: all five)
 #   TESTS_MAX_S        the tests stage's cap (default 270; e.g. 500 when a call runs info install tests alone)
-#   CHECKS_MAX_S       the gpu_checks stage's cap (default 150)
+#   CHECKS_MAX_S       the gpu_checks stage's cap (default 240: ten configurations, up to 6 at a time)
 # e.g. call 1: GPU_CHECK_STAGES="info install tests" TESTS_MAX_S=500 bash bench/gpu_check.sh
 #      call 2: GPU_CHECK_STAGES="info install gpu_checks bench" bash bench/gpu_check.sh
 set -uo pipefail
@@ -129,7 +129,7 @@ main() {
   [[ $want == *" install "* && "${RC[install]}" != 0 ]] && \
     echo "WARNING: install failed; the stages below will fail to import fastopt"
   [[ $want == *" tests "* ]] && stage tests "${TESTS_MAX_S:-270}" $((r_checks + r_bench)) tests
-  [[ $want == *" gpu_checks "* ]] && stage gpu_checks "${CHECKS_MAX_S:-150}" "$r_bench" checks
+  [[ $want == *" gpu_checks "* ]] && stage gpu_checks "${CHECKS_MAX_S:-240}" "$r_bench" checks
   [[ $want == *" bench "* ]] && stage bench 600 10 bench
 
   # The suite files go to $OUT as they are, everything else into one tarball (at most 8 files come back).

@@ -1,24 +1,30 @@
-"""GPU-only checks of every fastopt optimizer (discovered from `fastopt.__all__`): no host sync, CUDA graphs.
+"""GPU-only checks of every fastopt optimizer: no host sync, CUDA graphs.
 
-    python bench/gpu_checks.py [--only Adafactor,Lamb] [--json out.json]
+    python bench/gpu_checks.py [--only Adafactor,CAME-8bit] [--json out.json] [--jobs N] [--list]
 
-For each optimizer class, in its own subprocess (a failed capture can leave the CUDA context unusable;
+What runs is an explicit list of configurations (`configurations()`: name, class, factory): every optimizer
+class in `fastopt.__all__` at least once, plus the variants whose kernels differ (8-bit CAME and Lamb state,
+Adafactor with momentum, GaLore's projected groups in 32 and 8 bits, ZeRO around a fastopt optimizer).
+`--only` takes configuration names or class names (a class name selects every configuration of that class).
+
+For each configuration, in its own subprocess (a failed capture can leave the CUDA context unusable;
 up to --jobs at a time):
 
 - no-host-sync: `torch.cuda.set_sync_debug_mode("error")` around the first step (state creation, kernel
   compilation), several more steps with fresh random gradients, and steps with GradScaler's
   `grad_scale` / `found_inf` set on the device (for optimizers that take them); any synchronizing call
   inside `step()` raises, and the check fails naming it (WARN instead when the only sync is Triton's
-  autotuner benchmarking configs on the very first call).
-- CUDA graph: after three eager warm-up steps on a side stream, one `step()` is captured with static
-  gradient tensors; each replay, after new gradients are copied into them, must give the same params and
-  state as an identical optimizer stepped eagerly on the same gradients (fp32 within 1e-6 relative,
-  bf16 within one bf16 ulp), while pinned host memory is churned with garbage between replays. A step
-  that reads host memory or Python state that changes between steps fails here even when capture
-  itself succeeds.
+  autotuner benchmarking configs on the very first call). A configuration with `warmup` steps runs them
+  eagerly first, unchecked: GaLore's first step is its SVD refresh, which reads the host by design.
+- CUDA graph: after eager warm-up steps on a side stream (at least three, and past `warmup`), one `step()`
+  is captured with static gradient tensors; each replay, after new gradients are copied into them, must give
+  the same params and state as an identical optimizer stepped eagerly on the same gradients (fp32 within
+  1e-6 relative, bf16 within one bf16 ulp), while pinned host memory is churned with garbage between
+  replays. A step that reads host memory or Python state that changes between steps fails here even when
+  capture itself succeeds. GaLore's captured step is one without an SVD (update_proj_gap 10**6): its
+  refresh schedule lives on the host, so refresh steps must run outside a graph.
 
 Params: fp32 and bf16 matrices, a 3-D tensor, vectors and a 0-d tensor in one optimizer (several buckets).
-An optimizer that cannot be built from `(params)` or `(params, lr=1e-3)` is reported as SKIP with the reason.
 Exit status 1 when any check fails.
 """
 from __future__ import annotations
@@ -31,12 +37,62 @@ import sys
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 SHAPES = [((64, 96), torch.float32), ((128, 64), torch.float32), ((2, 8, 16), torch.float32), ((96,), torch.float32),
           ((), torch.float32), ((64, 96), torch.bfloat16), ((96,), torch.bfloat16)]
-CTOR_ATTEMPTS = ({}, {"lr": 1e-3})
+GALORE_RANK = 8          # <= the smallest matrix dim of SHAPES (the 8 x 16 matrices of the 3-D param)
+GALORE_NO_REFRESH = 10 ** 6  # update_proj_gap: the SVD runs at step 1 only
+GALORE_MIN_8BIT = 512    # GaLoreAdamW8bit: the projected moments of the two fp32 matrices (768, 1024) in 8 bits
+
+
+@dataclass(frozen=True)
+class Config:
+    """One optimizer set-up to check. `cls`: the fastopt class `factory(params)` returns; `warmup`: eager,
+    unchecked steps before the no-sync check (and before the graph's own warm-up ends); `why`: the reason."""
+    name: str
+    cls: str
+    factory: Callable[[list], torch.optim.Optimizer]
+    desc: str
+    warmup: int = 0
+    why: str = ""
+
+
+def _galore(cls, **kw):
+    """`cls` with the matrices (2-D and the batched 3-D param) in a projected group, the rest plain AdamW."""
+    def make(params):
+        mats = [p for p in params if p.dim() >= 2]
+        rest = [p for p in params if p.dim() < 2]
+        return cls([{"params": mats, "rank": GALORE_RANK, "update_proj_gap": GALORE_NO_REFRESH},
+                    {"params": rest}], lr=1e-3, **kw)
+    return make
+
+
+def configurations() -> list[Config]:
+    import fastopt
+    svd = "step 1 is GaLore's SVD refresh (torch.linalg.svd reads the host)"
+    galore = f"matrices in a group with rank={GALORE_RANK}, update_proj_gap={GALORE_NO_REFRESH}; vectors plain"
+    return [
+        Config("Adafactor", "Adafactor", lambda ps: fastopt.Adafactor(ps), "Adafactor(params): relative step"),
+        Config("Adafactor-beta1", "Adafactor", lambda ps: fastopt.Adafactor(ps, beta1=0.9),
+               "Adafactor(params, beta1=0.9): first moment"),
+        Config("Lamb", "Lamb", lambda ps: fastopt.Lamb(ps), "Lamb(params)"),
+        Config("Lamb-8bit", "Lamb", lambda ps: fastopt.Lamb(ps, nbits=8), "Lamb(params, nbits=8)"),
+        Config("CAME", "CAME", lambda ps: fastopt.CAME(ps, lr=1e-3), "CAME(params, lr=1e-3)"),
+        Config("CAME-8bit", "CAME", lambda ps: fastopt.CAME(ps, lr=1e-3, nbits=8), "CAME(params, lr=1e-3, nbits=8)"),
+        Config("AdamW8bit", "AdamW8bit", lambda ps: fastopt.AdamW8bit(ps), "AdamW8bit(params)"),
+        Config("GaLoreAdamW", "GaLoreAdamW", _galore(fastopt.GaLoreAdamW), f"GaLoreAdamW: {galore}",
+               warmup=1, why=svd),
+        Config("GaLoreAdamW8bit", "GaLoreAdamW8bit",
+               _galore(fastopt.GaLoreAdamW8bit, min_8bit_size=GALORE_MIN_8BIT),
+               f"GaLoreAdamW8bit(min_8bit_size={GALORE_MIN_8BIT}): {galore}", warmup=1, why=svd),
+        Config("ZeroRedundancyOptimizer", "ZeroRedundancyOptimizer",
+               lambda ps: fastopt.ZeroRedundancyOptimizer(fastopt.Adafactor(ps, beta1=0.9)),
+               "ZeroRedundancyOptimizer(Adafactor(params, beta1=0.9)): one rank, no process group"),
+    ]
 
 
 def optimizer_classes() -> list[str]:
@@ -45,38 +101,55 @@ def optimizer_classes() -> list[str]:
             and issubclass(getattr(fastopt, n), torch.optim.Optimizer)]
 
 
-def make_params(seed: int) -> list[torch.Tensor]:
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    return [(torch.randn(s, generator=g, device="cuda") * 0.1).to(dt).requires_grad_() for s, dt in SHAPES]
+def select(only: str, configs: list[Config] | None = None) -> list[Config]:
+    """The configurations named in `only` (comma-separated configuration or class names; empty: all), in
+    list order. An unknown name raises ValueError listing the known ones."""
+    configs = configurations() if configs is None else configs
+    names = [n.strip() for n in only.split(",") if n.strip()]
+    if not names:
+        return list(configs)
+    unknown = [n for n in names if not any(n in (c.name, c.cls) for c in configs)]
+    if unknown:
+        raise ValueError(f"--only: unknown {', '.join(unknown)}; configurations: "
+                         f"{', '.join(c.name for c in configs)} (or a class name: all of its configurations)")
+    return [c for c in configs if c.name in names or c.cls in names]
+
+
+def make_params(seed: int, device: str = "cuda") -> list[torch.Tensor]:
+    g = torch.Generator(device=device).manual_seed(seed)
+    return [(torch.randn(s, generator=g, device=device) * 0.1).to(dt).requires_grad_() for s, dt in SHAPES]
 
 
 def new_grads(params, seed: int) -> list[torch.Tensor]:
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    return [torch.randn(p.shape, generator=g, device="cuda").to(p.dtype) for p in params]
-
-
-def build(cls, params):
-    errors = []
-    for kw in CTOR_ATTEMPTS:
-        try:
-            return cls(params, **kw), kw
-        except (TypeError, ValueError, RuntimeError) as e:
-            errors.append(f"{kw or '()'}: {type(e).__name__}: {e}")
-    raise LookupError("; ".join(errors))
+    dev = params[0].device
+    g = torch.Generator(device=dev).manual_seed(seed)
+    return [torch.randn(p.shape, generator=g, device=dev).to(p.dtype) for p in params]
 
 
 def state_tensors(opt, params) -> list[torch.Tensor]:
     return [v for p in params for _, v in sorted(opt.state[p].items()) if isinstance(v, torch.Tensor)]
 
 
-def check_sync(cls) -> list[dict]:
+def _steps(opt, params, seed: int, n: int, scale: float = 1.0) -> int:
+    """`n` eager steps with fresh gradients (seeds from `seed` on); returns the next seed."""
+    for _ in range(n):
+        for p, gr in zip(params, new_grads(params, seed)):
+            p.grad = gr * scale
+        seed += 1
+        opt.step()
+    return seed
+
+
+def check_sync(cfg: Config) -> list[dict]:
     out = []
     params = make_params(0)
-    opt, kw = build(cls, params)
-    phases = [("first step (state init, compile)", 1, False), ("steps 2-5", 4, False)]
-    if getattr(cls, "_step_supports_amp_scaling", False):
+    opt = cfg.factory(params)
+    seed = _steps(opt, params, 1, cfg.warmup)
+    first = ("first step (state init, compile)" if not cfg.warmup else
+             f"first step after {cfg.warmup} unchecked ({cfg.why})")
+    phases = [(first, 1, False), ("4 more steps", 4, False)]
+    if getattr(opt, "_step_supports_amp_scaling", False):
         phases.append(("steps with grad_scale/found_inf", 3, True))
-    seed = 1
     for name, steps, scaler in phases:
         if scaler:
             opt.grad_scale = torch.tensor(1024.0, device="cuda")
@@ -86,20 +159,17 @@ def check_sync(cls) -> list[dict]:
             torch.cuda.set_sync_debug_mode("error")
             try:
                 for _ in range(steps):
-                    for p, gr in zip(params, new_grads(params, seed)):
-                        p.grad = gr * (1024.0 if scaler else 1.0)
-                    seed += 1
-                    opt.step()
+                    seed = _steps(opt, params, seed, 1, 1024.0 if scaler else 1.0)
                     steps_done += 1
             finally:
                 torch.cuda.set_sync_debug_mode("default")
             torch.cuda.synchronize()
-            out.append(dict(check=f"no-host-sync: {name}", status="PASS", detail=f"ctor kwargs {kw}"))
+            out.append(dict(check=f"no-host-sync: {name}", status="PASS", detail=cfg.desc))
         except RuntimeError as e:
             # A one-time sync from Triton's autotuner (benchmarking configs on the first call) is reported,
             # not failed: warm up before capturing a graph. Any other sync fails.
             autotune = any("autotuner" in f.filename for f in traceback.extract_tb(e.__traceback__))
-            status = "WARN" if autotune and steps_done == 0 and name.startswith("first") else "FAIL"
+            status = "WARN" if autotune and steps_done == 0 and not cfg.warmup and name == first else "FAIL"
             out.append(dict(check=f"no-host-sync: {name}", status=status,
                             detail=f"{str(e).splitlines()[0]} at {_where(e)}"))
         finally:
@@ -121,23 +191,23 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.double() - b.double()).abs().max().item() / tol if a.numel() else 0.0
 
 
-def check_graph(cls) -> list[dict]:
+def check_graph(cfg: Config) -> list[dict]:
     pa = make_params(0)
     pb = [p.detach().clone().requires_grad_() for p in pa]
-    opt_a, kw = build(cls, pa)
-    opt_b, _ = build(cls, pb)
+    opt_a, opt_b = cfg.factory(pa), cfg.factory(pb)
+    warm = max(3, cfg.warmup + 2)  # the captured step is never one of the unchecked warm-up steps
     static = new_grads(pa, 100)
     for p, g in zip(pa, static):
         p.grad = g
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for k in range(3):
+        for k in range(warm):
             for g, src in zip(static, new_grads(pa, 200 + k)):
                 g.copy_(src)
             opt_a.step()
     torch.cuda.current_stream().wait_stream(side)
-    for k in range(3):
+    for k in range(warm):
         for p, src in zip(pb, new_grads(pb, 200 + k)):
             p.grad = src
         opt_b.step()
@@ -168,33 +238,28 @@ def check_graph(cls) -> list[dict]:
                     + [_close(a, b) for a, b in zip(state_tensors(opt_a, pa), state_tensors(opt_b, pb))])
     moved = max(_close(a, b) for a, b in zip(pa, make_params(0)))
     status = "PASS" if worst <= 1.0 and moved > 1.0 else "FAIL"
-    detail = (f"5 replays vs eager on the same grads: max diff {worst:.3g} x tolerance (params and state); "
-              f"params moved: {moved > 1.0}")
+    detail = (f"{cfg.desc}; {warm} eager warm-up steps, then 5 replays vs eager on the same grads: max diff "
+              f"{worst:.3g} x tolerance (params and state); params moved: {moved > 1.0}")
     return [dict(check="cuda-graph: capture + replay == eager", status=status, detail=detail)]
 
 
-def run_one(name: str, emit: bool = False) -> list[dict]:
-    """All checks of one optimizer class; with `emit`, each row is printed as `ROW <json>` as soon as it is
+def run_one(cfg: Config, emit: bool = False) -> list[dict]:
+    """All checks of one configuration; with `emit`, each row is printed as `ROW <json>` as soon as it is
     known (the parent process keeps them even if a later check kills this one)."""
-    import fastopt
     from fastopt import ops
-    cls = getattr(fastopt, name)
     rows: list[dict] = []
     t0 = time.monotonic()
 
     def add(new):
         for r in new:
-            r.update(optimizer=name, backend=ops.backend(), seconds=round(time.monotonic() - t0, 1))
+            r.update(optimizer=cfg.name, backend=ops.backend(), seconds=round(time.monotonic() - t0, 1))
             if emit:
                 print("ROW " + json.dumps(r), flush=True)
         rows.extend(new)
 
     for fn in (check_sync, check_graph):
         try:
-            add(fn(cls))
-        except LookupError as e:
-            add([dict(check=fn.__name__, status="SKIP", detail=f"could not construct: {e}"[:400])])
-            break
+            add(fn(cfg))
         except Exception as e:  # noqa: BLE001 - reported as a failure with its location
             add([dict(check=fn.__name__, status="FAIL", detail=f"{type(e).__name__}: {e} at {_where(e)}"[:400])])
     return rows
@@ -202,7 +267,7 @@ def run_one(name: str, emit: bool = False) -> list[dict]:
 
 def _subprocess(name: str, timeout: float) -> list[dict]:
     t0 = time.monotonic()
-    cmd = [sys.executable, os.path.abspath(__file__), "--inline", "--only", name, "--json", "-"]
+    cmd = [sys.executable, os.path.abspath(__file__), "--inline", "--config", name, "--json", "-"]
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         got = [json.loads(ln[4:]) for ln in r.stdout.splitlines() if ln.startswith("ROW ")]
@@ -218,23 +283,37 @@ def _subprocess(name: str, timeout: float) -> list[dict]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", default="", help="comma-separated class names (default: every optimizer in __all__)")
+    ap.add_argument("--only", default="", help="comma-separated configuration names (see --list) or class names "
+                    "(every configuration of that class); default: all")
+    ap.add_argument("--list", action="store_true", help="print the selected configurations and exit")
     ap.add_argument("--json", default=None, help="write the rows here")
-    ap.add_argument("--inline", action="store_true", help="run in this process (no subprocess per optimizer)")
-    ap.add_argument("--timeout", type=float, default=150, help="seconds per optimizer subprocess")
-    ap.add_argument("--jobs", type=int, default=4, help="optimizer subprocesses at a time")
+    ap.add_argument("--inline", action="store_true", help="run in this process (no subprocess per configuration)")
+    ap.add_argument("--config", default=None, help=argparse.SUPPRESS)  # exactly one configuration (subprocesses)
+    ap.add_argument("--timeout", type=float, default=150, help="seconds per configuration subprocess")
+    ap.add_argument("--jobs", type=int, default=6, help="configuration subprocesses at a time")
     args = ap.parse_args(argv)
+    configs = configurations()
+    try:
+        chosen = ([c for c in configs if c.name == args.config] if args.config is not None else
+                  select(args.only, configs))
+    except ValueError as e:
+        ap.error(str(e))
+    if not chosen:
+        ap.error(f"--config {args.config!r}: no such configuration")
+    if args.list:
+        for c in chosen:
+            print(f"{c.name:24s} {c.desc}")
+        return 0
     if not torch.cuda.is_available():
         print("gpu_checks: no CUDA device", file=sys.stderr)
         return 2
-    names = [n for n in args.only.split(",") if n] or optimizer_classes()
     rows: list[dict] = []
     if args.inline:
-        for name in names:
-            rows += run_one(name, emit=args.json == "-")
+        for cfg in chosen:
+            rows += run_one(cfg, emit=args.json == "-")
     else:
         with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-            for got in pool.map(lambda n: _subprocess(n, args.timeout), names):
+            for got in pool.map(lambda c: _subprocess(c.name, args.timeout), chosen):
                 rows += got
     if args.json != "-":
         for row in rows:

@@ -54,6 +54,20 @@ def use_triton(t: torch.Tensor) -> bool:
                        "TRITON_INTERPRET=1 before Python starts (Triton's interpreter), or use FASTOPT_BACKEND=torch")
 
 
+def _dense(params: list, grads: list) -> tuple[list, list]:
+    """Contiguous stand-ins for the params and grads the Triton kernels index as row-major memory (a transposed
+    or channels_last param, a strided grad): the states are always contiguous, so the kernels step the
+    stand-ins and `_write_back` copies them into the params. Contiguous tensors pass through (no copy)."""
+    return ([p if p.is_contiguous() else p.contiguous() for p in params],
+            [g if g.is_contiguous() else g.contiguous() for g in grads])
+
+
+def _write_back(params: list, work: list) -> None:
+    for p, w in zip(params, work):
+        if w is not p:
+            p.copy_(w)
+
+
 def adafactor_step(params, grads, states, *, inv_scale=None, found_inf=None, reduce=None, cache=None, layouts=None,
                    **hyper):
     """One Adafactor step over a bucket (same device and dtype) of local tensors. `layouts[i]` maps param i's
@@ -64,8 +78,10 @@ def adafactor_step(params, grads, states, *, inv_scale=None, found_inf=None, red
     params, grads, states = real_elements(params, grads, states, layouts, ("exp_avg", "exp_avg_sq"))
     if use_triton(params[0]):
         from .kernels import adafactor as k
-        k.adafactor_step(params, grads, states, inv_scale=inv_scale, found_inf=found_inf, reduce=reduce,
+        work, grads = _dense(params, grads)
+        k.adafactor_step(work, grads, states, inv_scale=inv_scale, found_inf=found_inf, reduce=reduce,
                          cache=cache, layouts=layouts, **hyper)
+        _write_back(params, work)
     else:
         from .reference import adafactor as r
         r.adafactor_step(params, grads, states, inv_scale=inv_scale, found_inf=found_inf, reduce=reduce,
@@ -84,8 +100,10 @@ def lamb_step(params, grads, states, *, inv_scale=None, found_inf=None, reduce=N
     params, grads, states = real_elements(params, grads, states, layouts, ("exp_avg", "exp_avg_sq"), absmax)
     if use_triton(params[0]):
         from .kernels import lamb as k
-        k.lamb_step(params, grads, states, inv_scale=inv_scale, found_inf=found_inf, reduce=reduce, cache=cache,
+        work, grads = _dense(params, grads)
+        k.lamb_step(work, grads, states, inv_scale=inv_scale, found_inf=found_inf, reduce=reduce, cache=cache,
                     **hyper)
+        _write_back(params, work)
     else:
         from .reference import lamb as r
         r.lamb_step(params, grads, states, inv_scale=inv_scale, found_inf=found_inf, reduce=reduce, **hyper)
@@ -103,8 +121,10 @@ def came_step(params, grads, states, *, inv_scale=None, found_inf=None, reduce=N
                                           {"exp_avg_absmax": QBLOCK})
     if use_triton(params[0]):
         from .kernels import came as k
-        k.came_step(params, grads, states, inv_scale=inv_scale, found_inf=found_inf, reduce=reduce, cache=cache,
+        work, grads = _dense(params, grads)
+        k.came_step(work, grads, states, inv_scale=inv_scale, found_inf=found_inf, reduce=reduce, cache=cache,
                     layouts=layouts, **hyper)
+        _write_back(params, work)
     else:
         from .reference import came as r
         r.came_step(params, grads, states, inv_scale=inv_scale, found_inf=found_inf, reduce=reduce,
@@ -205,8 +225,7 @@ def adamw8bit_step(params, grads, states, *, lr, betas, eps, weight_decay, block
     from .reference import quant as q
     fo = _ext_ops()
     beta1, beta2 = betas
-    work = [p if p.is_contiguous() else p.contiguous() for p in params]
-    grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
+    work, grads = _dense(params, grads)
     eight = [i for i, s in enumerate(states) if "absmax1" in s]
     full = [i for i, s in enumerate(states) if "absmax1" not in s]
     if eight:
@@ -220,9 +239,7 @@ def adamw8bit_step(params, grads, states, *, lr, betas, eps, weight_decay, block
         fo.adamw32_step_([work[i] for i in full], [grads[i] for i in full], [states[i]["state1"] for i in full],
                          [states[i]["state2"] for i in full], [states[i]["step"] for i in full],
                          lr, beta1, beta2, eps, weight_decay, inv_scale, found_inf)
-    for p, w in zip(params, work):
-        if w is not p:
-            p.copy_(w)
+    _write_back(params, work)
 
 
 # ---- GaLore: low-rank projection (fastopt/reference/galore.py, kernels/galore.py) ------------------------

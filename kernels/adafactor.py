@@ -30,24 +30,40 @@ import triton
 import triton.language as tl
 
 from . import common
-from .common import (INTERPRET, GradTable, keep_limit, load_ptr, round_to, program_table, ptr_table, segment_sum, stochastic_round_bf16, to_device)
+from .common import (INTERPRET, GradTable, aligned, load16, keep_limit, load_ptr, multiples, program_table, ptr_table,
+                     round_to, segment_sum, stochastic_round_bf16, to_device)
 from .factored import (FactoredPlan, col_map, global_numel, in_piece, launch_factors, launch_sq_stats, launch_usq,
                        matrix_view, row_block, row_map)
 
 BLOCK_V = 256 if INTERPRET else 1024
 
+# Slots of the hyperparameter tensor (the accumulation dtype, filled on the host in float64): compiled Triton
+# passes Python floats, and folds float literals, as fp32, which would round fp64 params' beta1 (0.9) by 2.6e-8.
+# DECAY and EPS1 come first, at the offsets _factor_kernel reads with BETA_FROM_STEP and HYPER_FROM_PTR.
+(H_DECAY, _H_UNUSED, H_EPS1, H_LR, H_EPS2, H_CLIP, H_BETA1, H_OMB1, H_WD, H_WARMUP_LR,
+ H_MAX_LR) = (tl.constexpr(k) for k in range(11))
+
+
+def hyper_values(lr, eps, clip_threshold, decay_rate, beta1, weight_decay) -> tuple:
+    b1 = beta1 if beta1 is not None else 0.0
+    return (decay_rate, 0.0, eps[0], lr if lr is not None else 0.0, eps[1], clip_threshold, b1, 1.0 - b1,
+            weight_decay, 1e-6, 1e-2)
+
 
 @triton.jit
-def _step_scale(step, u_sq, p_sq, numel, lr, eps2, clip_threshold, RELATIVE: tl.constexpr, WARMUP: tl.constexpr,
+def _step_scale(step, u_sq, p_sq, numel, hyper_ptr, RELATIVE: tl.constexpr, WARMUP: tl.constexpr,
                 SCALE_PARAM: tl.constexpr):
     """(alpha_t, alpha_t / max(1, RMS(U)/d)) for one param."""
+    acc_t = step.dtype
+    eps2 = tl.load(hyper_ptr + H_EPS2).to(acc_t)
+    clip_threshold = tl.load(hyper_ptr + H_CLIP).to(acc_t)
     if RELATIVE:
         if WARMUP:
-            rel = tl.minimum(1e-6 * step, 1.0 / tl.sqrt(step))
+            rel = tl.minimum(tl.load(hyper_ptr + H_WARMUP_LR).to(acc_t) * step, 1.0 / tl.sqrt(step))
         else:
-            rel = tl.minimum(step * 0.0 + 1e-2, 1.0 / tl.sqrt(step))
+            rel = tl.minimum(tl.load(hyper_ptr + H_MAX_LR).to(acc_t), 1.0 / tl.sqrt(step))
     else:
-        rel = step * 0.0 + lr
+        rel = tl.load(hyper_ptr + H_LR).to(acc_t)
     alpha = rel
     if SCALE_PARAM:
         alpha = rel * tl.maximum(tl.sqrt(p_sq / numel), eps2)
@@ -62,12 +78,12 @@ def _load_step(step_ptrs, i, acc_t: tl.constexpr):
 
 @triton.jit
 def _vec_stats_kernel(g_ptrs, g_ref, p_ptrs, v_ptrs, step_ptrs, vmeta_ptr, prog_param_ptr, part2_ptr, part2_base,
-                      inv_scale_ptr, found_inf_ptr, decay_rate, eps1, HAS_SCALE: tl.constexpr,
-                      HAS_INF: tl.constexpr, SCALE_PARAM: tl.constexpr, BLOCK: tl.constexpr):
+                      inv_scale_ptr, found_inf_ptr, hyper_ptr, HAS_SCALE: tl.constexpr,
+                      HAS_INF: tl.constexpr, SCALE_PARAM: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
     """V_t = b V + (1-b)(G^2 + eps1); partial sums of (G/sqrt(V_t))^2 and X^2."""
     pid = tl.program_id(0)
     j = tl.load(prog_param_ptr + pid)
-    n = tl.load(vmeta_ptr + j * 3)
+    n = load16(vmeta_ptr + j * 3, ALIGNED)
     prog_start = tl.load(vmeta_ptr + j * 3 + 1)
     acc_t = part2_ptr.dtype.element_ty
     offs = (pid - prog_start).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -77,28 +93,29 @@ def _vec_stats_kernel(g_ptrs, g_ref, p_ptrs, v_ptrs, step_ptrs, vmeta_ptr, prog_
         inv = tl.load(inv_scale_ptr)
     keep = offs < keep_limit(n, found_inf_ptr, HAS_INF)
     step = _load_step(step_ptrs, j, acc_t)
-    bt = 1.0 - tl.exp(decay_rate * tl.log(step))
-    g = tl.load(load_ptr(g_ptrs, j, g_ref) + offs, mask=m, other=0.0).to(acc_t) * inv
-    v_ptr = load_ptr(v_ptrs, j, part2_ptr)
+    bt = 1.0 - tl.exp(tl.load(hyper_ptr + H_DECAY).to(acc_t) * tl.log(step))
+    eps1 = tl.load(hyper_ptr + H_EPS1).to(acc_t)
+    g = tl.load(load_ptr(g_ptrs, j, g_ref, ALIGNED) + offs, mask=m, other=0.0).to(acc_t) * inv
+    v_ptr = load_ptr(v_ptrs, j, part2_ptr, ALIGNED)
     v = bt * tl.load(v_ptr + offs, mask=m, other=0.0) + (1.0 - bt) * (g * g + eps1)
     tl.store(v_ptr + offs, v, mask=keep)
     u = tl.where(m, g / tl.sqrt(v), 0.0)
     tl.store(part2_ptr + (part2_base + pid) * 2, tl.sum(u * u, 0))
     p_sq = tl.sum(tl.zeros([BLOCK], dtype=acc_t), 0)
     if SCALE_PARAM:
-        p = tl.load(load_ptr(p_ptrs, j, g_ref) + offs, mask=m, other=0.0).to(acc_t)
+        p = tl.load(load_ptr(p_ptrs, j, g_ref, ALIGNED) + offs, mask=m, other=0.0).to(acc_t)
         p_sq = tl.sum(p * p, 0)
     tl.store(part2_ptr + (part2_base + pid) * 2 + 1, p_sq)
 
 
 @triton.jit
 def _apply_kernel(g_ptrs, g_ref, p_ptrs, m_ptrs, step_ptrs, meta_ptr, maps_ptr, prog_param_ptr, stats_ptr, sums_ptr,
-                  inv_scale_ptr, found_inf_ptr, lr, eps2, clip_threshold, beta1, weight_decay,
+                  inv_scale_ptr, found_inf_ptr, hyper_ptr,
                   HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr, RELATIVE: tl.constexpr, WARMUP: tl.constexpr,
                   SCALE_PARAM: tl.constexpr, HAS_MOM: tl.constexpr, HAS_WD: tl.constexpr, SR: tl.constexpr,
-                  MAPPED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+                  MAPPED: tl.constexpr, ALIGNED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     pid = tl.program_id(0)
-    i, B, R, C, row_off, col_off, _po, b, rb = row_block(meta_ptr, prog_param_ptr, pid, BLOCK_R)
+    i, B, R, C, row_off, col_off, _po, b, rb = row_block(meta_ptr, prog_param_ptr, pid, BLOCK_R, ALIGNED)
     acc_t = stats_ptr.dtype.element_ty
     inv = 1.0
     if HAS_SCALE:
@@ -106,26 +123,28 @@ def _apply_kernel(g_ptrs, g_ref, p_ptrs, m_ptrs, step_ptrs, meta_ptr, maps_ptr, 
     R_keep = keep_limit(R, found_inf_ptr, HAS_INF)
     step = _load_step(step_ptrs, i, acc_t)
     alpha, scale = _step_scale(step, tl.load(sums_ptr + 2 * i), tl.load(sums_ptr + 2 * i + 1),
-                               global_numel(meta_ptr, i).to(acc_t), lr, eps2, clip_threshold, RELATIVE, WARMUP,
-                               SCALE_PARAM)
-    g_ptr = load_ptr(g_ptrs, i, g_ref)
-    p_ptr = load_ptr(p_ptrs, i, g_ref)
+                               global_numel(meta_ptr, i).to(acc_t), hyper_ptr, RELATIVE, WARMUP, SCALE_PARAM)
+    beta1 = tl.load(hyper_ptr + H_BETA1).to(acc_t)
+    omb1 = tl.load(hyper_ptr + H_OMB1).to(acc_t)
+    weight_decay = tl.load(hyper_ptr + H_WD).to(acc_t)
+    g_ptr = load_ptr(g_ptrs, i, g_ref, ALIGNED)
+    p_ptr = load_ptr(p_ptrs, i, g_ref, ALIGNED)
     rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < R
-    row_base, rslot = row_map(meta_ptr, maps_ptr, i, b, rows, rmask, R, C, row_off, MAPPED)
+    row_base, rslot = row_map(meta_ptr, maps_ptr, i, b, rows, rmask, R, C, row_off, MAPPED, ALIGNED)
     rfac = tl.load(stats_ptr + rslot, mask=rmask, other=0.0) * scale
     for c0 in range(0, C, BLOCK_C):
         cols = c0 + tl.arange(0, BLOCK_C)
         cmask = cols < C
         offs = row_base[:, None] + cols[None, :]
-        mask = in_piece(offs, rmask[:, None] & cmask[None, :], meta_ptr, i, MAPPED)
-        keep = in_piece(offs, (rows < R_keep)[:, None] & cmask[None, :], meta_ptr, i, MAPPED)
+        mask = in_piece(offs, rmask[:, None] & cmask[None, :], meta_ptr, i, MAPPED, ALIGNED)
+        keep = in_piece(offs, (rows < R_keep)[:, None] & cmask[None, :], meta_ptr, i, MAPPED, ALIGNED)
         cfac = tl.load(stats_ptr + col_map(meta_ptr, maps_ptr, i, b, cols, cmask, C, col_off, MAPPED), mask=cmask,
                        other=0.0)
         u = tl.load(g_ptr + offs, mask=mask, other=0.0).to(acc_t) * inv * rfac[:, None] * cfac[None, :]
         if HAS_MOM:
-            m_ptr = load_ptr(m_ptrs, i, stats_ptr)
-            u = beta1 * tl.load(m_ptr + offs, mask=mask, other=0.0) + (1.0 - beta1) * u
+            m_ptr = load_ptr(m_ptrs, i, stats_ptr, ALIGNED)
+            u = beta1 * tl.load(m_ptr + offs, mask=mask, other=0.0) + omb1 * u
             tl.store(m_ptr + offs, u, mask=keep)
         p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(acc_t)
         if HAS_WD:
@@ -142,13 +161,13 @@ def _apply_kernel(g_ptrs, g_ref, p_ptrs, m_ptrs, step_ptrs, meta_ptr, maps_ptr, 
 
 @triton.jit
 def _vec_apply_kernel(g_ptrs, g_ref, p_ptrs, v_ptrs, m_ptrs, step_ptrs, vmeta_ptr, prog_param_ptr, sums_ptr,
-                      sums_base, inv_scale_ptr, found_inf_ptr, lr, eps2, clip_threshold, beta1, weight_decay,
+                      sums_base, inv_scale_ptr, found_inf_ptr, hyper_ptr,
                       HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr, RELATIVE: tl.constexpr,
                       WARMUP: tl.constexpr, SCALE_PARAM: tl.constexpr, HAS_MOM: tl.constexpr,
-                      HAS_WD: tl.constexpr, SR: tl.constexpr, BLOCK: tl.constexpr):
+                      HAS_WD: tl.constexpr, SR: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     j = tl.load(prog_param_ptr + pid)
-    n = tl.load(vmeta_ptr + j * 3)
+    n = load16(vmeta_ptr + j * 3, ALIGNED)
     prog_start = tl.load(vmeta_ptr + j * 3 + 1)
     acc_t = sums_ptr.dtype.element_ty
     offs = (pid - prog_start).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -160,16 +179,19 @@ def _vec_apply_kernel(g_ptrs, g_ref, p_ptrs, v_ptrs, m_ptrs, step_ptrs, vmeta_pt
     step = _load_step(step_ptrs, j, acc_t)
     k = sums_base + j
     numel = tl.load(vmeta_ptr + j * 3 + 2).to(acc_t)  # global: RMS over the whole (maybe sharded) param
-    alpha, scale = _step_scale(step, tl.load(sums_ptr + 2 * k), tl.load(sums_ptr + 2 * k + 1), numel, lr,
-                               eps2, clip_threshold, RELATIVE, WARMUP, SCALE_PARAM)
-    v = tl.load(load_ptr(v_ptrs, j, sums_ptr) + offs, mask=mask, other=1.0)
-    g = tl.load(load_ptr(g_ptrs, j, g_ref) + offs, mask=mask, other=0.0).to(acc_t) * inv
+    alpha, scale = _step_scale(step, tl.load(sums_ptr + 2 * k), tl.load(sums_ptr + 2 * k + 1), numel, hyper_ptr,
+                               RELATIVE, WARMUP, SCALE_PARAM)
+    beta1 = tl.load(hyper_ptr + H_BETA1).to(acc_t)
+    omb1 = tl.load(hyper_ptr + H_OMB1).to(acc_t)
+    weight_decay = tl.load(hyper_ptr + H_WD).to(acc_t)
+    v = tl.load(load_ptr(v_ptrs, j, sums_ptr, ALIGNED) + offs, mask=mask, other=1.0)
+    g = tl.load(load_ptr(g_ptrs, j, g_ref, ALIGNED) + offs, mask=mask, other=0.0).to(acc_t) * inv
     u = g / tl.sqrt(v) * scale
     if HAS_MOM:
-        m_ptr = load_ptr(m_ptrs, j, sums_ptr)
-        u = beta1 * tl.load(m_ptr + offs, mask=mask, other=0.0) + (1.0 - beta1) * u
+        m_ptr = load_ptr(m_ptrs, j, sums_ptr, ALIGNED)
+        u = beta1 * tl.load(m_ptr + offs, mask=mask, other=0.0) + omb1 * u
         tl.store(m_ptr + offs, u, mask=keep)
-    p_ptr = load_ptr(p_ptrs, j, g_ref)
+    p_ptr = load_ptr(p_ptrs, j, g_ref, ALIGNED)
     p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(acc_t)
     if HAS_WD:
         p = p - (weight_decay * alpha) * p - u
@@ -204,6 +226,10 @@ class AdafactorPlan:
         self.row_ptrs = ptr_table([s.get("exp_avg_sq_row") for s in ordered_states[:self.n_fac]], device)
         self.col_ptrs = ptr_table([s.get("exp_avg_sq_col") for s in ordered_states[:self.n_fac]], device)
         self.v_ptrs = ptr_table([s.get("exp_avg_sq") for s in ordered_states[self.n_fac:]], device)
+        # ALIGNED launches (common.ALIGN_BYTES): the tensors here and this step's grads aligned, and the sizes
+        # the kernels mask with multiples of common.ALIGN_ELEMS (the factored ones: FactoredPlan.sizes_aligned).
+        self.tensors_aligned = aligned(params) and aligned([t for s in states for t in s.values()])
+        self.vec_sizes_aligned = multiples(params[k].numel() for k in vec)
         vprogs = [triton.cdiv(params[k].numel(), BLOCK_V) for k in vec]
         self.vprog_param, vstarts = program_table(vprogs, device)
         # Per vector: (elements here, first program, global elements: RMS and step size are over the whole).
@@ -227,6 +253,14 @@ class AdafactorPlan:
         self.parts = torch.empty(f.parts_numel if fac else 0, dtype=acc_dtype, device=device)
         self.part2 = torch.empty(2 * (fac_progs + self.n_vprogs), dtype=acc_dtype, device=device)
         self.sums = torch.empty(2 * n, dtype=acc_dtype, device=device)
+        self._hyper_key = self._hyper = None
+
+    def hyper(self, values) -> torch.Tensor:
+        """The hyperparameter tensor (H_* order), rebuilt only when a value changed (an lr schedule)."""
+        if values != self._hyper_key:
+            self._hyper = to_device([float(v) for v in values], self.sums.dtype, self.sums.device)
+            self._hyper_key = values
+        return self._hyper
 
 
 def adafactor_step(params, grads, states, *, lr, eps, clip_threshold, decay_rate, beta1, weight_decay,
@@ -247,37 +281,39 @@ def adafactor_step(params, grads, states, *, lr, eps, clip_threshold, decay_rate
             buf.fill_(float("nan"))
     g_ptrs = plan.grad_table([grads[k] for k in plan.order], device)
     g_ref = grads[0]
-    eps1, eps2 = eps
+    al = plan.tensors_aligned and plan.grad_table.aligned
+    hyper = plan.hyper(hyper_values(lr, eps, clip_threshold, decay_rate, beta1, weight_decay))
     dummy = plan.sums
     flags = dict(HAS_SCALE=inv_scale is not None, HAS_INF=found_inf is not None)
     inv_arg = inv_scale if inv_scale is not None else dummy
     inf_arg = found_inf if found_inf is not None else dummy
     fp = plan.fplan
     if fp is not None:
-        launch_sq_stats(g_ptrs, g_ref, fp, plan.stats, plan.parts, inv_scale)
+        launch_sq_stats(g_ptrs, g_ref, fp, plan.stats, plan.parts, inv_scale, aligned=al)
         if reduce is not None:
             common.reduce_fp64(reduce, plan.stats)
         launch_factors(fp, plan.stats, plan.row_ptrs, plan.col_ptrs, plan.step_ptrs, found_inf,
-                       decay_rate=decay_rate, eps=eps1, beta_from_step=True)
+                       beta_from_step=True, hyper=hyper)
         launch_usq(g_ptrs, g_ref, plan.p_ptrs, fp, plan.stats, plan.part2, inv_scale, width=2,
-                   scale_parameter=scale_parameter)
+                   scale_parameter=scale_parameter, aligned=al)
     nf = plan.n_fac
     vec_args = (g_ptrs[nf:], g_ref, plan.p_ptrs[nf:])
     if plan.n_vprogs:
         _vec_stats_kernel[(plan.n_vprogs,)](*vec_args, plan.v_ptrs, plan.step_ptrs[nf:], plan.vmeta, plan.vprog_param,
-                                            plan.part2, plan.fac_progs, inv_arg, inf_arg, decay_rate, eps1,
-                                            SCALE_PARAM=scale_parameter, BLOCK=BLOCK_V, **flags)
+                                            plan.part2, plan.fac_progs, inv_arg, inf_arg, hyper,
+                                            SCALE_PARAM=scale_parameter, ALIGNED=al and plan.vec_sizes_aligned,
+                                            BLOCK=BLOCK_V, **flags)
     segment_sum(plan.part2, plan.seg_start, plan.seg_len, plan.sums, 2)
     if reduce is not None:
         common.reduce_fp64(reduce, plan.sums)
-    hyper = (lr if lr is not None else 0.0, eps2, clip_threshold, beta1 if beta1 is not None else 0.0, weight_decay)
     consts = dict(RELATIVE=relative_step, WARMUP=warmup_init, SCALE_PARAM=scale_parameter, HAS_MOM=beta1 is not None,
                   HAS_WD=weight_decay != 0, SR=bf16_stochastic_round and params[0].dtype == torch.bfloat16, **flags)
     if fp is not None:
         _apply_kernel[(fp.n_progs,)](g_ptrs, g_ref, plan.p_ptrs, plan.m_ptrs, plan.step_ptrs, fp.meta, fp.maps,
-                                     fp.prog_param, plan.stats, plan.sums, inv_arg, inf_arg, *hyper, MAPPED=fp.mapped,
-                                     BLOCK_R=fp.block_r, BLOCK_C=fp.block_c, **consts)
+                                     fp.prog_param, plan.stats, plan.sums, inv_arg, inf_arg, hyper, MAPPED=fp.mapped,
+                                     ALIGNED=al and fp.sizes_aligned, BLOCK_R=fp.block_r, BLOCK_C=fp.block_c,
+                                     **consts)
     if plan.n_vprogs:
         _vec_apply_kernel[(plan.n_vprogs,)](*vec_args, plan.v_ptrs, plan.m_ptrs[nf:], plan.step_ptrs[nf:], plan.vmeta,
-                                            plan.vprog_param, plan.sums, nf, inv_arg, inf_arg, *hyper, BLOCK=BLOCK_V,
-                                            **consts)
+                                            plan.vprog_param, plan.sums, nf, inv_arg, inf_arg, hyper, BLOCK=BLOCK_V,
+                                            ALIGNED=al and plan.vec_sizes_aligned, **consts)

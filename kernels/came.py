@@ -47,8 +47,8 @@ from fastopt.reference.came import QBLOCK as QBLOCK_
 from fastopt.reference.quant import dynamic_map
 
 from . import common
-from .common import (INTERPRET, GradTable, keep_limit, load_ptr, program_table, ptr_table, round_to, segment_sum,
-                     stochastic_round_bf16, to_device)
+from .common import (INTERPRET, GradTable, aligned, keep_limit, load16, load_ptr, multiples, program_table, ptr_table,
+                     round_to, segment_sum, stochastic_round_bf16, to_device)
 from .factored import (FactoredPlan, col_map, global_numel, in_piece, launch_col_reduce, launch_factors,
                        launch_sq_stats, launch_usq, load_meta, matrix_view, row_block, row_map)
 
@@ -120,12 +120,12 @@ def _quant8(x, mask, qmap_ptr):
 def _res_stats_kernel(g_ptrs, g_ref, m_ptrs, m_ref, absmax_ptrs, qmap_ptr, meta_ptr, maps_ptr, prog_param_ptr,
                       stats_ptr, sums_ptr, res_ptr, parts_ptr, inv_scale_ptr, found_inf_ptr, hyper_ptr,
                       HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr, Q8: tl.constexpr, MAPPED: tl.constexpr,
-                      BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+                      ALIGNED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """U = clip(G rfac cfac); M_t = b1 M + (1-b1) U (stored, except with Q8: _apply8_kernel recomputes M_t
     and stores its codes); row sums and column partials of (U - M_t)^2 into `res` / `parts`, laid out as
     _sq_stats_kernel lays out those of G^2."""
     pid = tl.program_id(0)
-    i, B, R, C, row_off, col_off, part_off, b, rb = row_block(meta_ptr, prog_param_ptr, pid, BLOCK_R)
+    i, B, R, C, row_off, col_off, part_off, b, rb = row_block(meta_ptr, prog_param_ptr, pid, BLOCK_R, ALIGNED)
     acc_t = stats_ptr.dtype.element_ty
     inv = 1.0
     if HAS_SCALE:
@@ -134,12 +134,12 @@ def _res_stats_kernel(g_ptrs, g_ref, m_ptrs, m_ref, absmax_ptrs, qmap_ptr, meta_
     beta1 = tl.load(hyper_ptr + H_BETA1)
     omb1 = tl.load(hyper_ptr + H_OMB1)
     scale = _clip_scale(tl.load(sums_ptr + i), global_numel(meta_ptr, i).to(acc_t), tl.load(hyper_ptr + H_CLIP))
-    g_ptr = load_ptr(g_ptrs, i, g_ref)
-    m_ptr = load_ptr(m_ptrs, i, m_ref)
+    g_ptr = load_ptr(g_ptrs, i, g_ref, ALIGNED)
+    m_ptr = load_ptr(m_ptrs, i, m_ref, ALIGNED)
     absmax_ptr = load_ptr(absmax_ptrs, i, qmap_ptr)
     rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < R
-    row_base, rslot = row_map(meta_ptr, maps_ptr, i, b, rows, rmask, R, C, row_off, MAPPED)
+    row_base, rslot = row_map(meta_ptr, maps_ptr, i, b, rows, rmask, R, C, row_off, MAPPED, ALIGNED)
     rfac = tl.load(stats_ptr + rslot, mask=rmask, other=0.0) * scale
     part_base = part_off + (b * tl.cdiv(R, BLOCK_R) + rb).to(tl.int64) * C
     acc_r = tl.zeros([BLOCK_R], dtype=acc_t)
@@ -147,7 +147,7 @@ def _res_stats_kernel(g_ptrs, g_ref, m_ptrs, m_ref, absmax_ptrs, qmap_ptr, meta_
         cols = c0 + tl.arange(0, BLOCK_C)
         cmask = cols < C
         offs = row_base[:, None] + cols[None, :]
-        mask = in_piece(offs, rmask[:, None] & cmask[None, :], meta_ptr, i, MAPPED)
+        mask = in_piece(offs, rmask[:, None] & cmask[None, :], meta_ptr, i, MAPPED, ALIGNED)
         cfac = tl.load(stats_ptr + col_map(meta_ptr, maps_ptr, i, b, cols, cmask, C, col_off, MAPPED), mask=cmask,
                        other=0.0)
         u = tl.load(g_ptr + offs, mask=mask, other=0.0).to(acc_t) * inv * rfac[:, None] * cfac[None, :]
@@ -156,7 +156,7 @@ def _res_stats_kernel(g_ptrs, g_ref, m_ptrs, m_ref, absmax_ptrs, qmap_ptr, meta_
         else:
             m = beta1 * tl.load(m_ptr + offs, mask=mask, other=0.0) + omb1 * u
             tl.store(m_ptr + offs, m, mask=in_piece(offs, (rows < R_keep)[:, None] & cmask[None, :], meta_ptr, i,
-                                                    MAPPED))
+                                                    MAPPED, ALIGNED))
         d = u - m
         sq = d * d
         acc_r += tl.sum(sq, 1)
@@ -167,26 +167,26 @@ def _res_stats_kernel(g_ptrs, g_ref, m_ptrs, m_ref, absmax_ptrs, qmap_ptr, meta_
 @triton.jit
 def _apply_kernel(p_ptrs, p_ref, m_ptrs, step_ptrs, meta_ptr, maps_ptr, prog_param_ptr, res_ptr, found_inf_ptr,
                   hyper_ptr, HAS_INF: tl.constexpr, HAS_WD: tl.constexpr, SR: tl.constexpr, MAPPED: tl.constexpr,
-                  BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+                  ALIGNED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """X_t = X - lr wd X - lr M_t rsqrt(R'_t / mean R'_t) rsqrt(C'_t)."""
     pid = tl.program_id(0)
-    i, B, R, C, row_off, col_off, _po, b, rb = row_block(meta_ptr, prog_param_ptr, pid, BLOCK_R)
+    i, B, R, C, row_off, col_off, _po, b, rb = row_block(meta_ptr, prog_param_ptr, pid, BLOCK_R, ALIGNED)
     acc_t = res_ptr.dtype.element_ty
     R_keep = keep_limit(R, found_inf_ptr, HAS_INF)
     lr = tl.load(hyper_ptr + H_LR)
     lr_wd = tl.load(hyper_ptr + H_LR_WD)
     step = _load_step(step_ptrs, i, acc_t)
-    p_ptr = load_ptr(p_ptrs, i, p_ref)
-    m_ptr = load_ptr(m_ptrs, i, res_ptr)
+    p_ptr = load_ptr(p_ptrs, i, p_ref, ALIGNED)
+    m_ptr = load_ptr(m_ptrs, i, res_ptr, ALIGNED)
     rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < R
-    row_base, rslot = row_map(meta_ptr, maps_ptr, i, b, rows, rmask, R, C, row_off, MAPPED)
+    row_base, rslot = row_map(meta_ptr, maps_ptr, i, b, rows, rmask, R, C, row_off, MAPPED, ALIGNED)
     rfac = tl.load(res_ptr + rslot, mask=rmask, other=0.0) * lr
     for c0 in range(0, C, BLOCK_C):
         cols = c0 + tl.arange(0, BLOCK_C)
         cmask = cols < C
         offs = row_base[:, None] + cols[None, :]
-        mask = in_piece(offs, rmask[:, None] & cmask[None, :], meta_ptr, i, MAPPED)
+        mask = in_piece(offs, rmask[:, None] & cmask[None, :], meta_ptr, i, MAPPED, ALIGNED)
         cfac = tl.load(res_ptr + col_map(meta_ptr, maps_ptr, i, b, cols, cmask, C, col_off, MAPPED), mask=cmask,
                        other=0.0)
         u = tl.load(m_ptr + offs, mask=mask, other=0.0) * rfac[:, None] * cfac[None, :]
@@ -195,18 +195,18 @@ def _apply_kernel(p_ptrs, p_ref, m_ptrs, step_ptrs, meta_ptr, maps_ptr, prog_par
             p = p - lr_wd * p - u
         else:
             p = p - u
-        _store_param(p_ptr, offs, p, in_piece(offs, (rows < R_keep)[:, None] & cmask[None, :], meta_ptr, i, MAPPED),
+        _store_param(p_ptr, offs, p, in_piece(offs, (rows < R_keep)[:, None] & cmask[None, :], meta_ptr, i, MAPPED, ALIGNED),
                      step, i, SR)
 
 
 @triton.jit
 def _vec_stats_kernel(g_ptrs, g_ref, v_ptrs, vmeta_ptr, prog_param_ptr, part_ptr, part_base, inv_scale_ptr,
                       found_inf_ptr, hyper_ptr, HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr,
-                      BLOCK: tl.constexpr):
+                      ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
     """V_t = b2 V + (1-b2)(G^2 + eps1) (stored); partial sums of (G / sqrt(V_t))^2."""
     pid = tl.program_id(0)
     j = tl.load(prog_param_ptr + pid)
-    n = tl.load(vmeta_ptr + j * 3)
+    n = load16(vmeta_ptr + j * 3, ALIGNED)
     prog_start = tl.load(vmeta_ptr + j * 3 + 1)
     offs = (pid - prog_start).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
@@ -218,8 +218,8 @@ def _vec_stats_kernel(g_ptrs, g_ref, v_ptrs, vmeta_ptr, prog_param_ptr, part_ptr
     omb2 = tl.load(hyper_ptr + H_OMB2)
     eps1 = tl.load(hyper_ptr + H_EPS1)
     acc_t = part_ptr.dtype.element_ty
-    g = tl.load(load_ptr(g_ptrs, j, g_ref) + offs, mask=m, other=0.0).to(acc_t) * inv
-    v_ptr = load_ptr(v_ptrs, j, part_ptr)
+    g = tl.load(load_ptr(g_ptrs, j, g_ref, ALIGNED) + offs, mask=m, other=0.0).to(acc_t) * inv
+    v_ptr = load_ptr(v_ptrs, j, part_ptr, ALIGNED)
     v = beta2 * tl.load(v_ptr + offs, mask=m, other=0.0) + omb2 * (g * g + eps1)
     tl.store(v_ptr + offs, v, mask=keep)
     u = tl.where(m, g / tl.sqrt(v), 0.0)
@@ -229,11 +229,12 @@ def _vec_stats_kernel(g_ptrs, g_ref, v_ptrs, vmeta_ptr, prog_param_ptr, part_ptr
 @triton.jit
 def _vec_apply_kernel(g_ptrs, g_ref, p_ptrs, p_ref, v_ptrs, m_ptrs, step_ptrs, vmeta_ptr, prog_param_ptr, sums_ptr,
                       sums_base, inv_scale_ptr, found_inf_ptr, hyper_ptr, HAS_SCALE: tl.constexpr,
-                      HAS_INF: tl.constexpr, HAS_WD: tl.constexpr, SR: tl.constexpr, BLOCK: tl.constexpr):
+                      HAS_INF: tl.constexpr, HAS_WD: tl.constexpr, SR: tl.constexpr, ALIGNED: tl.constexpr,
+                      BLOCK: tl.constexpr):
     """U = clip(G / sqrt(V_t)); M_t = b1 M + (1-b1) U (stored); X_t = X - lr wd X - lr M_t."""
     pid = tl.program_id(0)
     j = tl.load(prog_param_ptr + pid)
-    n = tl.load(vmeta_ptr + j * 3)
+    n = load16(vmeta_ptr + j * 3, ALIGNED)
     prog_start = tl.load(vmeta_ptr + j * 3 + 1)
     acc_t = sums_ptr.dtype.element_ty
     offs = (pid - prog_start).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -249,13 +250,13 @@ def _vec_apply_kernel(g_ptrs, g_ref, p_ptrs, p_ref, v_ptrs, m_ptrs, step_ptrs, v
     step = _load_step(step_ptrs, j, acc_t)
     scale = _clip_scale(tl.load(sums_ptr + sums_base + j), tl.load(vmeta_ptr + j * 3 + 2).to(acc_t),
                         tl.load(hyper_ptr + H_CLIP))
-    v = tl.load(load_ptr(v_ptrs, j, sums_ptr) + offs, mask=mask, other=1.0)
-    g = tl.load(load_ptr(g_ptrs, j, g_ref) + offs, mask=mask, other=0.0).to(acc_t) * inv
+    v = tl.load(load_ptr(v_ptrs, j, sums_ptr, ALIGNED) + offs, mask=mask, other=1.0)
+    g = tl.load(load_ptr(g_ptrs, j, g_ref, ALIGNED) + offs, mask=mask, other=0.0).to(acc_t) * inv
     u = g / tl.sqrt(v) * scale
-    m_ptr = load_ptr(m_ptrs, j, sums_ptr)
+    m_ptr = load_ptr(m_ptrs, j, sums_ptr, ALIGNED)
     u = beta1 * tl.load(m_ptr + offs, mask=mask, other=0.0) + omb1 * u
     tl.store(m_ptr + offs, u, mask=keep)
-    p_ptr = load_ptr(p_ptrs, j, p_ref)
+    p_ptr = load_ptr(p_ptrs, j, p_ref, ALIGNED)
     p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(acc_t)
     if HAS_WD:
         p = p - lr_wd * p - lr * u
@@ -269,14 +270,14 @@ def _apply8_kernel(g_ptrs, g_ref, p_ptrs, p_ref, code_ptrs, code_ref, absmax_ptr
                    prog_param_ptr, meta_ptr, maps_ptr, stats_ptr, res_ptr, sums_ptr, sums_base, qmap_ptr,
                    inv_scale_ptr, found_inf_ptr, hyper_ptr, FACTORED: tl.constexpr, HAS_SCALE: tl.constexpr,
                    HAS_INF: tl.constexpr, HAS_WD: tl.constexpr, SR: tl.constexpr, MAPPED: tl.constexpr,
-                   QB_PER_PROG: tl.constexpr):
+                   ALIGNED: tl.constexpr, QB_PER_PROG: tl.constexpr):
     """nbits=8, one program per QB_PER_PROG quantization blocks of a param (flat, any shape): U = clip(G rfac
     cfac) (or clip(G / sqrt(V_t))), M_t = b1 M + (1-b1) U from the dequantized M, X_t = X - lr wd X -
     lr M_t rres cres (or - lr M_t), and M_t's codes and block scales stored. U and M_t are formed exactly as
     _res_stats_kernel formed them, so the instability statistics describe this M_t."""
     pid = tl.program_id(0)
     j = tl.load(prog_param_ptr + pid)
-    n = tl.load(qmeta_ptr + j * 3)
+    n = load16(qmeta_ptr + j * 3, ALIGNED)
     prog_start = tl.load(qmeta_ptr + j * 3 + 1)
     acc_t = sums_ptr.dtype.element_ty
     blk = (pid - prog_start).to(tl.int64) * QB_PER_PROG + tl.arange(0, QB_PER_PROG)
@@ -293,7 +294,7 @@ def _apply8_kernel(g_ptrs, g_ref, p_ptrs, p_ref, code_ptrs, code_ref, absmax_ptr
     step = _load_step(step_ptrs, j, acc_t)
     scale = _clip_scale(tl.load(sums_ptr + sums_base + j), tl.load(qmeta_ptr + j * 3 + 2).to(acc_t),
                         tl.load(hyper_ptr + H_CLIP))
-    g = tl.load(load_ptr(g_ptrs, j, g_ref) + offs, mask=mask, other=0.0).to(acc_t) * inv
+    g = tl.load(load_ptr(g_ptrs, j, g_ref, ALIGNED) + offs, mask=mask, other=0.0).to(acc_t) * inv
     if FACTORED:
         B, R, C, row_off, col_off, _po, _ps, _cps, _fps = load_meta(meta_ptr, j)
         if MAPPED:  # local element -> view element -> global row and column slots
@@ -307,9 +308,9 @@ def _apply8_kernel(g_ptrs, g_ref, p_ptrs, p_ref, code_ptrs, code_ref, absmax_ptr
         rfac = tl.load(stats_ptr + row_off + row, mask=mask, other=0.0) * scale
         u = g * rfac * tl.load(stats_ptr + col_off + col, mask=mask, other=0.0)
     else:
-        v = tl.load(load_ptr(v_ptrs, j, sums_ptr) + offs, mask=mask, other=1.0)
+        v = tl.load(load_ptr(v_ptrs, j, sums_ptr, ALIGNED) + offs, mask=mask, other=1.0)
         u = g / tl.sqrt(v) * scale
-    code_ptr = load_ptr(code_ptrs, j, code_ref)
+    code_ptr = load_ptr(code_ptrs, j, code_ref, ALIGNED)
     absmax_ptr = load_ptr(absmax_ptrs, j, qmap_ptr)
     m = beta1 * _dequant8(code_ptr, absmax_ptr, qmap_ptr, offs, mask).to(acc_t) + omb1 * u
     if FACTORED:
@@ -317,7 +318,7 @@ def _apply8_kernel(g_ptrs, g_ref, p_ptrs, p_ref, code_ptrs, code_ref, absmax_ptr
             res_ptr + col_off + col, mask=mask, other=0.0)
     else:
         upd = lr * m
-    p_ptr = load_ptr(p_ptrs, j, p_ref)
+    p_ptr = load_ptr(p_ptrs, j, p_ref, ALIGNED)
     p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(acc_t)
     if HAS_WD:
         p = p - lr_wd * p - upd
@@ -357,6 +358,10 @@ class CAMEPlan:
         self.res_row_ptrs = ptr_table([s["exp_avg_res_row"] for s in st[:nf]], device)
         self.res_col_ptrs = ptr_table([s["exp_avg_res_col"] for s in st[:nf]], device)
         self.v_ptrs = ptr_table([s["exp_avg_sq"] for s in st[nf:]], device)
+        # ALIGNED launches: see kernels/adafactor.py's AdafactorPlan (the same rule).
+        self.tensors_aligned = aligned(params) and aligned([t for s in states for t in s.values()])
+        self.vec_sizes_aligned = multiples(params[k].numel() for k in vec)
+        self.fac_numel_aligned = multiples(params[k].numel() for k in fac)
         vprogs = [triton.cdiv(params[k].numel(), BLOCK_V) for k in vec]
         self.vprog_param, vstarts = program_table(vprogs, device)
         # Per vector: (elements here, first program, global elements: the RMS clip is over the whole).
@@ -419,6 +424,8 @@ def came_step(params, grads, states, *, lr, eps, clip_threshold, betas, weight_d
     g_ptrs = plan.grad_table([grads[k] for k in plan.order], device)
     g_ref = grads[0]
     p_ref = params[0]
+    al = plan.tensors_aligned and plan.grad_table.aligned
+    al_vec = al and plan.vec_sizes_aligned
     flags = dict(HAS_SCALE=inv_scale is not None, HAS_INF=found_inf is not None)
     inv_arg = inv_scale if inv_scale is not None else plan.sums
     inf_arg = found_inf if found_inf is not None else plan.sums
@@ -427,15 +434,16 @@ def came_step(params, grads, states, *, lr, eps, clip_threshold, betas, weight_d
     nf = plan.n_fac
     if fp is not None:
         blocks = dict(BLOCK_R=fp.block_r, BLOCK_C=fp.block_c)
-        launch_sq_stats(g_ptrs, g_ref, fp, plan.stats, plan.parts, inv_scale)
+        launch_sq_stats(g_ptrs, g_ref, fp, plan.stats, plan.parts, inv_scale, aligned=al)
         if reduce is not None:
             common.reduce_fp64(reduce, plan.stats)
         launch_factors(fp, plan.stats, plan.sq_row_ptrs, plan.sq_col_ptrs, plan.step_ptrs, found_inf,
                        beta_from_step=False, hyper=hyper[H_BETA2:])
-        launch_usq(g_ptrs, g_ref, g_ptrs, fp, plan.stats, plan.part1, inv_scale, width=1)
+        launch_usq(g_ptrs, g_ref, g_ptrs, fp, plan.stats, plan.part1, inv_scale, width=1, aligned=al)
     if plan.n_vprogs:
         _vec_stats_kernel[(plan.n_vprogs,)](g_ptrs[nf:], g_ref, plan.v_ptrs, plan.vmeta, plan.vprog_param, plan.part1,
-                                            plan.fac_progs, inv_arg, inf_arg, hyper, BLOCK=BLOCK_V, **flags)
+                                            plan.fac_progs, inv_arg, inf_arg, hyper, ALIGNED=al_vec, BLOCK=BLOCK_V,
+                                            **flags)
     segment_sum(plan.part1, plan.seg_start, plan.seg_len, plan.sums, 1)
     if reduce is not None:
         common.reduce_fp64(reduce, plan.sums)
@@ -447,19 +455,20 @@ def came_step(params, grads, states, *, lr, eps, clip_threshold, betas, weight_d
     if plan.n_vprogs and not q8:
         _vec_apply_kernel[(plan.n_vprogs,)](g_ptrs[nf:], g_ref, plan.p_ptrs[nf:], p_ref, plan.v_ptrs, plan.m_ptrs[nf:],
                                             plan.step_ptrs[nf:], plan.vmeta, plan.vprog_param, plan.sums, nf, inv_arg,
-                                            inf_arg, hyper, BLOCK=BLOCK_V, **consts)
+                                            inf_arg, hyper, ALIGNED=al_vec, BLOCK=BLOCK_V, **consts)
     if q8 and plan.qtables[1][0]:
         n_progs, prog_param, qmeta = plan.qtables[1]
         _apply8_kernel[(n_progs,)](g_ptrs[nf:], g_ref, plan.p_ptrs[nf:], p_ref, plan.m_ptrs[nf:], m_ref,
                                    absmax_ptrs[nf:], plan.v_ptrs, plan.step_ptrs[nf:], qmeta, prog_param, plan.sums,
                                    qmeta, plan.sums, plan.sums, plan.sums, nf, qmap, inv_arg, inf_arg, hyper,
-                                   FACTORED=False, MAPPED=False, QB_PER_PROG=QB_PER_PROG, **consts)
+                                   FACTORED=False, MAPPED=False, ALIGNED=al_vec, QB_PER_PROG=QB_PER_PROG, **consts)
     if fp is not None:
         if fp.mapped:  # the slots of rows and columns held by other ranks
             plan.res.zero_()
         _res_stats_kernel[(fp.n_progs,)](g_ptrs, g_ref, plan.m_ptrs, m_ref, absmax_ptrs, qmap, fp.meta, fp.maps,
                                          fp.prog_param, plan.stats, plan.sums, plan.res, plan.parts, inv_arg, inf_arg,
-                                         hyper, Q8=q8, MAPPED=fp.mapped, **flags, **blocks)
+                                         hyper, Q8=q8, MAPPED=fp.mapped, ALIGNED=al and fp.sizes_aligned, **flags,
+                                         **blocks)
         launch_col_reduce(fp, plan.res, plan.parts)
         if reduce is not None:
             common.reduce_fp64(reduce, plan.res)
@@ -470,8 +479,9 @@ def came_step(params, grads, states, *, lr, eps, clip_threshold, betas, weight_d
             _apply8_kernel[(n_progs,)](g_ptrs, g_ref, plan.p_ptrs, p_ref, plan.m_ptrs, m_ref, absmax_ptrs, plan.v_ptrs,
                                        plan.step_ptrs, qmeta, prog_param, fp.meta, fp.maps, plan.stats, plan.res,
                                        plan.sums, 0, qmap, inv_arg, inf_arg, hyper, FACTORED=True, MAPPED=fp.mapped,
-                                       QB_PER_PROG=QB_PER_PROG, **consts)
+                                       ALIGNED=al and plan.fac_numel_aligned, QB_PER_PROG=QB_PER_PROG, **consts)
         else:
             _apply_kernel[(fp.n_progs,)](plan.p_ptrs, p_ref, plan.m_ptrs, plan.step_ptrs, fp.meta, fp.maps,
                                          fp.prog_param, plan.res, inf_arg, hyper, HAS_INF=flags["HAS_INF"],
-                                         HAS_WD=weight_decay != 0, SR=sr, MAPPED=fp.mapped, **blocks)
+                                         HAS_WD=weight_decay != 0, SR=sr, MAPPED=fp.mapped,
+                                         ALIGNED=al and fp.sizes_aligned, **blocks)

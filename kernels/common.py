@@ -36,20 +36,40 @@ def ptr_table(tensors: list, device: torch.device) -> torch.Tensor:
     return to_device([0 if t is None else t.data_ptr() for t in tensors], torch.int64, device)
 
 
+# Alignment the kernels may declare (ALIGNED): every pointer in a bucket's tables 16-byte aligned, and every
+# row length, element count and shard offset the kernels build masks and row starts from a multiple of this
+# many elements. Fresh tensors always are (the allocators align to 64 bytes or more) and so are the shapes of
+# large models; views at odd offsets (DDP's gradient bucket views, hand-made flat buffers) or odd sizes run the
+# same kernels without the declaration.
+ALIGN_BYTES = 16
+ALIGN_ELEMS = 16
+
+
+def aligned(tensors) -> bool:
+    """Whether every tensor (None entries ignored) starts on an ALIGN_BYTES boundary."""
+    return all(t is None or t.data_ptr() % ALIGN_BYTES == 0 for t in tensors)
+
+
+def multiples(sizes) -> bool:
+    """Whether every size is a multiple of ALIGN_ELEMS."""
+    return all(int(n) % ALIGN_ELEMS == 0 for n in sizes)
+
+
 class GradTable:
     """The gradient pointer table of a bucket, rebuilt only when a gradient moved: a step whose grads sit where
     they sat last step copies nothing from the host, so a CUDA graph captured after warm-up steps replays with a
-    table that stays valid (a per-step copy from a pinned buffer would read whatever reused that buffer)."""
+    table that stays valid (a per-step copy from a pinned buffer would read whatever reused that buffer).
+    `aligned`: whether the grads of the last call are all 16-byte aligned."""
 
-    __slots__ = ("key", "table")
+    __slots__ = ("key", "table", "aligned")
 
     def __init__(self):
-        self.key, self.table = None, None
+        self.key, self.table, self.aligned = None, None, False
 
     def __call__(self, grads: list, device: torch.device) -> torch.Tensor:
         key = tuple(g.data_ptr() for g in grads)
         if key != self.key:
-            self.table, self.key = ptr_table(grads, device), key
+            self.table, self.key, self.aligned = ptr_table(grads, device), key, aligned(grads)
         return self.table
 
 
@@ -66,10 +86,22 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def tile_shape(max_cols: int, tile: int = 4096, max_cols_block: int = 1024) -> tuple[int, int]:
-    """(BLOCK_R, BLOCK_C) for row-block programs that sweep all columns of their rows."""
-    block_c = min(max_cols_block, next_pow2(max_cols))
-    block_r = max(1, min(64, tile // block_c))
+# Row-block programs a factored launch should have at least (a few per SM of an H100's 132) before its blocks
+# grow taller.
+MIN_PROGRAMS = 512
+
+
+def tile_shape(max_cols: int, total_rows: int = 1 << 40, tile: int = 4096, max_cols_block: int = 1024,
+               max_rows_block: int = 64) -> tuple[int, int]:
+    """(BLOCK_R, BLOCK_C) for row-block programs that sweep all columns of their rows in [BLOCK_R, BLOCK_C]
+    tiles of `tile` elements. Blocks are as tall as `max_rows_block` allows while `total_rows` (of the bucket)
+    still gives MIN_PROGRAMS programs: the statistics kernels write one fp32 row of column partials per
+    program, 4 / BLOCK_R bytes per element of scratch (1/16 at 64 rows; 1 byte with 4-row blocks)."""
+    block_r = max_rows_block
+    while block_r > 1 and total_rows // block_r < MIN_PROGRAMS:
+        block_r //= 2
+    block_c = min(max_cols_block, next_pow2(max_cols), max(1, tile // block_r))
+    block_r = max(1, min(max_rows_block, tile // block_c))
     return block_r, block_c
 
 
@@ -79,9 +111,25 @@ def bucket_key(*tensor_lists) -> tuple:
 
 
 @triton.jit
-def load_ptr(table, i, ref):
-    """Entry `i` of an int64 pointer table, as a pointer of `ref`'s element type."""
-    return tl.load(table + i).to(ref.dtype)
+def load_ptr(table, i, ref, ALIGNED: tl.constexpr = False):
+    """Entry `i` of an int64 pointer table, as a pointer of `ref`'s element type; with ALIGNED, declared
+    16-byte aligned (the host checked it: `aligned()`), which lets the compiler issue 16-byte vector accesses.
+    A pointer read from memory is otherwise of unknown alignment, and every access stays one element wide."""
+    p = tl.load(table + i).to(ref.dtype)
+    if ALIGNED:
+        p = tl.multiple_of(p, 16)
+    return p
+
+
+@triton.jit
+def load16(ptr, ALIGNED: tl.constexpr):
+    """`*ptr` (a row length, element count or offset from a meta table), declared a multiple of 16 with ALIGNED:
+    the masks and row starts built from it then cover whole 16-byte vectors of any element size. (The hint
+    must sit on the load itself: `tl.multiple_of` on a helper's argument is silently dropped.)"""
+    x = tl.load(ptr)
+    if ALIGNED:
+        x = tl.multiple_of(x, 16)
+    return x
 
 
 @triton.jit

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import INTERPRET, keep_limit, load_ptr, program_table, tile_shape, to_device
+from .common import INTERPRET, load16, keep_limit, load_ptr, multiples, program_table, tile_shape, to_device
 
 # Columns of the int64 meta table, one row per factored param (the jit functions below spell them as numbers).
 # B, R, C: the (local view) matrix batch the row-block programs sweep; *_OFF: offsets into the stats and
@@ -45,10 +45,12 @@ META_WIDTH = 16
 
 
 @triton.jit
-def load_meta(meta_ptr, i):
+def load_meta(meta_ptr, i, ALIGNED: tl.constexpr = False):
+    """B, R, C, row_off, col_off, part_off, prog_start, colprog_start, factprog_start of param i; with ALIGNED,
+    C and part_off declared multiples of 16 (FactoredPlan.sizes_aligned)."""
     base = meta_ptr + i * 16
-    return (tl.load(base + 0), tl.load(base + 1), tl.load(base + 2), tl.load(base + 3), tl.load(base + 4),
-            tl.load(base + 5), tl.load(base + 6), tl.load(base + 7), tl.load(base + 8))
+    return (tl.load(base + 0), tl.load(base + 1), load16(base + 2, ALIGNED), tl.load(base + 3), tl.load(base + 4),
+            load16(base + 5, ALIGNED), tl.load(base + 6), tl.load(base + 7), tl.load(base + 8))
 
 
 @triton.jit
@@ -57,12 +59,13 @@ def global_numel(meta_ptr, i):
 
 
 @triton.jit
-def row_map(meta_ptr, maps_ptr, i, b, rows, rmask, R, C, row_off, MAPPED: tl.constexpr):
+def row_map(meta_ptr, maps_ptr, i, b, rows, rmask, R, C, row_off, MAPPED: tl.constexpr,
+            ALIGNED: tl.constexpr = False):
     """(local element offset of each row's column 0 (int64; negative where a flat range starts mid-row),
     stats index of each row) for rows `rows` of view matrix b of param i."""
     first = (b * R + rows).to(tl.int64) * C
     if MAPPED:
-        first = first - tl.load(meta_ptr + i * 16 + 12)
+        first = first - load16(meta_ptr + i * 16 + 12, ALIGNED)
         slot = row_off + tl.load(maps_ptr + tl.load(meta_ptr + i * 16 + 14) + b * R + rows, mask=rmask, other=0)
     else:
         slot = row_off + b * R + rows
@@ -79,20 +82,21 @@ def col_map(meta_ptr, maps_ptr, i, b, cols, cmask, C, col_off, MAPPED: tl.conste
 
 
 @triton.jit
-def in_piece(offs, mask, meta_ptr, i, MAPPED: tl.constexpr):
+def in_piece(offs, mask, meta_ptr, i, MAPPED: tl.constexpr, ALIGNED: tl.constexpr = False):
     """`mask` limited to the elements this rank holds (MAPPED: offsets in [0, count))."""
     if MAPPED:
-        return mask & (offs >= 0) & (offs < tl.load(meta_ptr + i * 16 + 13))
+        return mask & (offs >= 0) & (offs < load16(meta_ptr + i * 16 + 13, ALIGNED))
     else:
         return mask
 
 
 @triton.jit
-def row_block(meta_ptr, prog_param_ptr, pid, BLOCK_R: tl.constexpr):
+def row_block(meta_ptr, prog_param_ptr, pid, BLOCK_R: tl.constexpr, ALIGNED: tl.constexpr = False):
     """What program `pid` of a row-block grid works on: param i (its B, R, C and buffer offsets), matrix b of
-    its batch, rows [rb * BLOCK_R, (rb + 1) * BLOCK_R)."""
+    its batch, rows [rb * BLOCK_R, (rb + 1) * BLOCK_R). ALIGNED: C and the partials offset are multiples of 16
+    (FactoredPlan.sizes_aligned)."""
     i = tl.load(prog_param_ptr + pid)
-    B, R, C, row_off, col_off, part_off, prog_start, _cps, _fps = load_meta(meta_ptr, i)
+    B, R, C, row_off, col_off, part_off, prog_start, _cps, _fps = load_meta(meta_ptr, i, ALIGNED)
     nrb = tl.cdiv(R, BLOCK_R)
     local = pid - prog_start
     return i, B, R, C, row_off, col_off, part_off, local // nrb, local % nrb
@@ -100,24 +104,25 @@ def row_block(meta_ptr, prog_param_ptr, pid, BLOCK_R: tl.constexpr):
 
 @triton.jit
 def _sq_stats_kernel(x_ptrs, x_ref, meta_ptr, maps_ptr, prog_param_ptr, stats_ptr, parts_ptr, inv_scale_ptr,
-                     HAS_SCALE: tl.constexpr, MAPPED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+                     HAS_SCALE: tl.constexpr, MAPPED: tl.constexpr, ALIGNED: tl.constexpr, BLOCK_R: tl.constexpr,
+                     BLOCK_C: tl.constexpr):
     pid = tl.program_id(0)
-    i, B, R, C, row_off, col_off, part_off, b, rb = row_block(meta_ptr, prog_param_ptr, pid, BLOCK_R)
-    x_ptr = load_ptr(x_ptrs, i, x_ref)
+    i, B, R, C, row_off, col_off, part_off, b, rb = row_block(meta_ptr, prog_param_ptr, pid, BLOCK_R, ALIGNED)
+    x_ptr = load_ptr(x_ptrs, i, x_ref, ALIGNED)
     acc_t = stats_ptr.dtype.element_ty
     inv = 1.0
     if HAS_SCALE:
         inv = tl.load(inv_scale_ptr)
     rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < R
-    row_base, rslot = row_map(meta_ptr, maps_ptr, i, b, rows, rmask, R, C, row_off, MAPPED)
+    row_base, rslot = row_map(meta_ptr, maps_ptr, i, b, rows, rmask, R, C, row_off, MAPPED, ALIGNED)
     part_base = part_off + (b * tl.cdiv(R, BLOCK_R) + rb).to(tl.int64) * C
     acc_r = tl.zeros([BLOCK_R], dtype=acc_t)
     for c0 in range(0, C, BLOCK_C):
         cols = c0 + tl.arange(0, BLOCK_C)
         cmask = cols < C
         offs = row_base[:, None] + cols[None, :]
-        mask = in_piece(offs, rmask[:, None] & cmask[None, :], meta_ptr, i, MAPPED)
+        mask = in_piece(offs, rmask[:, None] & cmask[None, :], meta_ptr, i, MAPPED, ALIGNED)
         x = tl.load(x_ptr + offs, mask=mask, other=0.0)
         x = x.to(acc_t) * inv
         sq = x * x
@@ -151,7 +156,8 @@ def _factor_kernel(meta_ptr, prog_param_ptr, stats_ptr, row_ptrs, col_ptrs, step
     """R_t = b R + (1-b)(rowsum/C + eps), C_t likewise; stats <- rsqrt(R_t/mean R_t), rsqrt(C_t).
 
     b is `beta`, or 1 - step^decay_rate with BETA_FROM_STEP (Adafactor's schedule, eq. 7). With
-    HYPER_FROM_PTR, (b, 1 - b, eps) are read from hyper_ptr[0:3] instead, a tensor of the stats dtype
+    HYPER_FROM_PTR, (b, 1 - b, eps) are read from hyper_ptr[0:3] instead (with BETA_FROM_STEP too:
+    (decay_rate, unused, eps)), a tensor of the stats dtype
     filled on the host in float64: compiled Triton passes Python floats as fp32, and 1 - b formed from an
     fp32 b = 0.9999 is off by 1.7e-4 relative.
     """
@@ -165,14 +171,17 @@ def _factor_kernel(meta_ptr, prog_param_ptr, stats_ptr, row_ptrs, col_ptrs, step
     R_keep = keep_limit(R, found_inf_ptr, HAS_INF)
     C_keep = keep_limit(C, found_inf_ptr, HAS_INF)
     bt = beta
+    if HYPER_FROM_PTR:
+        eps = tl.load(hyper_ptr + 2).to(acc_t)
     if BETA_FROM_STEP:
+        if HYPER_FROM_PTR:
+            decay_rate = tl.load(hyper_ptr).to(acc_t)
         step = tl.load(tl.load(step_ptrs + i).to(tl.pointer_type(tl.float32))).to(acc_t)
         bt = 1.0 - tl.exp(decay_rate * tl.log(step))
     omb = 1.0 - bt
-    if HYPER_FROM_PTR:
+    if HYPER_FROM_PTR and not BETA_FROM_STEP:
         bt = tl.load(hyper_ptr).to(acc_t)
         omb = tl.load(hyper_ptr + 1).to(acc_t)
-        eps = tl.load(hyper_ptr + 2).to(acc_t)
     row_state = load_ptr(row_ptrs, i, stats_ptr) + b * R
     col_state = load_ptr(col_ptrs, i, stats_ptr) + b * C
     rstats = stats_ptr + row_off + b * R
@@ -205,21 +214,21 @@ def _factor_kernel(meta_ptr, prog_param_ptr, stats_ptr, row_ptrs, col_ptrs, step
 @triton.jit
 def _usq_kernel(g_ptrs, g_ref, p_ptrs, meta_ptr, maps_ptr, prog_param_ptr, stats_ptr, part_ptr, inv_scale_ptr,
                 HAS_SCALE: tl.constexpr, WIDTH: tl.constexpr, SCALE_PARAM: tl.constexpr, MAPPED: tl.constexpr,
-                BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+                ALIGNED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """part[pid * WIDTH] = sum over the program's rows of U^2, U = G rsqrt(R_t / mean R_t) rsqrt(C_t) (the
     factors `_factor_kernel` left in stats); with WIDTH 2 also part[pid * 2 + 1] = the rows' sum of X^2
     (zero unless SCALE_PARAM)."""
     pid = tl.program_id(0)
-    i, B, R, C, row_off, col_off, _po, b, rb = row_block(meta_ptr, prog_param_ptr, pid, BLOCK_R)
+    i, B, R, C, row_off, col_off, _po, b, rb = row_block(meta_ptr, prog_param_ptr, pid, BLOCK_R, ALIGNED)
     acc_t = stats_ptr.dtype.element_ty
-    g_ptr = load_ptr(g_ptrs, i, g_ref)
-    p_ptr = load_ptr(p_ptrs, i, g_ref)
+    g_ptr = load_ptr(g_ptrs, i, g_ref, ALIGNED)
+    p_ptr = load_ptr(p_ptrs, i, g_ref, ALIGNED)
     inv = 1.0
     if HAS_SCALE:
         inv = tl.load(inv_scale_ptr)
     rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < R
-    row_base, rslot = row_map(meta_ptr, maps_ptr, i, b, rows, rmask, R, C, row_off, MAPPED)
+    row_base, rslot = row_map(meta_ptr, maps_ptr, i, b, rows, rmask, R, C, row_off, MAPPED, ALIGNED)
     rfac = tl.load(stats_ptr + rslot, mask=rmask, other=0.0)
     u_acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=acc_t)
     p_acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=acc_t)
@@ -227,7 +236,7 @@ def _usq_kernel(g_ptrs, g_ref, p_ptrs, meta_ptr, maps_ptr, prog_param_ptr, stats
         cols = c0 + tl.arange(0, BLOCK_C)
         cmask = cols < C
         offs = row_base[:, None] + cols[None, :]
-        mask = in_piece(offs, rmask[:, None] & cmask[None, :], meta_ptr, i, MAPPED)
+        mask = in_piece(offs, rmask[:, None] & cmask[None, :], meta_ptr, i, MAPPED, ALIGNED)
         cfac = tl.load(stats_ptr + col_map(meta_ptr, maps_ptr, i, b, cols, cmask, C, col_off, MAPPED), mask=cmask,
                        other=0.0)
         g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(acc_t) * inv
@@ -241,12 +250,13 @@ def _usq_kernel(g_ptrs, g_ref, p_ptrs, meta_ptr, maps_ptr, prog_param_ptr, stats
         tl.store(part_ptr + pid * 2 + 1, tl.sum(tl.sum(p_acc, 1), 0))
 
 
-def launch_sq_stats(x_ptrs, x_ref, plan, stats, parts, inv_scale):
+def launch_sq_stats(x_ptrs, x_ref, plan, stats, parts, inv_scale, *, aligned: bool = False):
     if plan.mapped:  # the slots of rows and columns held by other ranks
         stats.zero_()
     _sq_stats_kernel[(plan.n_progs,)](x_ptrs, x_ref, plan.meta, plan.maps, plan.prog_param, stats, parts,
                                       inv_scale if inv_scale is not None else stats,
-                                      HAS_SCALE=inv_scale is not None, MAPPED=plan.mapped, BLOCK_R=plan.block_r,
+                                      HAS_SCALE=inv_scale is not None, MAPPED=plan.mapped,
+                                      ALIGNED=aligned and plan.sizes_aligned, BLOCK_R=plan.block_r,
                                       BLOCK_C=plan.block_c)
     launch_col_reduce(plan, stats, parts)
 
@@ -256,11 +266,12 @@ def launch_col_reduce(plan, stats, parts):
                                            BLOCK_R=plan.block_r, BLOCK=plan.block_col)
 
 
-def launch_usq(g_ptrs, g_ref, p_ptrs, plan, stats, part, inv_scale, *, width: int, scale_parameter: bool = False):
+def launch_usq(g_ptrs, g_ref, p_ptrs, plan, stats, part, inv_scale, *, width: int, scale_parameter: bool = False,
+               aligned: bool = False):
     _usq_kernel[(plan.n_progs,)](g_ptrs, g_ref, p_ptrs, plan.meta, plan.maps, plan.prog_param, stats, part,
                                  inv_scale if inv_scale is not None else stats, HAS_SCALE=inv_scale is not None,
-                                 WIDTH=width, SCALE_PARAM=scale_parameter, MAPPED=plan.mapped, BLOCK_R=plan.block_r,
-                                 BLOCK_C=plan.block_c)
+                                 WIDTH=width, SCALE_PARAM=scale_parameter, MAPPED=plan.mapped,
+                                 ALIGNED=aligned and plan.sizes_aligned, BLOCK_R=plan.block_r, BLOCK_C=plan.block_c)
 
 
 def launch_factors(plan, stats, row_ptrs, col_ptrs, step_ptrs, found_inf, *, beta=0.0, decay_rate=0.0, eps=0.0,
@@ -351,6 +362,7 @@ class FactoredPlan:
     prog_starts: list
     maps: torch.Tensor
     mapped: bool
+    sizes_aligned: bool  # every C, shard shift and count a multiple of common.ALIGN_ELEMS (see ALIGNED)
 
     @staticmethod
     def build(views: list, device: torch.device) -> "FactoredPlan":
@@ -359,7 +371,7 @@ class FactoredPlan:
         views = [v if isinstance(v, MatrixView) else MatrixView(*v, *v) for v in views]
         mapped = any(v.rmap is not None for v in views)
         shapes = [v.view_shape for v in views]
-        block_r, block_c = tile_shape(max(max(c for _, _, c in shapes), 1))
+        block_r, block_c = tile_shape(max(max(c for _, _, c in shapes), 1), sum(b * r for b, r, _ in shapes))
         if INTERPRET:
             block_r, block_c = min(block_r, 16), min(block_c, 64)
         block_col = 64 if INTERPRET else 256
@@ -389,6 +401,7 @@ class FactoredPlan:
             col_off += v.GB * v.GC
             part_off += b * triton.cdiv(r, block_r) * c
         maps = torch.cat(maps).to(torch.int64) if maps else torch.zeros(1, dtype=torch.int64, device=device)
+        sizes_aligned = multiples([c for _, _, c in shapes] + [x for v in views for x in (v.shift, max(v.count, 0))])
         return FactoredPlan(len(shapes), to_device(meta, torch.int64, device), prog_param, colprog_param,
                             factprog_param, sum(progs), sum(colprogs), sum(factprogs), block_r, block_c, block_col,
-                            256 if INTERPRET else 1024, col_off, part_off, prog_starts, maps, mapped)
+                            256 if INTERPRET else 1024, col_off, part_off, prog_starts, maps, mapped, sizes_aligned)

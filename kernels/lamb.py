@@ -39,8 +39,8 @@ import triton
 import triton.language as tl
 
 from . import common
-from .common import (INTERPRET, GradTable, keep_limit, load_ptr, program_table, ptr_table, round_to, segment_sum,
-                     stochastic_round_bf16, to_device)
+from .common import (INTERPRET, GradTable, aligned, keep_limit, load16, load_ptr, multiples, program_table, ptr_table,
+                     round_to, segment_sum, stochastic_round_bf16, to_device)
 
 # Elements per program. Small under the interpreter so that the tests' small params span several programs.
 BLOCK = 128 if INTERPRET else 2048
@@ -56,11 +56,12 @@ META_WIDTH = 3
 
 
 @triton.jit
-def _param_of_program(meta_ptr, prog_param_ptr):
-    """(index in this kernel's tables, numel, first program, index in the bucket) of this program's param."""
+def _param_of_program(meta_ptr, prog_param_ptr, ALIGNED: tl.constexpr = False):
+    """(index in this kernel's tables, numel, first program, index in the bucket) of this program's param;
+    with ALIGNED the numel is declared a multiple of 16 (_Tables.sizes_aligned)."""
     pid = tl.program_id(0)
     j = tl.load(prog_param_ptr + pid)
-    n = tl.load(meta_ptr + j * 3)
+    n = load16(meta_ptr + j * 3, ALIGNED)
     prog_start = tl.load(meta_ptr + j * 3 + 1)
     k = tl.load(meta_ptr + j * 3 + 2)
     return j, n, prog_start, k
@@ -100,8 +101,11 @@ def _store_param(p_ptr, offs, p, keep, step, k, SR: tl.constexpr):
 
 
 @triton.jit
-def _u8_ptr(table, j):
-    return tl.load(table + j).to(tl.pointer_type(tl.uint8))
+def _u8_ptr(table, j, ALIGNED: tl.constexpr = False):
+    p = tl.load(table + j).to(tl.pointer_type(tl.uint8))
+    if ALIGNED:
+        p = tl.multiple_of(p, 16)
+    return p
 
 
 @triton.jit
@@ -118,10 +122,10 @@ def _load_step(step_ptrs, j):
 @triton.jit
 def _lamb_stats_kernel(g_ptrs, g_ref, p_ptrs, p_ref, m_ptrs, v_ptrs, meta_ptr, prog_param_ptr, hyper_ptr, parts_ptr,
                        inv_scale_ptr, found_inf_ptr, HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr,
-                       HAS_WD: tl.constexpr, BLOCK: tl.constexpr):
+                       HAS_WD: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
     """m_t, v_t of this program's elements (stored unless GradScaler found an inf) and partial sums of p^2, a^2."""
     pid = tl.program_id(0)
-    j, n, prog_start, _k = _param_of_program(meta_ptr, prog_param_ptr)
+    j, n, prog_start, _k = _param_of_program(meta_ptr, prog_param_ptr, ALIGNED)
     offs = (pid - prog_start).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     keep = offs < keep_limit(n, found_inf_ptr, HAS_INF)
@@ -129,10 +133,10 @@ def _lamb_stats_kernel(g_ptrs, g_ref, p_ptrs, p_ref, m_ptrs, v_ptrs, meta_ptr, p
     inv = 1.0
     if HAS_SCALE:
         inv = tl.load(inv_scale_ptr)
-    g = tl.load(load_ptr(g_ptrs, j, g_ref) + offs, mask=mask, other=0.0).to(acc_t) * inv
-    p = tl.load(load_ptr(p_ptrs, j, p_ref) + offs, mask=mask, other=0.0).to(acc_t)
-    m_ptr = load_ptr(m_ptrs, j, parts_ptr)
-    v_ptr = load_ptr(v_ptrs, j, parts_ptr)
+    g = tl.load(load_ptr(g_ptrs, j, g_ref, ALIGNED) + offs, mask=mask, other=0.0).to(acc_t) * inv
+    p = tl.load(load_ptr(p_ptrs, j, p_ref, ALIGNED) + offs, mask=mask, other=0.0).to(acc_t)
+    m_ptr = load_ptr(m_ptrs, j, parts_ptr, ALIGNED)
+    v_ptr = load_ptr(v_ptrs, j, parts_ptr, ALIGNED)
     m = tl.load(hyper_ptr + 1).to(acc_t) * tl.load(m_ptr + offs, mask=mask, other=0.0) + \
         tl.load(hyper_ptr + 3).to(acc_t) * g
     v = tl.load(hyper_ptr + 2).to(acc_t) * tl.load(v_ptr + offs, mask=mask, other=0.0) + \
@@ -148,19 +152,20 @@ def _lamb_stats_kernel(g_ptrs, g_ref, p_ptrs, p_ref, m_ptrs, v_ptrs, meta_ptr, p
 @triton.jit
 def _lamb_apply_kernel(p_ptrs, p_ref, m_ptrs, v_ptrs, step_ptrs, meta_ptr, prog_param_ptr, hyper_ptr, sums_ptr,
                        found_inf_ptr, HAS_INF: tl.constexpr, HAS_WD: tl.constexpr, BIAS_CORRECTION: tl.constexpr,
-                       HAS_MAX: tl.constexpr, SR: tl.constexpr, BLOCK: tl.constexpr):
+                       HAS_MAX: tl.constexpr, SR: tl.constexpr, ALIGNED: tl.constexpr,
+                       BLOCK: tl.constexpr):
     """p -= eta * r * a, with r = ||p|| / ||a|| from the (reduced) sums and a recomputed from m_t, v_t, p."""
     pid = tl.program_id(0)
-    j, n, prog_start, k = _param_of_program(meta_ptr, prog_param_ptr)
+    j, n, prog_start, k = _param_of_program(meta_ptr, prog_param_ptr, ALIGNED)
     offs = (pid - prog_start).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     acc_t = sums_ptr.dtype.element_ty
     step = _load_step(step_ptrs, j)
     scale = _trust_scale(step, k, hyper_ptr, sums_ptr, BIAS_CORRECTION, HAS_MAX)
-    p_ptr = load_ptr(p_ptrs, j, p_ref)
+    p_ptr = load_ptr(p_ptrs, j, p_ref, ALIGNED)
     p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(acc_t)
-    m = tl.load(load_ptr(m_ptrs, j, sums_ptr) + offs, mask=mask, other=0.0)
-    v = tl.load(load_ptr(v_ptrs, j, sums_ptr) + offs, mask=mask, other=1.0)
+    m = tl.load(load_ptr(m_ptrs, j, sums_ptr, ALIGNED) + offs, mask=mask, other=0.0)
+    v = tl.load(load_ptr(v_ptrs, j, sums_ptr, ALIGNED) + offs, mask=mask, other=1.0)
     p = p - scale * _adam_update(m, v, p, tl.load(hyper_ptr + 7).to(acc_t), tl.load(hyper_ptr + 8).to(acc_t), HAS_WD)
     _store_param(p_ptr, offs, p, offs < keep_limit(n, found_inf_ptr, HAS_INF), step, k, SR)
 
@@ -199,21 +204,21 @@ def _dequantize(codes_ptr, absmax_ptr, offs, mask, blk, bmask, map_ptr):
 
 @triton.jit
 def _moments8(j, g_ptrs, g_ref, m_ptrs, v_ptrs, ma_ptrs, va_ptrs, offs, mask, blk, bmask, hyper_ptr, inv,
-              map_s_ptr, map_u_ptr, acc_t: tl.constexpr):
+              map_s_ptr, map_u_ptr, acc_t: tl.constexpr, ALIGNED: tl.constexpr = False):
     """m_t, v_t (acc_t, zero past the end) from the stored 8-bit m_{t-1}, v_{t-1} and the gradient."""
-    g = tl.load(load_ptr(g_ptrs, j, g_ref) + offs, mask=mask, other=0.0).to(acc_t) * inv
-    m_old = _dequantize(_u8_ptr(m_ptrs, j), _f32_ptr(ma_ptrs, j), offs, mask, blk, bmask, map_s_ptr).to(acc_t)
-    v_old = _dequantize(_u8_ptr(v_ptrs, j), _f32_ptr(va_ptrs, j), offs, mask, blk, bmask, map_u_ptr).to(acc_t)
+    g = tl.load(load_ptr(g_ptrs, j, g_ref, ALIGNED) + offs, mask=mask, other=0.0).to(acc_t) * inv
+    m_old = _dequantize(_u8_ptr(m_ptrs, j, ALIGNED), _f32_ptr(ma_ptrs, j), offs, mask, blk, bmask, map_s_ptr).to(acc_t)
+    v_old = _dequantize(_u8_ptr(v_ptrs, j, ALIGNED), _f32_ptr(va_ptrs, j), offs, mask, blk, bmask, map_u_ptr).to(acc_t)
     m = tl.load(hyper_ptr + 1).to(acc_t) * m_old + tl.load(hyper_ptr + 3).to(acc_t) * g
     v = tl.load(hyper_ptr + 2).to(acc_t) * v_old + tl.load(hyper_ptr + 4).to(acc_t) * (g * g)
     return tl.where(mask, m, 0.0), tl.where(mask, v, 0.0)
 
 
 @triton.jit
-def _tile8(meta_ptr, prog_param_ptr, QB: tl.constexpr, NQ: tl.constexpr):
+def _tile8(meta_ptr, prog_param_ptr, QB: tl.constexpr, NQ: tl.constexpr, ALIGNED: tl.constexpr = False):
     """This program's param and its [NQ, QB] tile: element offsets (int64), block indices, masks."""
     pid = tl.program_id(0)
-    j, n, prog_start, k = _param_of_program(meta_ptr, prog_param_ptr)
+    j, n, prog_start, k = _param_of_program(meta_ptr, prog_param_ptr, ALIGNED)
     blk = (pid - prog_start).to(tl.int64) * NQ + tl.arange(0, NQ)
     offs = blk[:, None] * QB + tl.arange(0, QB)[None, :]
     return j, k, n, blk, offs
@@ -222,9 +227,10 @@ def _tile8(meta_ptr, prog_param_ptr, QB: tl.constexpr, NQ: tl.constexpr):
 @triton.jit
 def _lamb8_stats_kernel(g_ptrs, g_ref, p_ptrs, p_ref, m_ptrs, v_ptrs, ma_ptrs, va_ptrs, meta_ptr, prog_param_ptr,
                         hyper_ptr, parts_ptr, parts_base, inv_scale_ptr, map_s_ptr, map_u_ptr,
-                        HAS_SCALE: tl.constexpr, HAS_WD: tl.constexpr, QB: tl.constexpr, NQ: tl.constexpr):
+                        HAS_SCALE: tl.constexpr, HAS_WD: tl.constexpr, ALIGNED: tl.constexpr, QB: tl.constexpr,
+                        NQ: tl.constexpr):
     """Partial sums of p^2 and a^2 over this program's blocks; a from the exact m_t, v_t. Stores no state."""
-    j, _k, n, blk, offs = _tile8(meta_ptr, prog_param_ptr, QB, NQ)
+    j, _k, n, blk, offs = _tile8(meta_ptr, prog_param_ptr, QB, NQ, ALIGNED)
     mask = offs < n
     bmask = blk * QB < n
     acc_t = parts_ptr.dtype.element_ty
@@ -232,8 +238,8 @@ def _lamb8_stats_kernel(g_ptrs, g_ref, p_ptrs, p_ref, m_ptrs, v_ptrs, ma_ptrs, v
     if HAS_SCALE:
         inv = tl.load(inv_scale_ptr)
     m, v = _moments8(j, g_ptrs, g_ref, m_ptrs, v_ptrs, ma_ptrs, va_ptrs, offs, mask, blk, bmask, hyper_ptr, inv,
-                     map_s_ptr, map_u_ptr, acc_t)
-    p = tl.load(load_ptr(p_ptrs, j, p_ref) + offs, mask=mask, other=0.0).to(acc_t)
+                     map_s_ptr, map_u_ptr, acc_t, ALIGNED)
+    p = tl.load(load_ptr(p_ptrs, j, p_ref, ALIGNED) + offs, mask=mask, other=0.0).to(acc_t)
     a = tl.where(mask, _adam_update(m, v, p, tl.load(hyper_ptr + 7).to(acc_t), tl.load(hyper_ptr + 8).to(acc_t),
                                     HAS_WD), 0.0)
     slot = parts_base + tl.program_id(0)
@@ -245,10 +251,10 @@ def _lamb8_stats_kernel(g_ptrs, g_ref, p_ptrs, p_ref, m_ptrs, v_ptrs, ma_ptrs, v
 def _lamb8_apply_kernel(g_ptrs, g_ref, p_ptrs, p_ref, m_ptrs, v_ptrs, ma_ptrs, va_ptrs, step_ptrs, meta_ptr,
                         prog_param_ptr, hyper_ptr, sums_ptr, inv_scale_ptr, found_inf_ptr, map_s_ptr, map_u_ptr,
                         HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr, HAS_WD: tl.constexpr,
-                        BIAS_CORRECTION: tl.constexpr, HAS_MAX: tl.constexpr, SR: tl.constexpr, QB: tl.constexpr,
-                        NQ: tl.constexpr):
+                        BIAS_CORRECTION: tl.constexpr, HAS_MAX: tl.constexpr, SR: tl.constexpr, ALIGNED: tl.constexpr,
+                        QB: tl.constexpr, NQ: tl.constexpr):
     """m_t, v_t again, p -= eta * r * a, then m_t, v_t requantized (new block absmax) and stored."""
-    j, k, n, blk, offs = _tile8(meta_ptr, prog_param_ptr, QB, NQ)
+    j, k, n, blk, offs = _tile8(meta_ptr, prog_param_ptr, QB, NQ, ALIGNED)
     mask = offs < n
     bmask = blk * QB < n
     limit = keep_limit(n, found_inf_ptr, HAS_INF)
@@ -259,15 +265,15 @@ def _lamb8_apply_kernel(g_ptrs, g_ref, p_ptrs, p_ref, m_ptrs, v_ptrs, ma_ptrs, v
     if HAS_SCALE:
         inv = tl.load(inv_scale_ptr)
     m, v = _moments8(j, g_ptrs, g_ref, m_ptrs, v_ptrs, ma_ptrs, va_ptrs, offs, mask, blk, bmask, hyper_ptr, inv,
-                     map_s_ptr, map_u_ptr, acc_t)
+                     map_s_ptr, map_u_ptr, acc_t, ALIGNED)
     step = _load_step(step_ptrs, j)
     scale = _trust_scale(step, k, hyper_ptr, sums_ptr, BIAS_CORRECTION, HAS_MAX)
-    p_ptr = load_ptr(p_ptrs, j, p_ref)
+    p_ptr = load_ptr(p_ptrs, j, p_ref, ALIGNED)
     p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(acc_t)
     p = p - scale * _adam_update(m, v, p, tl.load(hyper_ptr + 7).to(acc_t), tl.load(hyper_ptr + 8).to(acc_t), HAS_WD)
     _store_param(p_ptr, offs, p, keep, step, k, SR)
-    _quantize_store(m, _u8_ptr(m_ptrs, j), _f32_ptr(ma_ptrs, j), offs, blk, keep, bkeep, map_s_ptr)
-    _quantize_store(v, _u8_ptr(v_ptrs, j), _f32_ptr(va_ptrs, j), offs, blk, keep, bkeep, map_u_ptr)
+    _quantize_store(m, _u8_ptr(m_ptrs, j, ALIGNED), _f32_ptr(ma_ptrs, j), offs, blk, keep, bkeep, map_s_ptr)
+    _quantize_store(v, _u8_ptr(v_ptrs, j, ALIGNED), _f32_ptr(va_ptrs, j), offs, blk, keep, bkeep, map_u_ptr)
 
 
 # ---- host side ------------------------------------------------------------------------------------------
@@ -289,6 +295,9 @@ class _Tables:
         self.p_ptrs = ptr_table([params[k] for k in idx], device)
         self.step_ptrs = ptr_table([states[k]["step"] for k in idx], device)
         self.state_ptrs = {key: ptr_table([states[k][key] for k in idx], device) for key in keys}
+        # ALIGNED launches (kernels/common.py): these tensors aligned and every numel a multiple of 16.
+        self.aligned = aligned([params[k] for k in idx]) and aligned([t for k in idx for t in states[k].values()]) \
+            and multiples(params[k].numel() for k in idx)
 
 
 class LambPlan:
@@ -362,6 +371,8 @@ def lamb_step(params, grads, states, *, lr, betas, eps, weight_decay, bias_corre
     hyper = plan.hyperparameters(float(lr), tuple(float(b) for b in betas), float(eps), float(weight_decay),
                                  None if max_trust_ratio is None else float(max_trust_ratio), device)
     g32, g8 = plan.grad_tables(grads, device)
+    al32 = plan.t32 is not None and plan.t32.aligned and plan.g32.aligned
+    al8 = plan.t8 is not None and plan.t8.aligned and plan.g8.aligned
     dummy = plan.sums
     inv_arg = inv_scale if inv_scale is not None else dummy
     inf_arg = found_inf if found_inf is not None else dummy
@@ -376,23 +387,25 @@ def lamb_step(params, grads, states, *, lr, betas, eps, weight_decay, bias_corre
         _lamb_stats_kernel[(t32.n_progs,)](g32, grads[0], t32.p_ptrs, params[0], t32.state_ptrs["exp_avg"],
                                            t32.state_ptrs["exp_avg_sq"], t32.meta, t32.prog_param, hyper, plan.parts,
                                            inv_arg, inf_arg, HAS_SCALE=inv_scale is not None,
-                                           HAS_INF=found_inf is not None, BLOCK=BLOCK, num_warps=NUM_WARPS, **flags)
+                                           HAS_INF=found_inf is not None, ALIGNED=al32, BLOCK=BLOCK,
+                                           num_warps=NUM_WARPS, **flags)
     if t8 is not None:
         st = t8.state_ptrs
         q = dict(QB=plan.block_size, NQ=plan.nq, num_warps=NUM_WARPS)
         _lamb8_stats_kernel[(t8.n_progs,)](g8, grads[0], t8.p_ptrs, params[0], st["exp_avg"], st["exp_avg_sq"],
                                            st["exp_avg_absmax"], st["exp_avg_sq_absmax"], t8.meta, t8.prog_param,
                                            hyper, plan.parts, plan.n32_progs, inv_arg, plan.map_s, plan.map_u,
-                                           HAS_SCALE=inv_scale is not None, **flags, **q)
+                                           HAS_SCALE=inv_scale is not None, ALIGNED=al8, **flags, **q)
     segment_sum(plan.parts, plan.seg_start, plan.seg_len, plan.sums, 2)
     if reduce is not None:
         reduce(plan.sums)
     if t32 is not None:
         _lamb_apply_kernel[(t32.n_progs,)](t32.p_ptrs, params[0], t32.state_ptrs["exp_avg"],
                                            t32.state_ptrs["exp_avg_sq"], t32.step_ptrs, t32.meta, t32.prog_param,
-                                           hyper, plan.sums, inf_arg, BLOCK=BLOCK, num_warps=NUM_WARPS, **apply_flags)
+                                           hyper, plan.sums, inf_arg, ALIGNED=al32, BLOCK=BLOCK, num_warps=NUM_WARPS,
+                                           **apply_flags)
     if t8 is not None:
         _lamb8_apply_kernel[(t8.n_progs,)](g8, grads[0], t8.p_ptrs, params[0], st["exp_avg"], st["exp_avg_sq"],
                                            st["exp_avg_absmax"], st["exp_avg_sq_absmax"], t8.step_ptrs, t8.meta,
                                            t8.prog_param, hyper, plan.sums, inv_arg, inf_arg, plan.map_s,
-                                           plan.map_u, HAS_SCALE=inv_scale is not None, **apply_flags, **q)
+                                           plan.map_u, HAS_SCALE=inv_scale is not None, ALIGNED=al8, **apply_flags, **q)

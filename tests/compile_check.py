@@ -118,6 +118,8 @@ def resource_usage(kernel) -> dict:
         f.write(kernel.asm["cubin"])
         f.flush()
         text = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True).stdout
+    ptx = kernel.asm.get("ptx", "")
+    out["vector_accesses"] = len(re.findall(r"\b(?:ld|st)\.global(?:\.\w+)*\.v[248]\.", ptx))
     for key, field in (("regs", "REG"), ("stack", "STACK"), ("local", "LOCAL")):
         m = re.search(rf"\b{field}:(\d+)", text)
         if m:
@@ -155,6 +157,8 @@ def _sharded(dtype, group):
 
 
 SHAPES = [(64, 48), (3, 40, 24), (200, 1), (1, 300), (37,), (1,), ()]
+# Sizes that are multiples of common.ALIGN_ELEMS, as in large models: the ALIGNED (vectorized) kernels.
+SHAPES16 = [(64, 48), (2, 32, 16), (256,), (48,)]
 
 
 # --quick (the test suite's): GradScaler as each dtype is trained (bf16 and fp64 without, fp16 with, fp32 both);
@@ -170,7 +174,8 @@ def workloads(group, quick: bool):
     for dtype in DTYPES:
         d = str(dtype).split(".")[-1]
         layouts = [("dense", lambda dtype=dtype: _params(SHAPES, dtype)),
-                   ("sharded", lambda dtype=dtype: _sharded(dtype, group))]
+                   ("sharded", lambda dtype=dtype: _sharded(dtype, group)),
+                   ("aligned", lambda dtype=dtype: _params(SHAPES16, dtype))]
         for lay, mk in layouts:
             for scaler in QUICK_SCALER[dtype] if quick else (False, True):
                 tag = f"{d} {lay}{' scaler' if scaler else ''}"
@@ -192,12 +197,12 @@ def workloads(group, quick: bool):
                         # HAS_SCALE and 8-bit only: the five projections and the sharded rectangles in fp32 alone.
                         if quick and proj != "std" and (dtype != torch.float32 or lay != "dense" or scaler):
                             continue
-                        if quick and lay == "sharded" and dtype != torch.float32:
+                        if (quick and lay == "sharded" and dtype != torch.float32) or lay == "aligned":
                             continue
                         W.append((f"GaLore {nbits}-bit {proj} {tag}", lambda mk=mk, s=scaler, n=nbits, pt=proj: (
                             _galore(mk(), n, pt), None, 3, s)))
         if dtype == torch.bfloat16:
-            for lay, mk in layouts:
+            for lay, mk in layouts[:2]:
                 W.append((f"Adafactor stochastic-round bf16 {lay}", lambda mk=mk: (fastopt.Adafactor(
                     ps := mk(), bf16_stochastic_round=True, warmup_init=True), ps, 2, False)))
                 W.append((f"CAME stochastic-round bf16 {lay}", lambda mk=mk: (fastopt.CAME(
@@ -263,15 +268,21 @@ def main():
                                              if "float64" in label), default=0),
                        "local_bytes_max": max(u.get("local", 0) for u in usage),
                        "stack_max": max(u.get("stack", 0) for u in usage),
-                       "shared_max": max(u["shared"] for u in usage)}
+                       "shared_max": max(u["shared"] for u in usage),
+                       "vectorized_specializations": sum(u["vector_accesses"] > 0 for u in usage),
+                       "vectorized_aligned": [u["vector_accesses"] > 0 for u, (_, label) in zip(usage, ks)
+                                              if " aligned" in label]}
     print(f"Triton {triton.__version__}, target sm_{args.arch}: {sum(len(v) for v in rec.kernels.values())} "
           f"specializations of {len(rec.kernels)} kernels compiled in {elapsed:.0f} s")
     print("Max over specializations. regs: fp32/bf16/fp16 params; regs64: fp64 params. local B: spilled bytes.")
-    print(f"{'kernel':40s} {'specs':>5s} {'regs':>5s} {'regs64':>6s} {'local B':>7s} {'stack B':>7s} {'shared B':>8s}")
+    print("vec: specializations with 16/8/4-byte vector global loads or stores (of those from aligned workloads).")
+    print(f"{'kernel':40s} {'specs':>5s} {'regs':>5s} {'regs64':>6s} {'local B':>7s} {'stack B':>7s} {'shared B':>8s} "
+          f"{'vec':>9s}")
     for name, row in table.items():
         print(f"{name:40s} {row['specializations']:5d} {row['regs_max']:5d} {row['regs_max_fp64']:6d} "
               f"{row['local_bytes_max']:7d} "
-              f"{row['stack_max']:7d} {row['shared_max']:8d}")
+              f"{row['stack_max']:7d} {row['shared_max']:8d} "
+              f"{row['vectorized_specializations']:3d} ({sum(row['vectorized_aligned'])}/{len(row['vectorized_aligned'])})")
     missing = sorted(launched_kernels() - set(rec.kernels)) if not args.k else []
     if args.json:
         Path(args.json).write_text(json.dumps({"triton": triton.__version__, "arch": args.arch, "kernels": table,

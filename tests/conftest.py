@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import re
 
 import pytest
 import torch
@@ -146,6 +147,82 @@ def check_refuses_sparse_and_complex(make_opt, device) -> None:
     with pytest.raises(RuntimeError, match="complex parameters"):
         opt.step()
     assert torch.equal(a, a0) and not opt.state[a]
+
+
+def group_key(name: str, gi: int) -> str:
+    """How a group's key is named in the error: betas[0] -> param_groups[gi]['betas'][0]."""
+    key, bracket, rest = name.partition("[")
+    return f"param_groups[{gi}]['{key}']" + bracket + rest
+
+
+def snapshot(opt) -> dict:
+    """Each param in `opt`'s groups -> (a copy of it, copies of its state), for `assert_unchanged`."""
+    return {p: (p.detach().clone(), {k: v.clone() for k, v in opt.state.get(p, {}).items()})
+            for g in opt.param_groups for p in g["params"]}
+
+
+def assert_unchanged(opt, before: dict) -> None:
+    """The params of `before` (a `snapshot(opt)`) bit for bit, and their state: the same keys, dtypes, values."""
+    for p, (p0, s0) in before.items():
+        st = opt.state.get(p, {})
+        assert torch.equal(p, p0) and st.keys() == s0.keys(), (sorted(st), sorted(s0))
+        for k, v in s0.items():
+            assert st[k].dtype == v.dtype and torch.equal(st[k], v), k
+
+
+def check_bad_group_refused(cls, defaults: dict, bad: dict, key: str, how: str) -> None:
+    """Group 1's `bad` setting, given to the constructor `cls(groups, **defaults)`, to add_param_group, or set
+    between steps (`how`: "constructor", "add_param_group", "mutated"), raises a ValueError naming
+    `param_groups[1]['key']` before anything changes: no group added, no param or state of group 0 or 1 moved
+    (group 0 is not stepped either)."""
+    match = re.escape(f"{cls.__name__}: {group_key(key, 1)}=")
+    a, b = torch.randn(3, 4, requires_grad=True), torch.randn(5, requires_grad=True)
+    if how == "constructor":
+        with pytest.raises(ValueError, match=match):
+            cls([{"params": [a]}, {"params": [b], **bad}], **defaults)
+        return
+    opt = cls([{"params": [a]}] + ([{"params": [b]}] if how == "mutated" else []), **defaults)
+    for _ in range(2):
+        a.grad, b.grad = torch.randn_like(a), torch.randn_like(b)
+        opt.step()
+    before = snapshot(opt)
+    with pytest.raises(ValueError, match=match):
+        if how == "add_param_group":
+            opt.add_param_group({"params": [b], **bad})
+        else:
+            opt.param_groups[1].update(bad)
+            opt.step()
+    assert len(opt.param_groups) == (1 if how == "add_param_group" else 2)
+    assert how == "mutated" or b not in opt.state
+    assert [id(p) for g in opt.param_groups for p in g["params"]] == [id(p) for p in before]
+    assert_unchanged(opt, before)
+
+
+def check_bad_key_refused_after_a_step(opt, kw: dict, name: str, new_param) -> None:
+    """`opt`, one group of params, takes one step; then `kw` is refused with a ValueError naming `name` as group
+    1's key in add_param_group (a group of `new_param`), and as group 0's key when set on it between steps (as a
+    user or a scheduler might). After each refusal `opt` is as it was: no group added, group 0's settings, the
+    params and their state (keys, dtypes, values) unchanged."""
+    prefix = type(opt).__name__
+    for p in opt.param_groups[0]["params"]:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    before = snapshot(opt)
+    group = dict(opt.param_groups[0])
+
+    def unchanged():
+        assert len(opt.param_groups) == 1 and opt.param_groups[0] == group
+        assert {id(p) for p in opt.state} == {id(p) for p in before}
+        assert_unchanged(opt, before)
+
+    with pytest.raises(ValueError, match=re.escape(f"{prefix}: {group_key(name, 1)}=")):
+        opt.add_param_group({"params": [new_param], **kw})
+    unchanged()
+    opt.param_groups[0].update(kw)
+    with pytest.raises(ValueError, match=re.escape(f"{prefix}: {group_key(name, 0)}=")):
+        opt.step()
+    opt.param_groups[0].update({k: group[k] for k in kw})
+    unchanged()
 
 
 def check_no_host_sync(opt, params, steps: int, first_checked: int = 0) -> None:

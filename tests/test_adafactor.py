@@ -6,7 +6,7 @@ import io
 import pytest
 import torch
 from conftest import (TOL, assert_tracks, rel_update_error, step_with_inf_at, launches_per_step,
-                      check_refuses_sparse_and_complex, check_skips_params_without_grad)
+                      check_bad_group_refused, check_refuses_sparse_and_complex, check_skips_params_without_grad)
 from transformers.optimization import Adafactor as HFAdafactor
 
 import fastopt
@@ -21,6 +21,10 @@ OPTIONS = {
     "fixed_lr": dict(lr=3e-2, relative_step=False),
     "all": dict(lr=3e-2, relative_step=False, scale_parameter=False, beta1=0.8, weight_decay=0.1,
                 clip_threshold=0.5, decay_rate=-0.6),
+    # From zero params the step size stays on its floor eps2 (RMS(p) < eps2 all along), and eps1 is not small
+    # next to g^2: both eps act.
+    "eps_zero_init": dict(eps=(1e-2, 1e-2)),
+    "eps1_zero_init": dict(eps=(0.5, 1e-3), beta1=0.9),
 }
 STEPS = 10
 
@@ -50,6 +54,8 @@ def state_tensors(opt, params, key):
 def test_matches_transformers_float64(backend, device, option):
     kw = OPTIONS[option]
     init, grads = make_problem()
+    if option.endswith("zero_init"):
+        init = [torch.zeros_like(p) for p in init]
     ours, opt = run(fastopt.Adafactor, init, grads, torch.float64, device, **kw)
     ref, ref_opt = run(HFAdafactor, init, grads, torch.float64, **kw)
     assert_tracks([p.cpu() for p in ours], ref, init, torch.float64)
@@ -146,6 +152,15 @@ def test_skips_params_without_grad_and_empty_params(backend, device):
 @pytest.mark.parametrize("kwargs, name", [
     (dict(lr=1e-3), "lr"),
     (dict(lr=-1.0, relative_step=False), "lr"),
+    (dict(relative_step=False), "lr"),  # lr=None
+    (dict(lr=True, relative_step=False), "lr"),
+    (dict(lr=float("inf"), relative_step=False), "lr"),
+    (dict(eps=(float("inf"), 1e-3)), "eps[0]"),
+    (dict(eps=(1e-30, float("nan"))), "eps[1]"),
+    (dict(clip_threshold=float("inf")), "clip_threshold"),
+    (dict(clip_threshold=True), "clip_threshold"),
+    (dict(decay_rate=-float("inf")), "decay_rate"),
+    (dict(scale_parameter=1), "scale_parameter"),
     (dict(eps=(-1e-30, 1e-3)), "eps[0]"),
     (dict(eps=(1e-30, -1.0)), "eps[1]"),
     (dict(eps=1e-3), "eps"),
@@ -158,6 +173,32 @@ def test_skips_params_without_grad_and_empty_params(backend, device):
 def test_bad_arguments_name_themselves(kwargs, name):
     with pytest.raises(ValueError, match=name.replace("[", r"\[").replace("]", r"\]")):
         fastopt.Adafactor([torch.zeros(2, 2, requires_grad=True)], **kwargs)
+
+
+# A param group's own settings, each bad in one way; the default group is relative-step (lr=None).
+BAD_GROUPS = [
+    (dict(lr=-1.0), "lr"),
+    (dict(lr=1e-2), "lr"),  # an lr with relative_step=True
+    (dict(relative_step=False), "lr"),  # relative_step=False with lr=None
+    (dict(lr=True, relative_step=False), "lr"),
+    (dict(lr=float("inf"), relative_step=False), "lr"),
+    (dict(eps=(-1.0, 1e-3)), "eps[0]"),
+    (dict(eps=(1e-30, float("inf"))), "eps[1]"),
+    (dict(eps=1e-3), "eps"),
+    (dict(clip_threshold=0.0), "clip_threshold"),
+    (dict(clip_threshold=float("inf")), "clip_threshold"),
+    (dict(decay_rate=0.5), "decay_rate"),
+    (dict(beta1=1.5), "beta1"),
+    (dict(weight_decay=-0.1), "weight_decay"),
+    (dict(warmup_init=True, relative_step=False, lr=1e-2), "warmup_init"),
+    (dict(scale_parameter=1), "scale_parameter"),
+]
+
+
+@pytest.mark.parametrize("how", ["constructor", "add_param_group", "mutated"])
+@pytest.mark.parametrize("bad, key", BAD_GROUPS)
+def test_bad_group_names_itself_and_changes_nothing(bad, key, how):
+    check_bad_group_refused(fastopt.Adafactor, dict(beta1=0.9), bad, key, how)
 
 
 def test_sparse_and_complex_refused_before_any_change(backend, device):

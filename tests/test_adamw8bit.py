@@ -7,10 +7,11 @@ compiled extension's fused kernels, built once per session into the torch extens
 from __future__ import annotations
 
 import io
+import re
 
 import pytest
 import torch
-from conftest import TOL, rel_update_error
+from conftest import TOL, check_bad_key_refused_after_a_step, group_key, rel_update_error
 
 import fastopt
 from fastopt import ext
@@ -263,15 +264,28 @@ def test_non_contiguous_param(impl):
 
 
 @pytest.mark.parametrize("kw, name", [
-    (dict(lr=-1.0), "lr"), (dict(lr=float("nan")), "lr"), (dict(betas=(1.0, 0.999)), r"betas\[0\]"),
-    (dict(betas=(0.9, -0.1)), r"betas\[1\]"), (dict(betas=0.9), "betas"), (dict(eps=-1e-8), "eps"),
-    (dict(weight_decay=-0.1), "weight_decay"), (dict(block_size=100), "block_size"),
-    (dict(block_size=8192), "block_size"), (dict(min_8bit_size=-1), "min_8bit_size"),
-    (dict(min_8bit_size=1.5), "min_8bit_size"),
+    (dict(lr=-1.0), "lr"), (dict(lr=-1), "lr"), (dict(lr=float("nan")), "lr"), (dict(lr=True), "lr"),
+    (dict(betas=(1.0, 0.999)), "betas[0]"), (dict(betas=(1.5, 0.9)), "betas[0]"),
+    (dict(betas=(0.9, -0.1)), "betas[1]"), (dict(betas=0.9), "betas"), (dict(eps=-1e-8), "eps"),
+    (dict(eps=-1), "eps"), (dict(eps=True), "eps"), (dict(weight_decay=-0.1), "weight_decay"),
+    (dict(weight_decay=True), "weight_decay"), (dict(block_size=100), "block_size"),
+    (dict(block_size=8192), "block_size"), (dict(block_size=True), "block_size"),
+    (dict(min_8bit_size=-1), "min_8bit_size"), (dict(min_8bit_size=1.5), "min_8bit_size"),
 ])
-def test_invalid_arguments(kw, name):
-    with pytest.raises(ValueError, match=f"AdamW8bit: {name}"):
+def test_invalid_arguments(kw, name, monkeypatch):
+    """Refused with a ValueError naming the argument: as a constructor argument; as a group's key, in the
+    constructor and in add_param_group; and as a group's key changed between steps. Each refusal leaves the
+    optimizer as it was: no group added, no param, state or step counter changed."""
+    monkeypatch.setenv("FASTOPT_BACKEND", "torch")  # refused before any kernel runs: the back end is moot
+    with pytest.raises(ValueError, match=re.escape(f"AdamW8bit: {name}=")):
         fastopt.AdamW8bit([torch.nn.Parameter(torch.randn(3))], **kw)
+    a, b = torch.nn.Parameter(torch.randn(200)), torch.nn.Parameter(torch.randn(30))
+    with pytest.raises(ValueError, match=re.escape(f"AdamW8bit: {group_key(name, 1)}=")):
+        fastopt.AdamW8bit([{"params": [a]}, {"params": [b], **kw}])
+    # A working optimizer (8-bit state for a, fp32 for b).
+    opt = fastopt.AdamW8bit([a, b], block_size=64, min_8bit_size=64)
+    check_bad_key_refused_after_a_step(opt, kw, name, torch.nn.Parameter(torch.randn(100)))
+    assert opt.state[a]["state1"].dtype == torch.uint8  # and was all along: the check compares dtypes
 
 
 def test_refuses_sparse_grads(impl):

@@ -69,7 +69,7 @@ def test_param_sets_have_llama_shapes(suite):
 
 
 def test_byte_counts(suite):
-    _, common, ada = suite
+    run, common, ada = suite
     ps = common.ParamSet("t", "t", (("w", (4, 6)), ("b", (6,))))
     # w: 3 x 4 B x 24 + row/col state r+w 2 x 4 B x 10; b: 3 x 4 B x 6 + second moment r+w 2 x 4 B x 6
     assert ada.min_bytes(ps, torch.float32) == 288 + 80 + 72 + 48
@@ -79,6 +79,19 @@ def test_byte_counts(suite):
     for dtype, s in ((torch.float32, 4), (torch.bfloat16, 2)):
         kb = ada.kernel_bytes(big, dtype) / n
         assert 6 * s < kb < 6 * s + 3  # g read 3x, p read 2x + written 1x, plus partial column sums
+
+    galore = importlib.import_module(run.__package__ + ".bench_galore")
+    ps = common.ParamSet("g", "g", (("layers.0.q_proj", (8, 4)), ("layers.0.up_proj", (4, 12)), ("norm", (4,))))
+    # rank 2, fp32. q_proj 8 x 4 (m >= n): g, p r+w 3 x 4 x 32, basis 4 x 2 x 4, m and v r+w 16 x (8 x 2);
+    # up_proj 4 x 12 (m < n): 3 x 4 x 48, basis 4 x 4 x 2, 16 x (2 x 12); norm: 3 x 4 x 4 + full-size m, v 16 x 4.
+    mb = (384 + 32 + 256) + (576 + 32 + 384) + (48 + 64)
+    rn = 16 * (16 + 24)  # R and N (fp32, projected-shaped) written once and read once: the kernels' only extra
+    assert galore._bytes(ps, torch.float32, 2) == (mb, mb + rn)
+    assert galore._bytes(ps, torch.bfloat16, 2) == (mb - 2 * 3 * 84, mb - 2 * 3 * 84 + rn)  # g, p at 2 bytes
+    # 8-bit state from 20 elements, blocks of 8: up_proj's 24 projected elements (codes r+w 4 bytes each, two
+    # absmax r+w per block), q_proj's 16 and the norm's 4 stay fp32
+    mb8 = mb - 384 + (4 + 16 / 8) * 24
+    assert galore._bytes(ps, torch.float32, 2, nbits=8, block_size=8, min_8bit=20) == (mb8, mb8 + rn)
 
 
 def test_failing_competitors_are_recorded(suite, tmp_path):
@@ -143,3 +156,50 @@ def test_layouts_bench_counts_collectives_and_bytes(tmp_path, monkeypatch):
         over = [x for x in doc["results"] if x["impl"] == f"fastopt.{name} layout machinery"]
         assert len(step) == len(over) == 2 and all(x["status"] == "ok" for x in step)
         assert all(x["status"] == "computed" and 0 < x["overhead_frac"] < 1 for x in over)
+
+
+def test_gpu_check_configurations(suite, monkeypatch, capsys):
+    """bench/gpu_checks.py's list (run on the lent GPU only): every optimizer class of fastopt.__all__ is built
+    by some configuration, names are unique, each factory builds and steps on CPU tensors (torch reference),
+    and the variants that constructor guessing never reached hold the state that proves them: GaLore's
+    projected matrices, 8-bit codes, Adafactor's first moment. Selection and --list run without CUDA."""
+    import fastopt
+    run, _, _ = suite
+    gc = importlib.import_module(run.__package__ + ".gpu_checks")
+    monkeypatch.setenv("FASTOPT_BACKEND", "torch")
+    configs = gc.configurations()
+    names = [c.name for c in configs]
+    assert len(set(names)) == len(names), names
+    states = {}
+    for c in configs:
+        params = gc.make_params(0, device="cpu")
+        opt = c.factory(params)
+        assert type(opt) is getattr(fastopt, c.cls), (c.name, type(opt))
+        for seed in (1, 2):
+            for p, g in zip(params, gc.new_grads(params, seed)):
+                p.grad = g
+            opt.step()
+        assert all(torch.isfinite(p).all() for p in params), c.name
+        states[c.name] = [opt.state[p] for p in params]
+    assert set(gc.optimizer_classes()) <= {c.cls for c in configs}
+    assert "ZeroRedundancyOptimizer" in gc.optimizer_classes() and "GaLoreAdamW8bit" in gc.optimizer_classes()
+    mats = sum(len(s) >= 2 for s, _ in gc.SHAPES)
+    for name in ("GaLoreAdamW", "GaLoreAdamW8bit"):
+        assert sum("proj_left" in s or "proj_right" in s for s in states[name]) == mats, name
+
+    def eight_bit(name):
+        return any(v.dtype == torch.uint8 for s in states[name] for v in s.values())
+    assert [n for n in names if eight_bit(n)] == ["Lamb-8bit", "CAME-8bit", "AdamW8bit", "GaLoreAdamW8bit"]
+    assert "exp_avg" in states["Adafactor-beta1"][0] and "exp_avg" not in states["Adafactor"][0]
+
+    assert [c.name for c in gc.select("")] == names
+    assert [c.name for c in gc.select("Adafactor")] == ["Adafactor", "Adafactor-beta1"]
+    assert [c.name for c in gc.select("GaLoreAdamW8bit, CAME-8bit")] == ["CAME-8bit", "GaLoreAdamW8bit"]
+    with pytest.raises(ValueError, match="unknown Nope"):
+        gc.select("Lamb,Nope")
+    capsys.readouterr()
+    assert gc.main(["--list", "--only", "Lamb"]) == 0
+    assert [ln.split()[0] for ln in capsys.readouterr().out.splitlines()] == ["Lamb", "Lamb-8bit"]
+    with pytest.raises(SystemExit) as e:
+        gc.main(["--help"])
+    assert e.value.code == 0

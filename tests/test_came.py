@@ -7,7 +7,7 @@ import pytest
 import torch
 from came_pytorch import CAME as RefCAME
 from conftest import (TOL, assert_tracks, rel_update_error, step_with_inf_at, launches_per_step,
-                      check_refuses_sparse_and_complex, check_skips_params_without_grad)
+                      check_bad_group_refused, check_refuses_sparse_and_complex, check_skips_params_without_grad)
 
 import fastopt
 
@@ -294,10 +294,39 @@ def test_skips_params_without_grad_and_empty_params(backend, device):
     (dict(lr=1e-3, clip_threshold=-1.0), "clip_threshold"),
     (dict(lr=1e-3, weight_decay=-0.1), "weight_decay"),
     (dict(lr=1e-3, nbits=4), "nbits"),
+    (dict(lr=True), "lr"),
+    (dict(lr=1e-3, eps=(float("inf"), 1e-16)), "eps[0]"),
+    (dict(lr=1e-3, eps=(True, 1e-16)), "eps[0]"),
+    (dict(lr=1e-3, clip_threshold=float("inf")), "clip_threshold"),
+    (dict(lr=1e-3, bf16_stochastic_round=1), "bf16_stochastic_round"),
 ])
 def test_bad_arguments_name_themselves(kwargs, name):
     with pytest.raises(ValueError, match=r"CAME: " + name.replace("[", r"\[").replace("]", r"\]") + "="):
         fastopt.CAME([torch.zeros(2, 2, requires_grad=True)], **kwargs)
+
+
+# A param group's own settings, each bad in one way.
+BAD_GROUPS = [
+    (dict(lr=-1.0), "lr"),
+    (dict(lr=0.0), "lr"),
+    (dict(lr=True), "lr"),
+    (dict(lr=float("nan")), "lr"),
+    (dict(betas=(1.5, 0.999, 0.9999)), "betas[0]"),
+    (dict(betas=(0.9, 0.999, -0.1)), "betas[2]"),
+    (dict(betas=(0.9, 0.999)), "betas"),
+    (dict(eps=(-1.0, 1e-16)), "eps[0]"),
+    (dict(eps=(1e-30, float("inf"))), "eps[1]"),
+    (dict(clip_threshold=0.0), "clip_threshold"),
+    (dict(weight_decay=-0.1), "weight_decay"),
+    (dict(nbits=4), "nbits"),
+    (dict(bf16_stochastic_round=1), "bf16_stochastic_round"),
+]
+
+
+@pytest.mark.parametrize("how", ["constructor", "add_param_group", "mutated"])
+@pytest.mark.parametrize("bad, key", BAD_GROUPS)
+def test_bad_group_names_itself_and_changes_nothing(bad, key, how):
+    check_bad_group_refused(fastopt.CAME, dict(lr=1e-3), bad, key, how)
 
 
 def test_sparse_and_complex_refused_before_any_change(backend, device):
@@ -328,7 +357,8 @@ def test_bad_state_dict_fails_and_changes_nothing():
         assert opt.param_groups[0]["lr"] == 1e-3
 
 
-def test_launches_do_not_grow_with_param_count(monkeypatch):
-    """Buckets of 3 and 12 params launch the same number of kernels per step."""
-    counts = launches_per_step(monkeypatch, lambda ps: fastopt.CAME(ps, lr=1e-3))
+@pytest.mark.parametrize("nbits", [32, 8])
+def test_launches_do_not_grow_with_param_count(monkeypatch, nbits):
+    """Buckets of 3 and 12 params launch the same number of kernels per step, 8-bit momentum included."""
+    counts = launches_per_step(monkeypatch, lambda ps: fastopt.CAME(ps, lr=1e-3, nbits=nbits))
     assert counts[0] == counts[1] > 0, counts

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import check_no_host_sync
 
 import fastopt
 from fastopt import ops
 
-pytestmark = pytest.mark.skipif(not (ops.triton_available() and ops.interpreting()),
-                                reason="the Triton path on CPU needs TRITON_INTERPRET=1")
+interpreted = pytest.mark.skipif(not (ops.triton_available() and ops.interpreting()),
+                                 reason="the Triton path on CPU needs TRITON_INTERPRET=1")
 
 OPTS = {
     "adafactor": lambda ps: fastopt.Adafactor(ps, lr=1e-2, relative_step=False, beta1=0.9),
@@ -62,9 +63,21 @@ def _run(make, backend, monkeypatch, copies=None, tables=True):
     return [p.detach() for p in params]
 
 
+@interpreted
 @pytest.mark.parametrize("name", list(OPTS))
 def test_unmoved_gradients_copy_nothing_and_moved_ones_stay_exact(name, monkeypatch):
     ref = _run(OPTS[name], "torch", monkeypatch)
     ours = _run(OPTS[name], "triton", monkeypatch, copies=_host_copies(monkeypatch), tables=name not in NO_GRAD_TABLE)
     for a, b in zip(ours, ref):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(OPTS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_step_does_not_sync_with_the_host(name, dtype):
+    """GradScaler steps on CUDA (fp32 and bf16 params, aligned and odd sizes): after the first step (GaLore's
+    SVD at t = 1 reads the host), step() makes no synchronizing call."""
+    shapes = [(64, 48), (7, 5), (2, 3, 16), (96,), (5,), ()]
+    params = [(torch.randn(s, device="cuda") * 0.1).to(dtype).requires_grad_() for s in shapes]
+    check_no_host_sync(OPTS[name](params), params, steps=4, first_checked=1)

@@ -485,8 +485,15 @@ def _make_local(name, params):
     return getattr(fastopt, cls)(params, **kw)
 
 
+def _on(device, init, grads):
+    """`_problem`'s tensors moved to `device`."""
+    return [p.to(device) for p in init], [[g.to(device) for g in gs] for gs in grads]
+
+
+# One process, `Layout.reduce` patched out: no gloo here, so these run on every `device` of the back end
+# (CUDA for the compiled kernels, which refuse CPU tensors without TRITON_INTERPRET=1).
 @pytest.mark.parametrize("name", list(LOCAL_OPTS))
-def test_flat_range_with_padding_takes_the_plain_step(backend, name, monkeypatch):
+def test_flat_range_with_padding_takes_the_plain_step(backend, device, name, monkeypatch):
     """A flat layout holding the whole tensor plus 3 padding elements (NaN gradients there, which would poison
     every norm if read) takes exactly the plain step, leaves the padding as it was, and reduces exactly the
     buffers that `reduction_sizes` (the benchmark's count) says, one per phase for the whole bucket."""
@@ -494,21 +501,21 @@ def test_flat_range_with_padding_takes_the_plain_step(backend, name, monkeypatch
     from fastopt.distributed.layout import Layout
     from fastopt.reference import adafactor, came, lamb
     shapes = [(5, 7), (3,), (2, 3, 4), (1, 9)]
-    init, grads = _problem(shapes)
+    init, grads = _on(device, *_problem(shapes))
     sizes = []
     monkeypatch.setattr(Layout, "reduce", lambda self, buf: sizes.append((buf.numel(), buf.dtype)))
     plain = [p.clone() for p in init]
-    padded = [declare_shard(torch.cat([p.reshape(-1), torch.full((3,), 7.0, dtype=p.dtype)]), p.shape, "group",
-                            flat_offset=0) for p in init]
+    padded = [declare_shard(torch.cat([p.reshape(-1), p.new_full((3,), 7.0)]), p.shape, "group", flat_offset=0)
+              for p in init]
     opt_plain, opt_padded = _make_local(name, plain), _make_local(name, padded)
     for gs in grads:
         for p, q, g in zip(plain, padded, gs):
             p.grad = g.clone()
-            q.grad = torch.cat([g.reshape(-1), torch.full((3,), float("nan"), dtype=g.dtype)])
+            q.grad = torch.cat([g.reshape(-1), g.new_full((3,), float("nan"))])
         opt_plain.step()
         opt_padded.step()
     for p, q, p0 in zip(plain, padded, init):
-        assert torch.equal(q[-3:], torch.full((3,), 7.0, dtype=q.dtype))
+        assert q.device == device and torch.equal(q[-3:], q.new_full((3,), 7.0))
         assert _rel(q[:-3].view_as(p) - p0, p - p0) <= 1e-12, name
     for p, q in zip(plain, padded):
         for k, v in opt_plain.state[p].items():
@@ -683,14 +690,14 @@ def test_kernels_flat_ranges_match_single_process(pool, name):
 
 
 @pytest.mark.parametrize("name", ["adafactor", "came", "came8"])
-def test_kernels_reduce_the_reference_buffers_in_fp32(backend, name, monkeypatch):
+def test_kernels_reduce_the_reference_buffers_in_fp32(backend, device, name, monkeypatch):
     """fp32 params on a flat layout (the whole tensor, then padding): every backend hands `reduce` exactly the
     float64 buffers of `reduction_sizes`, and the padded run tracks the plain fp32 one."""
     from fastopt.distributed import declare_shard
     from fastopt.distributed.layout import Layout
     from fastopt.reference import adafactor, came
     shapes = [(5, 7), (3,), (2, 3, 4)]
-    init, grads = _problem(shapes, seed=5)
+    init, grads = _on(device, *_problem(shapes, seed=5))
     init = [p.float() for p in init]
     sizes = []
     monkeypatch.setattr(Layout, "reduce", lambda self, buf: sizes.append((buf.numel(), buf.dtype)))

@@ -9,9 +9,11 @@ kernels through the interpreter); the world-size-1 cases at the bottom run in th
 from __future__ import annotations
 
 import copy
+import importlib
 import inspect
 import io
 import os
+import sys
 
 import pytest
 import torch
@@ -21,6 +23,7 @@ from dist_utils import DistError, DistPool
 
 import fastopt
 from fastopt import ZeroRedundancyOptimizer
+from fastopt import bench as fbench
 
 pytestmark = pytest.mark.dist
 
@@ -88,6 +91,9 @@ FACTORIES = {
     "AdamW8bit": lambda mats, vecs: fastopt.AdamW8bit(
         [{"params": mats}, {"params": vecs, "weight_decay": 0.0}], lr=1e-2, block_size=64, min_8bit_size=0),
     "GaLoreAdamW": lambda mats, vecs: fastopt.GaLoreAdamW(_galore_groups(mats, vecs), lr=1e-2),
+    # The projected matrices' moments in 8 bits (min_8bit_size=0: the small test params qualify).
+    "GaLoreAdamW8bit": lambda mats, vecs: fastopt.GaLoreAdamW8bit(_galore_groups(mats, vecs), lr=1e-2,
+                                                                  block_size=64, min_8bit_size=0),
 }
 
 
@@ -160,6 +166,19 @@ def _local_backward(model, x, y, rank, accum, by_hand):
             loss.backward()
 
 
+def _ref_and_zero(name, partition_grad, overlap, model_cls=None, backend="torch"):
+    """The reference (a fresh `model_cls()`, default Net, and `make_opt(name, ·)` on it), a deep copy of that model
+    behind ZeRO wrapping the same optimizer, and the initial params: (ref_model, ref_opt, model, opt, init)."""
+    os.environ["FASTOPT_BACKEND"] = backend
+    ref_model = (model_cls or Net)()
+    model = copy.deepcopy(ref_model)
+    init = [p.detach().clone() for p in ref_model.parameters()]
+    ref_opt = make_opt(name, ref_model)
+    opt = ZeroRedundancyOptimizer(make_opt(name, model), partition_grad=partition_grad,
+                                  overlap_communication=overlap, bucket_size_mb=BUCKET_MB)
+    return ref_model, ref_opt, model, opt, init
+
+
 MODES = {
     "zero1": dict(partition_grad=False, overlap=False, accum=1, zero="none", by_hand=False),
     "zero1-overlap-accum": dict(partition_grad=False, overlap=True, accum=2, zero="zeros", by_hand=False),
@@ -172,14 +191,8 @@ MODES = {
 
 
 def _train(rank, world, name, mode, backend="torch", steps=STEPS):
-    os.environ["FASTOPT_BACKEND"] = backend
     m = MODES[mode]
-    ref_model = Net()
-    model = copy.deepcopy(ref_model)
-    init = [p.detach().clone() for p in ref_model.parameters()]
-    ref_opt = make_opt(name, ref_model)
-    opt = ZeroRedundancyOptimizer(make_opt(name, model), partition_grad=m["partition_grad"],
-                                  overlap_communication=m["overlap"], bucket_size_mb=BUCKET_MB)
+    ref_model, ref_opt, model, opt, init = _ref_and_zero(name, m["partition_grad"], m["overlap"], backend=backend)
     grads_after_backward = []
     for step in range(steps):
         x, y = batch(step, world)
@@ -234,6 +247,155 @@ def test_triton_backend_zero2_overlap(pool):
         assert res["param_err"] <= TOL[DT], f"rank {r}: {res['param_err']:.3g}"
         assert res["state_err"] <= TOL[DT], f"rank {r}: {res['state_err']:.3g}"
     _check_equal_across_ranks(results)
+
+
+# ---- params without a gradient --------------------------------------------------------------------------
+class Partial(Net):
+    """Net plus params that miss gradients: `unused` never gets one, `odd` only on odd steps (on every rank),
+    `first` only from the first rank (the other ranks contribute zeros). All three are decayed (AdamW)."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(1)
+        self.unused = torch.nn.Parameter(torch.randn(4, 3, generator=g, dtype=DT))
+        self.odd = torch.nn.Parameter(1 + 0.1 * torch.randn(3, generator=g, dtype=DT))
+        self.first = torch.nn.Parameter(torch.randn(3, generator=g, dtype=DT))
+
+    def groups(self):
+        mats, vecs = super().groups()
+        return [mats + [self.unused, self.odd, self.first], vecs]
+
+    def loss(self, x, y, step):
+        out = self(x) * self.odd if step % 2 else self(x)
+        return ((out - y) ** 2).mean()
+
+    def first_term(self, x):
+        return torch.tanh(x[:LOCAL_BATCH, :3] * self.first).mean()
+
+
+PARTIAL_MODES = {  # partition_grad, overlap, micro-batches per step, zero_grad
+    "zero1": (False, False, 1, "none"),
+    "zero1-overlap-accum-zeros": (False, True, 2, "zeros"),
+    "zero2-accum": (True, False, 2, "none"),
+    "zero2-overlap-zeros": (True, True, 1, "zeros"),
+    "zero2-overlap-accum-skip": (True, True, 2, "skip"),
+}
+
+
+def _partial(rank, world, mode):
+    partition_grad, overlap, accum, how = PARTIAL_MODES[mode]
+    ref_model, ref_opt, model, opt, init = _ref_and_zero("AdamW", partition_grad, overlap, Partial)
+    ref_has, has = [], []
+    for step in range(STEPS):
+        x, y = batch(step, world)
+        _zero_grads(ref_opt, how, step)
+        (ref_model.loss(x, y, step) + ref_model.first_term(x) / world).backward()
+        ref_opt.step()
+        ref_has.append([p.grad is not None for p in ref_model.parameters()])
+        _zero_grads(opt, how, step)
+        xs = x[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH]
+        ys = y[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH]
+        for m, (xm, ym) in enumerate(zip(xs.chunk(accum), ys.chunk(accum))):
+            loss = model.loss(xm, ym, step) * (xm.shape[0] / xs.shape[0])
+            if rank == 0 and m == 0:
+                loss = loss + model.first_term(x)
+            loss.backward()
+        opt.step()
+        has.append([p.grad is not None for p in model.parameters()])
+    k = [n for n, _ in model.named_parameters()].index("unused")
+    full = opt.state_dict(consolidated=True, to=None)
+    return dict(param_err=rel_update_error(list(model.parameters()), list(ref_model.parameters()), init),
+                state_err=_state_err(full, ref_opt.state_dict()), ref_has=ref_has, has=has,
+                unused_still=torch.equal(model.unused, init[k]),
+                ref_unused_still=torch.equal(ref_model.unused, init[k]),
+                owners=[opt._owner[opt._gidx[id(p)]] for p in model.parameters()],
+                params=[p.detach().clone() for p in model.parameters()])
+
+
+@pytest.mark.parametrize("mode", list(PARTIAL_MODES))
+def test_params_without_gradients(pool, mode):
+    """A param that gets a gradient on no rank is not stepped (AdamW's weight decay would move it) and gets no
+    state, as in one process; one that gets a gradient on some ranks is averaged with zeros from the others."""
+    results = pool.run(_partial, mode)
+    partition_grad = PARTIAL_MODES[mode][0]
+    for r, res in enumerate(results):
+        assert res["ref_unused_still"] and res["unused_still"], f"rank {r}: the unused param moved"
+        assert res["param_err"] <= TOL[DT], f"rank {r}: params: relative update error {res['param_err']:.3g}"
+        assert res["state_err"] <= TOL[DT], f"rank {r}: state: relative error {res['state_err']:.3g}"
+        # After step(): ZeRO-1 ranks hold the gradients one process holds; ZeRO-2 owners hold theirs only.
+        for step, (ours, ref) in enumerate(zip(res["has"], res["ref_has"])):
+            want = [h and (not partition_grad or o == r) for h, o in zip(ref, res["owners"])]
+            assert ours == want, f"rank {r}, step {step}: grads held {ours}, expected {want}"
+    assert all(not all(h) for h in results[0]["ref_has"]), "every param had a gradient: the test proves nothing"
+    _check_equal_across_ranks(results)
+
+
+# ---- overlap_communication: asynchronous or not ----------------------------------------------------------
+class _LaggingWork:
+    """A collective's handle that reports completion only once waited on (so whether the wrapper waits inside
+    backward does not depend on timing); counts the waits."""
+
+    def __init__(self, work, log):
+        self.work, self.log, self.done = work, log, False
+
+    def is_completed(self):
+        return self.done
+
+    def wait(self, *args):
+        self.log["waits"] += 1
+        self.done = True
+        return self.work.wait(*args)
+
+
+def _overlap(rank, world, partition_grad, overlap):
+    ref_model, ref_opt, model, opt, init = _ref_and_zero("AdamW", partition_grad, overlap)
+    log = {"launches": 0, "waits": 0}
+    seen = []  # per hook, after the wrapper's own hook ran: (launched so far, waited so far, the grad was freed)
+
+    def lagging(fn):
+        def launch(*args, **kwargs):
+            log["launches"] += 1
+            return _LaggingWork(fn(*args, **kwargs), log)
+        return launch
+
+    for p in model.parameters():  # registered after the wrapper's hooks: runs after them
+        p.register_post_accumulate_grad_hook(lambda q: seen.append((log["launches"], log["waits"], q.grad is None)))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(dist, "reduce", lagging(dist.reduce))
+        mp.setattr(dist, "all_reduce", lagging(dist.all_reduce))
+        for step in range(4):
+            x, y = batch(step, world)
+            ref_opt.zero_grad()
+            loss_fn(ref_model, x, y).backward()
+            ref_opt.step()
+            opt.zero_grad()
+            log["launches"] = log["waits"] = 0
+            _local_backward(model, x, y, rank, 1, False)
+            opt.step()
+    return dict(err=rel_update_error(list(model.parameters()), list(ref_model.parameters()), init), seen=seen,
+                log=log, buckets=len(opt._red))
+
+
+@pytest.mark.parametrize("partition_grad", [False, True])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_overlap_communication(pool, partition_grad, overlap):
+    """overlap_communication=True: reductions launched from backward's hooks are still in flight when later hooks
+    run, and none is waited on before backward ends. False: ZeRO-2 waits for each reduction in the hook that
+    launched it (gradients still freed at once); ZeRO-1 launches nothing during backward."""
+    results = pool.run(_overlap, partition_grad, overlap)
+    for r, res in enumerate(results):
+        assert res["err"] <= TOL[DT], f"rank {r}: {res['err']:.3g}"
+        seen = res["seen"]
+        assert res["buckets"] > 2 and res["log"]["waits"] == res["log"]["launches"] > 0, res["log"]
+        assert all(freed == partition_grad for _, _, freed in seen), f"rank {r}: grads freed in hooks: {seen}"
+        if overlap:
+            assert all(waited == 0 for _, waited, _ in seen), f"rank {r}: waited inside backward: {seen}"
+            assert any(launched > 0 for launched, _, _ in seen), f"rank {r}: nothing in flight: {seen}"
+        elif partition_grad:
+            assert all(launched == waited for launched, waited, _ in seen), f"rank {r}: in flight: {seen}"
+            assert any(launched > 0 for launched, _, _ in seen), f"rank {r}: nothing launched from hooks: {seen}"
+        else:
+            assert all(launched == 0 for launched, _, _ in seen), f"rank {r}: launched during backward: {seen}"
 
 
 # ---- memory: optimizer state and gradients ~ 1/world per rank --------------------------------------------
@@ -295,15 +457,31 @@ def test_state_and_grads_are_sharded(pool, name):
             assert max(p["state"] for p in per) <= bound, ([p["state"] for p in per], bound)
 
 
+def test_bench_data_parallel_memory(tmp_path, monkeypatch):
+    """bench_zero's data-parallel comparison at a tiny size (2 processes): its exact counts show the optimizer
+    state (ZeRO-1 and 2) and the gradients (ZeRO-2) at 1/world of DDP's per rank; its processes exit cleanly."""
+    bench = fbench.bench_dir()
+    monkeypatch.syspath_prepend(str(bench))  # spawned processes unpickle `bench_zero._dp_spawned` by name
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))  # run_dp sets it otherwise, for good
+    for name in ("common", "bench_zero"):  # bench's modules as top-level ones for this test only: undoing
+        monkeypatch.setitem(sys.modules, name, None)  # this restores what was there before (or nothing)
+        monkeypatch.delitem(sys.modules, name)
+    bz = importlib.import_module("bench_zero")
+    assert bz.__file__ == str(bench / "bench_zero.py")
+    world = 2
+    cfg = dict(world=world, threads=1, dim=32, layers=4, batch=4, opt="adamw", bucket_mb=25.0, warmup=1, iters=2)
+    ddp, z1, z2 = bz.run_dp(cfg, schemes=["DDP", "ZeRO-1", "ZeRO-2"])
+    assert [ddp["scheme"], z1["scheme"], z2["scheme"]] == ["DDP", "ZeRO-1", "ZeRO-2"]
+    assert ddp["state_bytes_per_rank"][0] == ddp["state_bytes"] > 0
+    for r in range(world):  # 4 equal layers: whole params split evenly; ZeRO-2 buckets carry 1 count per param
+        for z in (z1, z2):
+            assert ddp["state_bytes_per_rank"][r] == pytest.approx(world * z["state_bytes_per_rank"][r], rel=0.02)
+        assert ddp["grad_bytes_per_rank"][r] == pytest.approx(world * z2["grad_bytes_per_rank"][r], rel=0.02)
+
+
 # ---- LR schedulers and clip_grad_norm_ -------------------------------------------------------------------
 def _sched_clip(rank, world, partition_grad, overlap):
-    os.environ["FASTOPT_BACKEND"] = "torch"
-    ref_model = Net()
-    model = copy.deepcopy(ref_model)
-    init = [p.detach().clone() for p in ref_model.parameters()]
-    ref_opt = make_opt("AdamW", ref_model)
-    opt = ZeroRedundancyOptimizer(make_opt("AdamW", model), partition_grad=partition_grad,
-                                  overlap_communication=overlap, bucket_size_mb=BUCKET_MB)
+    ref_model, ref_opt, model, opt, init = _ref_and_zero("AdamW", partition_grad, overlap)
     lam = lambda s: 1.0 / (1 + s)  # noqa: E731
     ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, [lam, lambda s: 0.5 ** s])
     sched = torch.optim.lr_scheduler.LambdaLR(opt, [lam, lambda s: 0.5 ** s])
@@ -507,8 +685,8 @@ def test_not_an_optimizer():
 
 # ---- one rank (no process group): a pass-through, on both back ends ----------------------------------------
 @pytest.mark.parametrize("partition_grad", [False, True])
-def test_single_rank_is_the_wrapped_optimizer(backend, partition_grad):
-    ref_model = Net()
+def test_single_rank_is_the_wrapped_optimizer(device, partition_grad):
+    ref_model = Net().to(device)
     model = copy.deepcopy(ref_model)
     mk = lambda m: fastopt.Adafactor([{"params": g} for g in m.groups()], lr=1e-2, relative_step=False,  # noqa: E731
                                      beta1=0.9)
@@ -517,7 +695,7 @@ def test_single_rank_is_the_wrapped_optimizer(backend, partition_grad):
     # The wrapper is a torch Optimizer to the schedulers.
     scheds = [torch.optim.lr_scheduler.StepLR(o, 2, gamma=0.5) for o in (ref_opt, opt)]
     for step in range(STEPS):
-        x, y = batch(step, 1)
+        x, y = (t.to(device) for t in batch(step, 1))
         for m, o in ((ref_model, ref_opt), (model, opt)):
             o.zero_grad()
             loss_fn(m, x, y).backward()

@@ -13,14 +13,18 @@ The model stays an ordinary module with the same weights on every rank, and each
   keeps its hyperparameters, possibly with no params on this rank) and state of other ranks' params is
   dropped, so its state exists for this rank's shard only.
 * ZeRO-1 (`partition_grad=False`): gradients are averaged over the group by all-reduce of flat buckets (one
-  collective per bucket of at most `bucket_size_mb`), in `step()`; with `overlap_communication=True` each
-  bucket is all-reduced asynchronously as soon as backward has produced all its gradients (DDP's scheme).
-  Every rank keeps full averaged gradients.
+  collective per bucket of at most `bucket_size_mb`). With `overlap_communication=False` this happens in
+  `step()`, each all-reduce waited on right after it is launched; with `True` each bucket is all-reduced
+  asynchronously as soon as backward has produced all its gradients (DDP's scheme), and all are waited on at
+  the end of backward. Every rank keeps full averaged gradients.
 * ZeRO-2 (`partition_grad=True`): from post-accumulate-grad hooks, each gradient is copied (divided by the
   world size) into a flat bucket of params that share one owner, and freed (`p.grad = None`) at once; a full
-  bucket is reduced to its owner (`dist.reduce`, asynchronously with `overlap_communication=True`), which adds
-  it into a flat accumulator. At the end of backward (an autograd callback) all reductions are waited on and
-  the owner's params get `.grad` as views of the accumulator; other ranks' params keep `.grad = None`.
+  bucket is reduced to its owner (`dist.reduce`), which adds it into a flat accumulator. With
+  `overlap_communication=False` the hook that launched a reduction waits for it before backward goes on
+  (nothing on the wire while backward computes; gradients are still freed as they are packed); with `True`
+  the reductions run while backward goes on. At the end of backward (an autograd callback) all reductions are
+  waited on and the owner's params get `.grad` as views of the accumulator; other ranks' params keep
+  `.grad = None`.
 * `step()` steps this rank's shard with the wrapped optimizer, then every owner broadcasts its updated params
   in flat buckets, so all ranks end the step with identical weights.
 
@@ -32,9 +36,12 @@ gradient is never counted twice. Not calling `zero_grad()` between steps accumul
 
 Like DDP, every rank must run the same sequence: the same backward passes over the same params, and every
 `step()`, `clip_grad_norm_()`, consolidated `state_dict()` and `add_param_group()` together. A parameter that
-gets no gradient on a rank contributes zeros; after the reduction every trainable parameter has a gradient
-(zero where no rank produced one), and the wrapped optimizer steps it. Gradients set by hand instead of by
-backward are reduced in `step()` (they must be set on every rank).
+gets no gradient on a rank contributes zeros from that rank. One that gets a gradient on no rank keeps
+`.grad = None` and is not stepped, as in one process (torch's optimizers skip it: no state, no weight decay):
+every bucket carries one "has a gradient" count per param after its gradients, summed by the same collective,
+so this costs no extra communication (the counts are read back to the host only for params without a local
+gradient). A gradient zeroed by `zero_grad(set_to_none=False)` still counts, as in torch. Gradients set by
+hand instead of by backward are reduced in `step()` (they must be set on every rank).
 
 Hyperparameters live in `param_groups` of the wrapper (every param of each group); assigning a key there
 (LR schedulers do) sets it in the wrapped optimizer's group at once, and every `step()` copies all keys across.
@@ -80,10 +87,15 @@ class _Group(dict):
 
 
 class _Bucket:
-    """Params of one device and dtype (and, for ZeRO-2 and broadcasts, one owner) packed in one flat buffer."""
+    """Params of one device and dtype (and, for ZeRO-2 and broadcasts, one owner) packed in one flat buffer.
 
-    __slots__ = ("params", "gidx", "offsets", "numel", "owner", "device", "dtype",
-                 "staging", "filled", "pending", "acc", "work")
+    A reduction buffer (`staging`, ZeRO-2's `acc`) holds the `numel` gradient elements followed by one count
+    per param: 1 where this rank packed a gradient, summed over the ranks by the same collective, so a count of
+    0 means that no rank produced a gradient for that param. `seen[k]`: this rank packed one for param k into
+    the current accumulator (its count is then known to be > 0 without reading it back)."""
+
+    __slots__ = ("params", "gidx", "offsets", "numel", "size", "owner", "device", "dtype",
+                 "staging", "filled", "pending", "acc", "seen", "work")
 
     def __init__(self, gidx: list[int], params: list[Tensor], owner: int | None):
         self.params = params
@@ -95,17 +107,23 @@ class _Bucket:
             self.offsets.append(n)
             n += p.numel()
         self.numel = n
+        self.size = n + len(params)
         self.device = params[0].device
         self.dtype = params[0].dtype
         self.staging: Tensor | None = None
         self.filled = [False] * len(params)
         self.pending = len(params)
         self.acc: Tensor | None = None
+        self.seen = [False] * len(params)
         self.work = None
 
     def slot(self, buf: Tensor, k: int) -> Tensor:
         p = self.params[k]
         return buf[self.offsets[k]:self.offsets[k] + p.numel()]
+
+    def counts(self, buf: Tensor) -> list[bool]:
+        """Per param: did any rank contribute a gradient to `buf` (a host sync on an accelerator)."""
+        return buf[self.numel:].ne(0).tolist()
 
     def reset_round(self) -> None:
         self.staging = None
@@ -165,7 +183,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             group the wrapper runs as a single rank).
         partition_grad: False for ZeRO-1 (optimizer state sharded, gradients all-reduced), True for ZeRO-2
             (gradients reduced to their owner during backward and freed on the other ranks).
-        overlap_communication: reduce gradient buckets asynchronously during backward.
+        overlap_communication: ZeRO-1: all-reduce gradient buckets asynchronously during backward instead of in
+            `step()`. ZeRO-2 (which always reduces from backward's hooks): let the reductions run asynchronously
+            while backward goes on, instead of waiting for each one in the hook that launched it.
         bucket_size_mb: upper bound of one flat communication bucket, in MiB.
 
     Construction is collective: it checks that every rank passes the same params (count, shapes, dtypes and
@@ -444,11 +464,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         """Clear the gradients of every param (and ZeRO-2's accumulators)."""
         self._synced = False
         for b in self._red:
-            if b.acc is not None:
-                if set_to_none:
-                    b.acc = None
-                else:
-                    b.acc.zero_()
+            if set_to_none:
+                b.acc = None
+                b.seen = [False] * len(b.params)
+            elif b.acc is not None:  # the counts stay: a param whose gradient is zeroed, not removed, is stepped
+                b.acc[:b.numel].zero_()
         if set_to_none:
             self._views = {}
         for g in self.param_groups:
@@ -491,10 +511,12 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     def _pack(self, b: _Bucket, k: int) -> None:
         p = self._params[b.gidx[k]]
         if b.staging is None:
-            b.staging = torch.zeros(b.numel, dtype=b.dtype, device=b.device)
+            b.staging = torch.zeros(b.size, dtype=b.dtype, device=b.device)
         g = p.grad
         if g is not None and not (self.partition_grad and g is self._views.get(b.gidx[k])):
             b.staging[b.offsets[k]:b.offsets[k] + p.numel()].add_(g.reshape(-1), alpha=self._inv_world)
+            b.staging[b.numel + k] = 1  # this rank has a gradient for param k
+            b.seen[k] = True
             if self.partition_grad:
                 p.grad = None
         if not b.filled[k]:
@@ -503,11 +525,14 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
     def _launch(self, b: _Bucket) -> None:
         if b.staging is None:
-            b.staging = torch.zeros(b.numel, dtype=b.dtype, device=b.device)
+            b.staging = torch.zeros(b.size, dtype=b.dtype, device=b.device)
         if self.partition_grad:
             b.work = dist.reduce(b.staging, dst=self._ranks[b.owner], group=self._pg, async_op=True)
         else:
             b.work = dist.all_reduce(b.staging, group=self._pg, async_op=True)
+        if not self.overlap_communication:  # synchronous: nothing on the wire while backward goes on
+            self._complete(b)
+            return
         self._inflight.append(b)
         while self._inflight and self._inflight[0].work.is_completed():  # frees staging early
             self._complete(self._inflight.popleft())
@@ -520,14 +545,15 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 if b.acc is None:
                     b.acc = b.staging
                 else:
-                    b.acc.add_(b.staging)
+                    b.acc.add_(b.staging)  # the counts add up too: > 0 once any rank had a gradient
         else:
+            # A param with a local gradient has a count > 0; read the counts only when some param has none here.
+            has = b.counts(b.staging) if any(p.grad is None for p in b.params) else None
             for k, p in enumerate(b.params):
-                res = b.slot(b.staging, k).view(p.shape)
-                if p.grad is None:
-                    p.grad = res
-                else:
-                    p.grad.copy_(res)
+                if p.grad is not None:
+                    p.grad.copy_(b.slot(b.staging, k).view(p.shape))
+                elif has[k]:
+                    p.grad = b.slot(b.staging, k).view(p.shape)
         b.staging = None
 
     @torch.no_grad()
@@ -549,10 +575,23 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._next = 0
         self._round = False
         if self.partition_grad:
-            for b in self._red:
-                if b.owner != self.rank or b.acc is None:
-                    continue
+            mine = [b for b in self._red if b.owner == self.rank and b.acc is not None]
+            # Params that got a gradient on no rank keep `.grad = None`. The counts are read back (one host sync
+            # per device) only for buckets with a param of which this rank packed no gradient itself.
+            unsure: dict = {}
+            for b in mine:
+                if not all(b.seen):
+                    unsure.setdefault(b.device, []).append(b)
+            has_of = {}
+            for bs in unsure.values():
+                flags = torch.cat([b.acc[b.numel:].ne(0) for b in bs]).tolist()
+                for b in bs:
+                    has_of[id(b)], flags = flags[:len(b.params)], flags[len(b.params):]
+            for b in mine:
+                has = has_of.get(id(b), b.seen)
                 for k, p in enumerate(b.params):
+                    if not has[k]:
+                        continue
                     gidx = b.gidx[k]
                     v = self._views.get(gidx)
                     if v is None or p.grad is not v:

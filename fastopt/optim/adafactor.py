@@ -1,11 +1,9 @@
 """fastopt.Adafactor: transformers' Adafactor, fused (math: fastopt/reference/adafactor.py)."""
 from __future__ import annotations
 
-import math
-
 from .. import ops
 from ..distributed.layout import local
-from .base import FastOptimizer, check
+from .base import FLAG, NONNEG, POSITIVE, FastOptimizer, check, eps_pair, is_number
 
 
 class Adafactor(FastOptimizer):
@@ -36,34 +34,43 @@ class Adafactor(FastOptimizer):
     _name = "Adafactor"
     _supports_layouts = True
     _elementwise_state = ("exp_avg", "exp_avg_sq")  # the factors are whole
+    _hyper_rules = dict(
+        eps=eps_pair, clip_threshold=POSITIVE,
+        decay_rate=(lambda v: is_number(v) and v < 0, "be a finite number < 0"),
+        beta1=(lambda v: v is None or (is_number(v) and 0 <= v < 1), "be None or in [0, 1)"), weight_decay=NONNEG,
+        scale_parameter=FLAG, relative_step=FLAG, warmup_init=FLAG, bf16_stochastic_round=FLAG,
+        lr=(lambda v: v is None or (is_number(v) and v >= 0), "be None or a finite number >= 0"))
 
     def __init__(self, params, lr=None, eps=(1e-30, 1e-3), clip_threshold=1.0, decay_rate=-0.8, beta1=None,
                  weight_decay=0.0, scale_parameter=True, relative_step=True, warmup_init=False,
                  bf16_stochastic_round=False):
-        n = self._name
-        if lr is not None and relative_step:
-            raise ValueError(f"{n}: lr={lr!r} cannot be combined with relative_step=True; "
-                             "pass lr=None, or relative_step=False with an lr")
-        if warmup_init and not relative_step:
-            raise ValueError(f"{n}: warmup_init=True requires relative_step=True")
-        if not relative_step:
-            check(isinstance(lr, (int, float)) and math.isfinite(lr) and lr >= 0, "lr", n, lr,
-                  "be a finite number >= 0 when relative_step=False")
-        if not (isinstance(eps, (tuple, list)) and len(eps) == 2):
-            raise ValueError(f"{n}: eps={eps!r} must be a pair (eps1, eps2)")
-        for k, e in enumerate(eps):
-            check(isinstance(e, (int, float)) and e >= 0, f"eps[{k}]", n, e, "be >= 0")
-        check(isinstance(clip_threshold, (int, float)) and clip_threshold > 0, "clip_threshold", n, clip_threshold,
-              "be > 0")
-        check(isinstance(decay_rate, (int, float)) and decay_rate < 0, "decay_rate", n, decay_rate, "be < 0")
-        check(beta1 is None or (isinstance(beta1, (int, float)) and 0 <= beta1 < 1), "beta1", n, beta1,
-              "be None or in [0, 1)")
-        check(isinstance(weight_decay, (int, float)) and weight_decay >= 0, "weight_decay", n, weight_decay, "be >= 0")
-        defaults = dict(lr=lr, eps=tuple(eps), clip_threshold=clip_threshold, decay_rate=decay_rate, beta1=beta1,
-                        weight_decay=weight_decay, scale_parameter=scale_parameter, relative_step=relative_step,
-                        warmup_init=warmup_init, bf16_stochastic_round=bf16_stochastic_round)
+        defaults = self._check_hyper(dict(
+            lr=lr, eps=eps, clip_threshold=clip_threshold, decay_rate=decay_rate, beta1=beta1,
+            weight_decay=weight_decay, scale_parameter=scale_parameter, relative_step=relative_step,
+            warmup_init=warmup_init, bf16_stochastic_round=bf16_stochastic_round))
         super().__init__(params, defaults)
         self._plans: dict = {}
+
+    # ---- validation -----------------------------------------------------------------------------------
+    def _check_hyper(self, hp: dict, where: str | None = None) -> dict:
+        """The base class's rules, then lr, relative_step and warmup_init together (a group's missing ones
+        taken from the defaults)."""
+        out = super()._check_hyper(hp, where)
+        n = self._name
+
+        def name(k):
+            return k if where is None else f"{where}['{k}']"
+
+        if {"lr", "relative_step", "warmup_init"} & set(hp):
+            full = hp if where is None else {**self.defaults, **hp}
+            lr, relative = full["lr"], full["relative_step"]
+            if lr is not None and relative:
+                raise ValueError(f"{n}: {name('lr')}={lr!r} cannot be combined with relative_step=True; "
+                                 "pass lr=None, or relative_step=False with an lr")
+            check(relative or lr is not None, name("lr"), n, lr, "be a finite number >= 0 when relative_step=False")
+            check(relative or not full["warmup_init"], name("warmup_init"), n, full["warmup_init"],
+                  "be False when relative_step=False (warm-up scales the relative step)")
+        return out
 
     def _state_spec(self, p, group):
         """Row and column factors span the whole (global) matrix, identical on every rank that holds a piece
@@ -83,8 +90,6 @@ class Adafactor(FastOptimizer):
     def _step_group(self, group, params, grads, states, scaler, layouts=None, reduce=None):
         hyper = {k: group[k] for k in ("lr", "eps", "clip_threshold", "decay_rate", "beta1", "weight_decay",
                                        "scale_parameter", "relative_step", "warmup_init", "bf16_stochastic_round")}
-        if group["lr"] is not None and group["relative_step"]:
-            raise ValueError(f"{self._name}: param group has lr={group['lr']!r} with relative_step=True")
         cache = self._plans.setdefault((id(group), params[0].device, params[0].dtype), {})
         ops.adafactor_step(params, grads, states, inv_scale=scaler.inv_scale, found_inf=scaler.found_inf,
                            cache=cache, layouts=layouts, reduce=reduce, **hyper)

@@ -7,8 +7,7 @@ import torch
 
 from .. import ops
 from ..distributed.layout import local, real_elements
-from ..reference.quant import check_block_size
-from .base import FastOptimizer, check, check_betas
+from .base import BLOCK_SIZE, MIN_8BIT_SIZE, NONNEG, FastOptimizer, betas_rule
 
 
 class AdamW8bit(FastOptimizer):
@@ -43,24 +42,16 @@ class AdamW8bit(FastOptimizer):
     # the local piece (so they differ from a single process's blocks by the quantization error alone).
     _supports_layouts = True
     _elementwise_state = ("state1", "state2")
+    _hyper_rules = dict(lr=NONNEG, betas=betas_rule(2), eps=NONNEG, weight_decay=NONNEG, block_size=BLOCK_SIZE,
+                        min_8bit_size=MIN_8BIT_SIZE)
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, block_size=256,
                  min_8bit_size=4096):
-        n = self._name
-        check(isinstance(lr, (int, float)) and not isinstance(lr, bool) and math.isfinite(lr) and lr >= 0,
-              "lr", n, lr, "be a finite number >= 0")
-        betas = check_betas(n, betas, 2)
-        check(isinstance(eps, (int, float)) and math.isfinite(eps) and eps >= 0, "eps", n, eps,
-              "be a finite number >= 0")
-        check(isinstance(weight_decay, (int, float)) and math.isfinite(weight_decay) and weight_decay >= 0,
-              "weight_decay", n, weight_decay, "be a finite number >= 0")
-        check_block_size(block_size, n)
-        check(isinstance(min_8bit_size, int) and not isinstance(min_8bit_size, bool) and min_8bit_size >= 0,
-              "min_8bit_size", n, min_8bit_size, "be an int >= 0")
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, block_size=block_size,
-                        min_8bit_size=min_8bit_size)
+        defaults = self._check_hyper(dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                          block_size=block_size, min_8bit_size=min_8bit_size))
         super().__init__(params, defaults)
 
+    # ---- state and step ---------------------------------------------------------------------------------
     def _state_spec(self, p, group):
         shape = tuple(local(p).shape)
         if math.prod(self._global_shape(p)) >= group["min_8bit_size"]:
@@ -71,7 +62,6 @@ class AdamW8bit(FastOptimizer):
         return {"state1": (shape, dt), "state2": (shape, dt)}
 
     def _step_group(self, group, params, grads, states, scaler, layouts=None, reduce=None):
-        check_block_size(group["block_size"], self._name)
         bs = group["block_size"]
         params, grads, states = real_elements(params, grads, states, layouts, self._elementwise_state,
                                               {"absmax1": bs, "absmax2": bs})

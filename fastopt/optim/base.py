@@ -6,6 +6,7 @@ device and dtype). Everything torch users expect from `torch.optim` comes from `
 """
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from typing import Any, Callable, Iterable
 
@@ -31,6 +32,38 @@ def check_betas(owner: str, betas, n: int, name: str = "betas") -> tuple:
     for i, b in enumerate(betas):
         check(isinstance(b, (int, float)) and 0.0 <= b < 1.0, f"{name}[{i}]", owner, b, "be in [0, 1)")
     return tuple(float(b) for b in betas)
+
+
+def is_number(x) -> bool:
+    """A finite int or float, not a bool."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+# Rules of `FastOptimizer._hyper_rules`: (test, what the value must be), or a function (owner, name, value) that
+# raises or returns the normalized value.
+NONNEG = (lambda v: is_number(v) and v >= 0, "be a finite number >= 0")
+POSITIVE = (lambda v: is_number(v) and v > 0, "be a finite number > 0")
+FLAG = (lambda v: isinstance(v, bool), "be True or False")
+NBITS = (lambda v: is_int(v) and v in (32, 8), "be 32 or 8")
+BLOCK_SIZE = (lambda v: is_int(v) and 64 <= v <= 4096 and not v & (v - 1), "be a power of two from 64 to 4096")
+MIN_8BIT_SIZE = (lambda v: is_int(v) and v >= 0, "be an int >= 0")
+
+
+def betas_rule(n: int):
+    return lambda owner, name, v: check_betas(owner, v, n, name)
+
+
+def eps_pair(owner: str, name: str, eps) -> tuple:
+    """(eps1, eps2), each a finite number >= 0."""
+    if not (isinstance(eps, (tuple, list)) and len(eps) == 2):
+        raise ValueError(f"{owner}: {name}={eps!r} must be a pair (eps1, eps2)")
+    for k, e in enumerate(eps):
+        check(is_number(e) and e >= 0, f"{name}[{k}]", owner, e, "be a finite number >= 0")
+    return tuple(float(e) for e in eps)
 
 
 class ScalerArgs:
@@ -99,8 +132,35 @@ class FastOptimizer(torch.optim.Optimizer):
             state.update(ckpt.zero_state(self._state_spec(p, group), p, self._elementwise_keys(group)))
         return state
 
+    # key -> rule (see NONNEG etc. above): what `_check_hyper` checks. Subclasses declare theirs.
+    _hyper_rules: dict = {}
+
+    def _check_hyper(self, hp: dict, where: str | None = None) -> dict:
+        """The constructor's checks (`_hyper_rules`) of the hyperparameters present in `hp`: constructor
+        arguments, or (`where`: the group's name `param_groups[i]`, named so in the error) a group's keys, when a
+        group is added and again at each step. Returns a normalized copy (betas and eps as tuples of floats).
+        Subclasses build their defaults with it."""
+        out = dict(hp)
+        for k, rule in self._hyper_rules.items():
+            if k in hp:
+                name = k if where is None else f"{where}['{k}']"
+                if callable(rule):
+                    out[k] = rule(self._name, name, hp[k])
+                else:
+                    check(rule[0](hp[k]), name, self._name, hp[k], rule[1])
+        return out
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Checks the group's hyperparameters (`_check_hyper`) before adding it; torch checks the rest."""
+        if isinstance(param_group, dict):
+            param_group = self._check_hyper(param_group, f"param_groups[{len(self.param_groups)}]")
+        super().add_param_group(param_group)
+
     def _check_grads(self) -> None:
-        """Every refusal happens here, before any parameter or state changes."""
+        """Every refusal happens here, before any parameter or state changes: the groups' hyperparameters
+        again (an lr scheduler or a user may have changed them), then the gradients."""
+        for gi, group in enumerate(self.param_groups):
+            self._check_hyper(group, f"param_groups[{gi}]")
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:

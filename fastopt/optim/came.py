@@ -9,7 +9,7 @@ from .. import ops
 from ..distributed.layout import local
 from ..reference import quant
 from ..reference.came import QBLOCK
-from .base import FastOptimizer, check, check_betas
+from .base import FLAG, NBITS, NONNEG, POSITIVE, FastOptimizer, betas_rule, eps_pair
 
 # Group keys of came-pytorch's CAME; a state_dict whose groups hold only these comes from came-pytorch.
 _CAME_PYTORCH_KEYS = ("lr", "eps", "clip_threshold", "betas", "weight_decay")
@@ -44,24 +44,16 @@ class CAME(FastOptimizer):
     _name = "CAME"
     _supports_layouts = True
     _elementwise_state = ("exp_avg", "exp_avg_sq")  # the four factors are whole
+    _hyper_rules = dict(
+        lr=(POSITIVE[0], "be a finite number > 0 (CAME has no relative step size: pass lr)"), eps=eps_pair,
+        betas=betas_rule(3), clip_threshold=POSITIVE, weight_decay=NONNEG, bf16_stochastic_round=FLAG,
+        nbits=NBITS)
 
     def __init__(self, params, lr=None, eps=(1e-30, 1e-16), clip_threshold=1.0, betas=(0.9, 0.999, 0.9999),
                  weight_decay=0.0, bf16_stochastic_round=False, nbits=32):
-        n = self._name
-        check(isinstance(lr, (int, float)) and not isinstance(lr, bool) and math.isfinite(lr) and lr > 0, "lr", n,
-              lr, "be a finite number > 0 (CAME has no relative step size: pass lr)")
-        if not (isinstance(eps, (tuple, list)) and len(eps) == 2):
-            raise ValueError(f"{n}: eps={eps!r} must be a pair (eps1, eps2)")
-        for k, e in enumerate(eps):
-            check(isinstance(e, (int, float)) and math.isfinite(e) and e >= 0, f"eps[{k}]", n, e, "be >= 0")
-        betas = check_betas(n, betas, 3)
-        check(isinstance(clip_threshold, (int, float)) and math.isfinite(clip_threshold) and clip_threshold > 0,
-              "clip_threshold", n, clip_threshold, "be > 0")
-        check(isinstance(weight_decay, (int, float)) and math.isfinite(weight_decay) and weight_decay >= 0,
-              "weight_decay", n, weight_decay, "be >= 0")
-        check(nbits in (32, 8), "nbits", n, nbits, "be 32 or 8")
-        defaults = dict(lr=lr, eps=tuple(float(e) for e in eps), clip_threshold=clip_threshold, betas=betas,
-                        weight_decay=weight_decay, bf16_stochastic_round=bf16_stochastic_round, nbits=nbits)
+        defaults = self._check_hyper(dict(lr=lr, eps=eps, clip_threshold=clip_threshold, betas=betas,
+                                          weight_decay=weight_decay, bf16_stochastic_round=bf16_stochastic_round,
+                                          nbits=nbits))
         super().__init__(params, defaults)
         self._plans: dict = {}
 

@@ -9,21 +9,13 @@ from torch import Tensor
 from .. import ops
 from ..distributed.layout import local
 from ..reference.galore import PROJ_TYPES, basis_shapes, projected_shape, projection_side
-from ..reference.quant import check_block_size, num_blocks
-from .base import FastOptimizer, check, check_betas
+from ..reference.quant import num_blocks
+from .base import BLOCK_SIZE, MIN_8BIT_SIZE, NBITS, NONNEG, FastOptimizer, betas_rule, check, is_int, is_number
 
 __all__ = ["GaLoreAdamW", "GaLoreAdamW8bit", "get_galore_param_groups"]
 
 # A group with `rank` may leave these out; galore-torch's documented values.
 GROUP_DEFAULTS = dict(update_proj_gap=200, scale=0.25, proj_type="std")
-
-
-def _number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
-def _int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 class GaLoreAdamW(FastOptimizer):
@@ -74,6 +66,8 @@ class GaLoreAdamW(FastOptimizer):
     # the ranks that share a param, one collective per step for the bucket.
     _supports_layouts = True
     _elementwise_state = ("exp_avg", "exp_avg_sq")  # groups without `rank` only: see _elementwise_keys
+    _hyper_rules = dict(lr=NONNEG, betas=betas_rule(2), eps=NONNEG, weight_decay=NONNEG, nbits=NBITS,
+                        min_8bit_size=MIN_8BIT_SIZE, block_size=BLOCK_SIZE)
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01, nbits=32,
                  min_8bit_size=4096, block_size=256):
@@ -85,33 +79,6 @@ class GaLoreAdamW(FastOptimizer):
         super().__init__(params, defaults)
 
     # ---- validation -----------------------------------------------------------------------------------
-    def _check_hyper(self, hp: dict, where: str | None = None) -> dict:
-        """Checks the optimizer-wide keys present in `hp`: constructor arguments, or (`where`: the group's
-        name) a group's overrides."""
-        n = self._name
-
-        def name(k):
-            return k if where is None else f"{where}['{k}']"
-
-        out = dict(hp)
-        if "lr" in hp:
-            check(_number(hp["lr"]) and hp["lr"] >= 0, name("lr"), n, hp["lr"], "be a finite number >= 0")
-        if "betas" in hp:
-            out["betas"] = check_betas(n, hp["betas"], 2, name("betas"))
-        if "eps" in hp:
-            check(_number(hp["eps"]) and hp["eps"] >= 0, name("eps"), n, hp["eps"], "be a finite number >= 0")
-        if "weight_decay" in hp:
-            wd = hp["weight_decay"]
-            check(_number(wd) and wd >= 0, name("weight_decay"), n, wd, "be a finite number >= 0")
-        if "nbits" in hp:
-            check(hp["nbits"] in (32, 8) and _int(hp["nbits"]), name("nbits"), n, hp["nbits"], "be 32 or 8")
-        if "min_8bit_size" in hp:
-            m = hp["min_8bit_size"]
-            check(_int(m) and m >= 0, name("min_8bit_size"), n, m, "be an int >= 0")
-        if "block_size" in hp:
-            check_block_size(hp["block_size"], n if where is None else f"{n}: {name('block_size')}")
-        return out
-
     def add_param_group(self, param_group: dict) -> None:
         """Validates a group before adding it: a projected group's keys, and each of its params' shape."""
         n = self._name
@@ -125,9 +92,9 @@ class GaLoreAdamW(FastOptimizer):
             for k, v in GROUP_DEFAULTS.items():
                 group.setdefault(k, v)
             rank, gap = group["rank"], group["update_proj_gap"]
-            check(_int(rank) and rank >= 1, f"{where}['rank']", n, rank, "be an int >= 1")
-            check(_int(gap) and gap >= 1, f"{where}['update_proj_gap']", n, gap, "be an int >= 1")
-            check(_number(group["scale"]), f"{where}['scale']", n, group["scale"], "be a finite number")
+            check(is_int(rank) and rank >= 1, f"{where}['rank']", n, rank, "be an int >= 1")
+            check(is_int(gap) and gap >= 1, f"{where}['update_proj_gap']", n, gap, "be an int >= 1")
+            check(is_number(group["scale"]), f"{where}['scale']", n, group["scale"], "be a finite number")
             check(group["proj_type"] in PROJ_TYPES, f"{where}['proj_type']", n, group["proj_type"],
                   "be one of " + ", ".join(PROJ_TYPES))
             self._check_projected(group, where, at_step=False)
@@ -156,7 +123,7 @@ class GaLoreAdamW(FastOptimizer):
         super()._check_grads()
         for gi, group in enumerate(self.param_groups):  # an lr scheduler or a user may have changed it
             lr = group["lr"]
-            check(_number(lr) and lr >= 0, f"param_groups[{gi}]['lr']", self._name, lr, "be a finite number >= 0")
+            check(is_number(lr) and lr >= 0, f"param_groups[{gi}]['lr']", self._name, lr, "be a finite number >= 0")
             if "rank" in group:
                 self._check_projected(group, f"param_groups[{gi}]")
 
@@ -278,7 +245,7 @@ def get_galore_param_groups(model: torch.nn.Module, weight_decay: float, rank: i
     other vector or scalar plain AdamW without decay. A Linear weight with a dim smaller than `rank` stays
     plain (its projection would keep no fewer numbers). Params without requires_grad are left out; a param
     shared by several modules appears once. Empty groups are dropped."""
-    check(_int(rank) and rank >= 1, "rank", "get_galore_param_groups", rank, "be an int >= 1")
+    check(is_int(rank) and rank >= 1, "rank", "get_galore_param_groups", rank, "be an int >= 1")
     projected, decayed, plain = [], [], []
     seen: set = set()
     for module in model.modules():

@@ -7,12 +7,8 @@ import torch
 
 from .. import ops
 from ..distributed.layout import local
-from ..reference.quant import check_block_size, num_blocks
-from .base import FastOptimizer, check, check_betas
-
-
-def _number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+from ..reference.quant import num_blocks
+from .base import BLOCK_SIZE, FLAG, MIN_8BIT_SIZE, NBITS, NONNEG, FastOptimizer, betas_rule, is_number
 
 
 class Lamb(FastOptimizer):
@@ -52,26 +48,17 @@ class Lamb(FastOptimizer):
     # that hold its pieces (the base class's `reduce`), whatever the layout (flat shards: padding cut off).
     _supports_layouts = True
     _elementwise_state = ("exp_avg", "exp_avg_sq")
+    _hyper_rules = dict(
+        lr=NONNEG, betas=betas_rule(2), eps=NONNEG, weight_decay=NONNEG, bias_correction=FLAG,
+        bf16_stochastic_round=FLAG, nbits=NBITS, block_size=BLOCK_SIZE, min_8bit_size=MIN_8BIT_SIZE,
+        max_trust_ratio=(lambda v: v is None or (is_number(v) and v > 0), "be None or a finite number > 0"))
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0, bias_correction=True,
                  max_trust_ratio=None, bf16_stochastic_round=False, nbits=32, block_size=256, min_8bit_size=4096):
-        n = self._name
-        check(_number(lr) and lr >= 0, "lr", n, lr, "be a finite number >= 0")
-        betas = check_betas(n, betas, 2)
-        check(_number(eps) and eps >= 0, "eps", n, eps, "be a finite number >= 0")
-        check(_number(weight_decay) and weight_decay >= 0, "weight_decay", n, weight_decay, "be a finite number >= 0")
-        check(isinstance(bias_correction, bool), "bias_correction", n, bias_correction, "be True or False")
-        check(max_trust_ratio is None or (_number(max_trust_ratio) and max_trust_ratio > 0), "max_trust_ratio", n,
-              max_trust_ratio, "be None or a finite number > 0")
-        check(isinstance(bf16_stochastic_round, bool), "bf16_stochastic_round", n, bf16_stochastic_round,
-              "be True or False")
-        check(nbits in (32, 8) and not isinstance(nbits, bool), "nbits", n, nbits, "be 32 or 8")
-        check_block_size(block_size, n)
-        check(isinstance(min_8bit_size, int) and not isinstance(min_8bit_size, bool) and min_8bit_size >= 0,
-              "min_8bit_size", n, min_8bit_size, "be an int >= 0")
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
-                        max_trust_ratio=max_trust_ratio, bf16_stochastic_round=bf16_stochastic_round, nbits=nbits,
-                        block_size=block_size, min_8bit_size=min_8bit_size)
+        defaults = self._check_hyper(dict(
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
+            max_trust_ratio=max_trust_ratio, bf16_stochastic_round=bf16_stochastic_round, nbits=nbits,
+            block_size=block_size, min_8bit_size=min_8bit_size))
         super().__init__(params, defaults)
         self._plans: dict = {}
 
@@ -88,12 +75,6 @@ class Lamb(FastOptimizer):
     def _quantized_keys(self, group):
         bs = group["block_size"]
         return {"exp_avg": ("exp_avg_absmax", True, bs), "exp_avg_sq": ("exp_avg_sq_absmax", False, bs)}
-
-    def _check_grads(self) -> None:
-        super()._check_grads()
-        for gi, group in enumerate(self.param_groups):  # an lr scheduler or a user may have changed it
-            lr = group["lr"]
-            check(_number(lr) and lr >= 0, f"param_groups[{gi}]['lr']", self._name, lr, "be a finite number >= 0")
 
     def _step_group(self, group, params, grads, states, scaler, layouts=None, reduce=None):
         hyper = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay", "bias_correction", "max_trust_ratio",
