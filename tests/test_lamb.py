@@ -443,7 +443,7 @@ def test_skips_params_without_grad_and_empty_params(backend, device):
     (dict(lr=float("nan")), "lr"),
     (dict(lr=True), "lr"),
     (dict(betas=(1.0, 0.999)), "betas[0]"),
-    (dict(betas=(1.5, 0.9)), "betas[0]"),
+    (dict(betas=(1.5, 0.9)), "betas[0]"), (dict(betas=(0.9, False)), "betas[1]"),
     (dict(betas=(0.9, -0.1)), "betas[1]"),
     (dict(betas=0.9), "betas"),
     (dict(eps=-1e-6), "eps"),

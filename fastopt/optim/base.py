@@ -30,7 +30,7 @@ def check_betas(owner: str, betas, n: int, name: str = "betas") -> tuple:
     if not isinstance(betas, (tuple, list)) or len(betas) != n:
         raise ValueError(f"{owner}: {name}={betas!r} must be a tuple of {n} floats")
     for i, b in enumerate(betas):
-        check(isinstance(b, (int, float)) and 0.0 <= b < 1.0, f"{name}[{i}]", owner, b, "be in [0, 1)")
+        check(is_number(b) and 0.0 <= b < 1.0, f"{name}[{i}]", owner, b, "be in [0, 1)")
     return tuple(float(b) for b in betas)
 
 

@@ -87,7 +87,6 @@ class GaLoreAdamW(FastOptimizer):
         group = dict(param_group)
         ps = group.get("params")
         group["params"] = [ps] if isinstance(ps, Tensor) else list(ps if ps is not None else [])
-        group = self._check_hyper(group, where)
         if "rank" in group:
             for k, v in GROUP_DEFAULTS.items():
                 group.setdefault(k, v)
@@ -120,10 +119,8 @@ class GaLoreAdamW(FastOptimizer):
                   f"be at most min(m, n) = {min(shape[-2:])} of its param {pi} of shape {shape}")
 
     def _check_grads(self) -> None:
-        super()._check_grads()
-        for gi, group in enumerate(self.param_groups):  # an lr scheduler or a user may have changed it
-            lr = group["lr"]
-            check(is_number(lr) and lr >= 0, f"param_groups[{gi}]['lr']", self._name, lr, "be a finite number >= 0")
+        super()._check_grads()  # the groups' hyperparameters (`_hyper_rules`) too
+        for gi, group in enumerate(self.param_groups):
             if "rank" in group:
                 self._check_projected(group, f"param_groups[{gi}]")
 
