@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One entry point for people and CI. Sets up .venv on first use (and again when setup.py changes), then:
+# One entry point for people and CI. Sets up .venv on first use (and again when setup.py, run.sh or
+# FASTOPT_TORCH changes), then:
 #   ./run.sh demo  [args]   the main job: the training demo (python -m fastopt.demo)
 #   ./run.sh test  [args]   the whole test suite, every Triton kernel through the interpreter on CPU
 #   ./run.sh bench [args]   the benchmark suite (reduced CPU sizes without a GPU)
@@ -11,12 +12,13 @@ py="$venv/bin/python"
 
 setup() {
   [ -x "$py" ] || python3 -m venv "$venv"
-  local want
-  want=$(cat setup.py run.sh | sha256sum | cut -c1-16)
+  local want torch=${FASTOPT_TORCH:-torch==2.13.0}
+  want=$( (cat setup.py run.sh; echo "$torch") | sha256sum | cut -c1-16)
   if [ "$(cat "$venv/.fastopt-setup" 2>/dev/null)" != "$want" ]; then
     "$py" -m pip install -q --upgrade pip
     # torch first and pinned: an unpinned torch pulled in by an extra would fetch a multi-GB CUDA build.
-    "$py" -c "import torch" 2>/dev/null || "$py" -m pip install -q "${FASTOPT_TORCH:-torch==2.13.0}"
+    # pip leaves an installed torch that satisfies the requirement as it is, and replaces one that does not.
+    "$py" -m pip install -q "$torch"
     "$py" -m pip install -q -e ".[test]"
     echo "$want" >"$venv/.fastopt-setup"
   fi

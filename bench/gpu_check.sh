@@ -3,9 +3,9 @@
 #
 #   bash bench/gpu_check.sh
 #
-# Installs nothing from the network (an editable install with --no-deps --no-index; falls back to a copied
-# source tree on PYTHONPATH), then, each stage under its own timeout and the whole under GPU_CHECK_BUDGET_S
-# (default 530 s, inside the device's 10-minute command limit):
+# Installs nothing from the network (an editable install with --no-deps --no-index; when that fails, the
+# later stages run from a copy of the tree laid out as installed, in /tmp/fastopt_src), then, each stage under
+# its own timeout and the whole under GPU_CHECK_BUDGET_S (default 530 s, inside the device's 10-minute limit):
 #   1. nvidia-smi and the versions of torch/Triton/CUDA
 #   2. the whole pytest suite on CUDA, compiled Triton (TRITON_INTERPRET unset)   -> $OUT/pytest.log
 #   3. bench/gpu_checks.py: no host sync in step(), CUDA-graph capture + replay   -> $OUT/gpu_checks.json
@@ -14,17 +14,21 @@
 # device returns at most 8 files). Unpack that into bench/results/ to commit it.
 # Wheels in .whl/ (carried) are installed to /tmp/site first: the image lacks some test dependencies.
 # Knobs: PYTHON, GPU_CHECK_BUDGET_S, PYTEST_WORKERS (default 4 with pytest-xdist, 0: serial),
-# PYTEST_ARGS, BENCH_ARGS, FASTOPT_COMMIT (recorded when the tree has no .git), and for splitting the work over
+# PYTEST_ARGS, BENCH_ARGS, FASTOPT_COMMIT, and for splitting the work over
 # several device calls (each at most 10 minutes; the machine stays warm only 30 s between them):
 #   GPU_CHECK_STAGES   the stages to run, of: info install tests gpu_checks bench (default: all five)
 #   TESTS_MAX_S        the tests stage's cap (default 270; e.g. 500 when a call runs info install tests alone)
-#   CHECKS_MAX_S       the gpu_checks stage's cap (default 240: ten configurations, up to 6 at a time)
+#   CHECKS_MAX_S       the gpu_checks stage's cap (default 240: ten configurations, up to 6 at a time; each
+#                      is killed at what is left of the stage, and gpu_checks.json is rewritten as each ends)
+# The commit the results record: FASTOPT_COMMIT, else `git rev-parse HEAD`, else the file .fastopt_commit (the
+# device gets the tree without .git: write it before the call, `git rev-parse HEAD > .fastopt_commit`, and
+# carry it; it is git-ignored). Without any of them the results say "commit": "unknown" and this warns.
 # e.g. call 1: GPU_CHECK_STAGES="info install tests" TESTS_MAX_S=500 bash bench/gpu_check.sh
 #      call 2: GPU_CHECK_STAGES="info install gpu_checks bench" bash bench/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the folder that receives the results}"
-mkdir -p "$OUT"
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)  # absolute: the stages may run from another folder (install)
 PY=${PYTHON:-python3}
 BUDGET=${GPU_CHECK_BUDGET_S:-530}
 T0=$(date +%s)
@@ -82,11 +86,17 @@ install() {
   if timeout -k 5 "$T" "$PY" -m pip install -q --no-deps --no-build-isolation --no-index -e . ; then
     "$PY" -c "import fastopt, fastopt.kernels; print('fastopt from', fastopt.__file__)" && return 0
   fi
-  echo "editable install failed: using a copied tree on PYTHONPATH"
-  local src=/tmp/fastopt_src
-  rm -rf "$src" && mkdir -p "$src" && cp -r fastopt "$src/" && cp -r kernels "$src/fastopt/kernels" || return 1
-  [ -d csrc ] && cp -r csrc "$src/"
-  export PYTHONPATH="$src${PYTHONPATH:+:$PYTHONPATH}" FASTOPT_BENCH_DIR="$PWD/bench"
+  # Without the install, the repository's own fastopt/ (no kernels/ inside) comes first on sys.path whenever
+  # the current folder does (python -c, -m pytest), whatever PYTHONPATH says. So the later stages run from a
+  # copy of the tree whose fastopt/ holds kernels/ and csrc/ as an installed package does.
+  echo "editable install failed: the stages below run from a copy of the tree laid out as installed"
+  local src=/tmp/fastopt_src f
+  rm -rf "$src" && mkdir -p "$src" || return 1
+  for f in *; do  # not the dot folders (.git, .venv, .whl)
+    cp -r "$f" "$src/" || return 1
+  done
+  cp -r kernels "$src/fastopt/kernels" && cp -r csrc "$src/fastopt/csrc" && cd "$src" || return 1
+  export PYTHONPATH="$src${PYTHONPATH:+:$PYTHONPATH}" FASTOPT_BENCH_DIR="$src/bench"
   "$PY" -c "import fastopt, fastopt.kernels; print('fastopt from', fastopt.__file__)"
 }
 
@@ -103,7 +113,9 @@ tests() {
 }
 
 checks() {
-  timeout -k 10 "$T" "$PY" bench/gpu_checks.py --json "$OUT/gpu_checks.json"
+  # Each configuration's timeout is cut to what is left of the stage (less 15 s to kill it and write its rows),
+  # so a slow one ends as a FAIL row instead of the stage's timeout taking every row with it.
+  timeout -k 10 "$T" "$PY" bench/gpu_checks.py --json "$OUT/gpu_checks.json" --budget-s $((T - 15))
 }
 
 bench() {
@@ -115,9 +127,17 @@ bench() {
 main() {
   if [ -z "${FASTOPT_COMMIT:-}" ] && git rev-parse HEAD >/dev/null 2>&1; then
     FASTOPT_COMMIT=$(git rev-parse HEAD)
+  elif [ -z "${FASTOPT_COMMIT:-}" ] && [ -f .fastopt_commit ]; then
+    FASTOPT_COMMIT=$(tr -d '[:space:]' <.fastopt_commit)
   fi
   export FASTOPT_COMMIT=${FASTOPT_COMMIT:-unknown}
   echo "gpu_check: commit $FASTOPT_COMMIT, budget ${BUDGET}s, $(date -u)"
+  local nocommit=""
+  if [ "$FASTOPT_COMMIT" = unknown ]; then
+    nocommit="WARNING: COMMIT UNKNOWN: no .git, no FASTOPT_COMMIT, no .fastopt_commit; every result will say
+WARNING: \"commit\": \"unknown\". Before the device call: git rev-parse HEAD > .fastopt_commit, and carry it."
+    echo "$nocommit"
+  fi
   local want=" ${GPU_CHECK_STAGES:-info install tests gpu_checks bench} "
   # The reserves keep time for the stages after each one, counted only when those stages run.
   local r_tests=0 r_checks=0 r_bench=0
@@ -146,7 +166,10 @@ main() {
     [ "${RC[$n]}" = 0 ] || fail=1
   done
   [ -f "$OUT/gpu_checks.json" ] && grep -o '"status": "\(FAIL\|SKIP\)"' "$OUT/gpu_checks.json" | sort | uniq -c
+  [ -f "$OUT/gpu_checks.json" ] && "$PY" -c "import json, sys; p = json.load(open(sys.argv[1])).get('pending')
+if p: print('gpu_checks: not finished (no rows):', ', '.join(p))" "$OUT/gpu_checks.json"
   [ -f "$OUT/pytest.log" ] && tail -n 1 "$OUT/pytest.log"
+  [ -n "$nocommit" ] && echo "$nocommit"
   return $fail
 }
 

@@ -1,6 +1,7 @@
 """GPU-only checks of every fastopt optimizer: no host sync, CUDA graphs.
 
-    python bench/gpu_checks.py [--only Adafactor,CAME-8bit] [--json out.json] [--jobs N] [--list]
+    python bench/gpu_checks.py [--only Adafactor,CAME-8bit] [--json out.json] [--jobs N] [--timeout S]
+                               [--budget-s S] [--list]
 
 What runs is an explicit list of configurations (`configurations()`: name, class, factory): every optimizer
 class in `fastopt.__all__` at least once, plus the variants whose kernels differ (8-bit CAME and Lamb state,
@@ -8,7 +9,8 @@ Adafactor with momentum, GaLore's projected groups in 32 and 8 bits, ZeRO around
 `--only` takes configuration names or class names (a class name selects every configuration of that class).
 
 For each configuration, in its own subprocess (a failed capture can leave the CUDA context unusable;
-up to --jobs at a time):
+up to --jobs at a time, each killed after --timeout seconds or what is left of --budget-s, whichever is less;
+the rows it printed before are kept):
 
 - no-host-sync: `torch.cuda.set_sync_debug_mode("error")` around the first step (state creation, kernel
   compilation), several more steps with fresh random gradients, and steps with GradScaler's
@@ -25,7 +27,9 @@ up to --jobs at a time):
   refresh schedule lives on the host, so refresh steps must run outside a graph.
 
 Params: fp32 and bf16 matrices, a 3-D tensor, vectors and a 0-d tensor in one optimizer (several buckets).
-Exit status 1 when any check fails.
+Each configuration's rows are printed, and --json rewritten (with the configurations still running under
+"pending"), as soon as it finishes: a timeout around this script loses only the configurations then running.
+Exit status 1 when any check fails or a configuration was not started (SKIP: --budget-s spent).
 """
 from __future__ import annotations
 
@@ -36,7 +40,7 @@ import subprocess
 import sys
 import time
 import traceback
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import Callable
 
@@ -265,20 +269,55 @@ def run_one(cfg: Config, emit: bool = False) -> list[dict]:
     return rows
 
 
+def _command(name: str) -> list[str]:
+    return [sys.executable, os.path.abspath(__file__), "--inline", "--config", name, "--json", "-"]
+
+
+def _rows_in(out) -> list[dict]:
+    """The `ROW <json>` lines of a child's stdout (str, or the bytes a TimeoutExpired carries, or None)."""
+    if isinstance(out, bytes):
+        out = out.decode(errors="replace")
+    return [json.loads(ln[4:]) for ln in (out or "").splitlines() if ln.startswith("ROW ")]
+
+
 def _subprocess(name: str, timeout: float) -> list[dict]:
+    """Configuration `name` in a child process killed after `timeout` s; the rows it printed before dying are
+    kept, followed by a FAIL row saying why it died."""
     t0 = time.monotonic()
-    cmd = [sys.executable, os.path.abspath(__file__), "--inline", "--config", name, "--json", "-"]
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-        got = [json.loads(ln[4:]) for ln in r.stdout.splitlines() if ln.startswith("ROW ")]
+        r = subprocess.run(_command(name), capture_output=True, text=True, timeout=timeout)
+        got = _rows_in(r.stdout)
         if r.returncode not in (0, 1) or not got:
             tail = " | ".join(r.stderr.strip().splitlines()[-3:])
             got.append(dict(optimizer=name, check="subprocess", status="FAIL", detail=f"exit {r.returncode}: {tail}"))
-    except subprocess.TimeoutExpired:
-        got = [dict(optimizer=name, check="subprocess", status="FAIL", detail=f"timed out ({timeout} s)")]
+    except subprocess.TimeoutExpired as e:
+        got = _rows_in(e.stdout)
+        got.append(dict(optimizer=name, check="subprocess", status="FAIL",
+                        detail=f"timed out after {timeout:.0f} s ({len(got)} rows before)"))
     for row in got:
         row.setdefault("seconds", round(time.monotonic() - t0, 1))
     return got
+
+
+def _print_row(row: dict) -> None:
+    print(f"{row['status']:4s}  {row['optimizer']:24s} {row['check']:45s} {row.get('detail', '')}", flush=True)
+
+
+def _write_json(path: str, rows: list[dict], pending: list[str], args) -> None:
+    """The rows so far, in configuration order, with the configurations not finished yet (`pending`).
+    Written to a temporary file and renamed: a kill mid-write leaves the previous version, never half a file."""
+    doc = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+               commit=os.environ.get("FASTOPT_COMMIT", "unknown"), timeout_s=args.timeout, budget_s=args.budget_s,
+               pending=pending, rows=rows)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1)
+    os.replace(tmp, path)
+
+
+# Monotonic clock of the --budget-s accounting (a test replaces it with a fake one).
+_clock = time.monotonic
+MIN_START_S = 10  # a configuration is not started with less of --budget-s left than this
 
 
 def main(argv=None) -> int:
@@ -286,10 +325,14 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default="", help="comma-separated configuration names (see --list) or class names "
                     "(every configuration of that class); default: all")
     ap.add_argument("--list", action="store_true", help="print the selected configurations and exit")
-    ap.add_argument("--json", default=None, help="write the rows here")
+    ap.add_argument("--json", default=None, help="write the rows here ('-': as ROW lines on stdout, run in this "
+                    "process: what each configuration's subprocess does)")
     ap.add_argument("--inline", action="store_true", help="run in this process (no subprocess per configuration)")
     ap.add_argument("--config", default=None, help=argparse.SUPPRESS)  # exactly one configuration (subprocesses)
-    ap.add_argument("--timeout", type=float, default=150, help="seconds per configuration subprocess")
+    ap.add_argument("--timeout", type=float, default=150, help="seconds per configuration subprocess (at most)")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="seconds for the whole run (gpu_check.sh passes its stage's time): each configuration's "
+                    f"timeout is also cut to what is left of it, and none starts with less than {MIN_START_S} s left")
     ap.add_argument("--jobs", type=int, default=6, help="configuration subprocesses at a time")
     args = ap.parse_args(argv)
     configs = configurations()
@@ -307,21 +350,43 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("gpu_checks: no CUDA device", file=sys.stderr)
         return 2
-    rows: list[dict] = []
+    if args.json == "-":  # a child process: rows go to stdout as they come (run_one's ROW lines)
+        rows = [r for cfg in chosen for r in run_one(cfg, emit=True)]
+        return 1 if any(r["status"] == "FAIL" for r in rows) else 0
+
+    # Each configuration's rows are printed and the JSON rewritten as soon as it finishes, so a stage timeout
+    # that stops this process loses only the configurations still running (listed under "pending").
+    start = _clock()
+    done: dict[str, list[dict]] = {}
+
+    def run(cfg: Config) -> list[dict]:
+        left = float("inf") if args.budget_s is None else args.budget_s - (_clock() - start)
+        if left < MIN_START_S:
+            return [dict(optimizer=cfg.name, check="not started", status="SKIP",
+                         detail=f"{max(left, 0):.0f} s of --budget-s {args.budget_s:.0f} left")]
+        timeout = min(args.timeout, left)
+        return run_one(cfg) if args.inline else _subprocess(cfg.name, timeout)
+
+    def finished(cfg: Config, got: list[dict]) -> None:
+        done[cfg.name] = got
+        for row in got:
+            _print_row(row)
+        if args.json:
+            _write_json(args.json, [r for c in chosen for r in done.get(c.name, [])],
+                        [c.name for c in chosen if c.name not in done], args)
+
+    if args.json:
+        _write_json(args.json, [], [c.name for c in chosen], args)
     if args.inline:
         for cfg in chosen:
-            rows += run_one(cfg, emit=args.json == "-")
+            finished(cfg, run(cfg))
     else:
         with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-            for got in pool.map(lambda c: _subprocess(c.name, args.timeout), chosen):
-                rows += got
-    if args.json != "-":
-        for row in rows:
-            print(f"{row['status']:4s}  {row['optimizer']:24s} {row['check']:45s} {row.get('detail', '')}")
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)
-    return 1 if any(r["status"] == "FAIL" for r in rows) else 0
+            futures = {pool.submit(run, cfg): cfg for cfg in chosen}
+            for fut in as_completed(futures):
+                finished(futures[fut], fut.result())
+    rows = [r for c in chosen for r in done[c.name]]
+    return 1 if any(r["status"] in ("FAIL", "SKIP") for r in rows) else 0
 
 
 if __name__ == "__main__":

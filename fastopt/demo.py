@@ -27,6 +27,7 @@ import random
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -214,6 +215,11 @@ def _progress(name: str, steps: int, show: bool):
         from tqdm import tqdm
     except ImportError:
         return range(steps)
+    if not hasattr(tqdm, "_lock"):
+        # tqdm's default lock adds a multiprocessing lock (a named semaphore) for bars drawn from several
+        # processes. One process draws here, and a spawned rank leaves by os._exit, which skips that
+        # semaphore's cleanup: "resource_tracker: There appear to be 1 leaked semaphore objects" at the end.
+        tqdm.set_lock(threading.RLock())
     return tqdm(range(steps), desc=f"{name:>10}", ncols=90)
 
 
@@ -399,6 +405,11 @@ def parse_args(argv=None):
             import transformers  # noqa: F401
         except ImportError:
             ap.error("--model llama: needs transformers (pip install transformers), or use --model tiny")
+    # Before the defaults below divide by --tp and --dp.
+    for flag, value in (("--tp", args.tp), ("--dp", args.dp), ("--steps", args.steps), ("--batch", args.batch),
+                        ("--ctx", args.ctx)):
+        if value is not None and value < 1:
+            ap.error(f"{flag} {value}: must be >= 1")
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -413,10 +424,6 @@ def parse_args(argv=None):
         args.dp = max(1, slots // args.tp)
     if args.batch is None:
         args.batch = -(-16 // args.dp) * args.dp
-    for flag, value in (("--tp", args.tp), ("--dp", args.dp), ("--steps", args.steps), ("--batch", args.batch),
-                        ("--ctx", args.ctx)):
-        if value < 1:
-            ap.error(f"{flag} {value}: must be >= 1")
     if HEADS % args.tp or FF % args.tp:
         ap.error(f"--tp {args.tp}: must divide the model's {HEADS} attention heads and MLP width {FF} "
                  "(tensor-parallel activations assume even splits)")

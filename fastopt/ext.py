@@ -92,6 +92,11 @@ _ESCAPE = " (or set FASTOPT_BACKEND=torch to run the 8-bit optimizers in plain t
 def _check_toolchain(with_cuda: bool) -> None:
     from torch.utils import cpp_extension
 
+    if with_cuda and torch.version.cuda is None:  # FASTOPT_EXT_CUDA=1 with a torch built without CUDA
+        raise RuntimeError(f"fastopt.ext: FASTOPT_EXT_CUDA=1 asks for the CUDA kernels, but torch {torch.__version__} "
+                           "is a CPU-only build (torch.version.cuda is None): install a CUDA build of torch (the pip "
+                           "command for your CUDA version: https://pytorch.org/get-started/locally/), or set "
+                           "FASTOPT_EXT_CUDA=0 to build the CPU kernels only")
     try:
         cpp_extension.verify_ninja_availability()
     except RuntimeError as e:

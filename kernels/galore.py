@@ -18,10 +18,19 @@ columns it needs gathered by torch (rank-sized), and its partial R is added into
 which the caller's `reduce` sums over the ranks once per step.
 
 The matmul kernel is one tiled `tl.dot` loop over K with arbitrary strides (a transposed operand is a stride
-swap, nothing is copied), int64 offsets. fp32 dots pass `input_precision=DOT_PRECISION`, "ieee" by default:
-on GPUs Triton would otherwise round fp32 operands to tf32 (10-bit mantissa), far from the reference;
-`FASTOPT_GALORE_DOT=tf32` trades that for tensor-core speed. fp64 params multiply-and-sum the tile in fp64
-(no fp64 `tl.dot` is assumed). Low-precision params are loaded and multiplied in fp32.
+swap, nothing is copied), int64 offsets, an fp32 accumulator. The products are compute-bound (2 m n rank
+flops per matrix and direction), so they run on tensor cores, at a precision chosen per param dtype
+(`FASTOPT_GALORE_DOT`, default `auto`):
+- fp32 params: `input_precision="tf32x3"` (each operand split into two tf32 parts, three tensor-core
+  products: about fp32's accuracy, where plain tf32 would keep 10 mantissa bits of the bases);
+- bf16/fp16 params: both operands rounded to the param's dtype (the gradient already is), the precision
+  galore-torch itself multiplies such params in (its bases and moments are kept in the param's dtype);
+- fp64 params multiply-and-sum the tile in fp64 (no fp64 `tl.dot` is assumed).
+`FASTOPT_GALORE_DOT=ieee|tf32|tf32x3` forces that fp32 precision for every param dtype (low-precision
+operands then stay fp32; `ieee` is plain fp32 arithmetic, exact to the reference's rounding and several
+times slower on an H100). The interpreter computes every dot in fp32 (it ignores `input_precision`, and
+reads bf16 dot operands as raw bits, so there the rounded operands are multiplied back in fp32: the same
+products, exact in fp32), so CPU runs test the bf16/fp16 rounding and not the tf32 ones.
 
 The 8-bit format is fastopt/reference/quant.py's (bitsandbytes' block-wise format, the extension's): each
 program of the Adam kernel holds whole quantization blocks of the flat rank-sized moments, dequantizes,
@@ -44,7 +53,17 @@ from . import common
 from .common import INTERPRET, keep_limit, round_to, to_device
 from .lamb import _dequantize, _quantize_store
 
-DOT_PRECISION = os.environ.get("FASTOPT_GALORE_DOT", "ieee")
+DOT_PRECISIONS = ("auto", "ieee", "tf32", "tf32x3")
+
+
+def dot_precision() -> tuple[str, bool]:
+    """(`input_precision` for fp32 operands, whether bf16/fp16 params multiply in their own dtype)."""
+    want = os.environ.get("FASTOPT_GALORE_DOT", "auto").strip().lower() or "auto"
+    if want not in DOT_PRECISIONS:
+        raise ValueError(f"FASTOPT_GALORE_DOT={want!r}: expected one of {', '.join(DOT_PRECISIONS)}")
+    return ("tf32x3", True) if want == "auto" else (want, False)
+
+
 # Matmul tiles: tl.dot needs 16 at least; small under the interpreter so the tests' matrices span several.
 # fp64 multiplies a [BM, BK, BN] product in registers: small tiles there.
 BM, BN, BK = (16, 16, 16) if INTERPRET else (64, 64, 32)
@@ -68,16 +87,18 @@ def _eta(step_ptr, hyper_ptr):
 
 
 @triton.jit
-def _galore_matmul_kernel(a_ptr, b_ptr, c_ptr, acc_ref, M, N, K, sab, sam, sak, sbb, sbk, sbn, scb, scm, scn,
+def _galore_matmul_kernel(a_ptr, b_ptr, c_ptr, acc_ref, op_ref, M, N, K, sab, sam, sak, sbb, sbk, sbn, scb, scm, scn,
                           step_ptr, hyper_ptr, inv_scale_ptr, found_inf_ptr, UPDATE: tl.constexpr,
                           HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr, HAS_WD: tl.constexpr,
-                          FP64: tl.constexpr, PRECISION: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                          BK: tl.constexpr):
+                          FP64: tl.constexpr, LOWP: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, BM: tl.constexpr,
+                          BN: tl.constexpr, BK: tl.constexpr):
     """C = A @ B for one [BM, BN] tile of one matrix of the batch (program_id(1)).
 
     UPDATE=False: C is stored (times inv_scale when HAS_SCALE). UPDATE=True: C is the parameter, and the tile
-    becomes p - eta * scale * (A @ B), then p - lr * weight_decay * p (HAS_WD), stored unless found_inf."""
+    becomes p - eta * scale * (A @ B), then p - lr * weight_decay * p (HAS_WD), stored unless found_inf.
+    LOWP: both operands rounded to op_ref's dtype (bf16/fp16) before the product; else fp32 at PRECISION."""
     acc_t = acc_ref.dtype.element_ty
+    op_t = op_ref.dtype.element_ty if LOWP else acc_t
     pid = tl.program_id(0)
     bid = tl.program_id(1).to(tl.int64)
     tiles_n = tl.cdiv(N, BN)
@@ -90,9 +111,15 @@ def _galore_matmul_kernel(a_ptr, b_ptr, c_ptr, acc_ref, M, N, K, sab, sam, sak, 
     for k0 in range(0, K, BK):
         kk = k0 + rk
         a = tl.load(a_base + rm[:, None] * sam + kk[None, :] * sak, mask=(rm[:, None] < M) & (kk[None, :] < K),
-                    other=0.0).to(acc_t)
+                    other=0.0)
         b = tl.load(b_base + kk[:, None] * sbk + rn[None, :] * sbn, mask=(kk[:, None] < K) & (rn[None, :] < N),
-                    other=0.0).to(acc_t)
+                    other=0.0)
+        if LOWP and UPCAST:  # the interpreter's dot reads bf16 as raw bits (and its cast truncates): the same
+            a = round_to(a.to(acc_t), op_t).to(acc_t)  # rounded operands, multiplied in fp32, exactly
+            b = round_to(b.to(acc_t), op_t).to(acc_t)
+        else:
+            a = a.to(op_t)
+            b = b.to(op_t)
         if FP64:
             acc += tl.sum(a[:, :, None] * b[None, :, :], axis=1)
         else:
@@ -187,12 +214,14 @@ def _scratch(shape, dtype, device) -> torch.Tensor:
 class _Launch:
     """Arguments every launch of one step shares."""
 
-    def __init__(self, step, hyper, inv_scale, found_inf, weight_decay, fp64, dummy):
+    def __init__(self, step, hyper, inv_scale, found_inf, weight_decay, fp64, dummy, op_dummy, precision):
         self.step, self.hyper = step, hyper
         self.inv_scale, self.found_inf = inv_scale, found_inf
         self.has_wd = weight_decay > 0
         self.fp64 = fp64
         self.dummy = dummy
+        self.op_dummy = op_dummy  # a tensor of the operand dtype when products run in bf16/fp16, else None
+        self.precision = precision
 
     def matmul(self, a, b, c, *, update=False, scale_input=False):
         """c = a @ b (batched, any strides), or the parameter update into c (update=True)."""
@@ -203,11 +232,12 @@ class _Launch:
         bm, bn, bk = (BM64, BN64, BK64) if self.fp64 else (BM, BN, BK)
         grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), nb)
         _galore_matmul_kernel[grid](
-            a, b, c, self.dummy, m, n, k, *a.stride(), *b.stride(), *c.stride(), self.step, self.hyper,
+            a, b, c, self.dummy, self.op_dummy if self.op_dummy is not None else self.dummy, m, n, k, *a.stride(), *b.stride(), *c.stride(), self.step, self.hyper,
             self.inv_scale if self.inv_scale is not None else self.dummy,
             self.found_inf if self.found_inf is not None else self.dummy,
             UPDATE=update, HAS_SCALE=scale_input and self.inv_scale is not None,
-            HAS_INF=self.found_inf is not None, HAS_WD=self.has_wd, FP64=self.fp64, PRECISION=DOT_PRECISION,
+            HAS_INF=self.found_inf is not None, HAS_WD=self.has_wd, FP64=self.fp64,
+            LOWP=self.op_dummy is not None, UPCAST=INTERPRET, PRECISION=self.precision,
             BM=bm, BN=bn, BK=bk, num_warps=NUM_WARPS)
 
     def adam(self, r, state, out, *, apply, block_size, scale_input):
@@ -244,6 +274,9 @@ def galore_step(params, grads, states, *, lr, betas, eps, weight_decay, scale=1.
     hyper = _hyper(cache, float(lr), tuple(float(b) for b in betas), float(eps), float(weight_decay),
                    float(scale), device)
     dummy = torch.empty(1, dtype=acc, device=device)
+    precision, lowp = dot_precision()
+    op_dummy = torch.empty(1, dtype=params[0].dtype, device=device) \
+        if lowp and params[0].dtype in (torch.bfloat16, torch.float16) else None
     layouts = layouts if layouts is not None else [None] * len(params)
     works = [p if p.is_contiguous() else p.contiguous() for p in params]
     proj = [i for i, s in enumerate(states) if LEFT in s or RIGHT in s]
@@ -252,7 +285,8 @@ def galore_step(params, grads, states, *, lr, betas, eps, weight_decay, scale=1.
     # Phase 1: every projected param's (partial) R into one flat buffer.
     for i in proj:
         s = states[i]
-        run = _Launch(s["step"], hyper, inv_scale, found_inf, weight_decay, acc == torch.float64, dummy)
+        run = _Launch(s["step"], hyper, inv_scale, found_inf, weight_decay, acc == torch.float64, dummy, op_dummy,
+                      precision)
         lay = layouts[i]
         shapes[i] = lay.global_shape if lay is not None else tuple(params[i].shape)
         rects[i] = local_rects(lay, shapes[i], tuple(params[i].shape), device)
@@ -288,7 +322,8 @@ def galore_step(params, grads, states, *, lr, betas, eps, weight_decay, scale=1.
         reduce(buf)
     # Phase 2: Adam (N over R, in place), then the back-projection fused with the update of each rectangle.
     for i, (p, g, s, work) in enumerate(zip(params, grads, states, works)):
-        run = _Launch(s["step"], hyper, inv_scale, found_inf, weight_decay, acc == torch.float64, dummy)
+        run = _Launch(s["step"], hyper, inv_scale, found_inf, weight_decay, acc == torch.float64, dummy, op_dummy,
+                      precision)
         if i not in rs:
             run.adam(g.contiguous(), s, work, apply=True, block_size=block_size, scale_input=True)
         else:

@@ -241,11 +241,12 @@ def main():
         group = dist.new_group([0])
         t0 = time.time()
         failed_workloads = []
-        from fastopt.kernels import galore as kgalore
-        for precision in ("ieee", "tf32"):
-            kgalore.DOT_PRECISION = precision
+        # Every workload with GaLore's default dot precisions (tf32x3; bf16/fp16 operands), the forced fp32
+        # ones on one GaLore workload.
+        for precision in ("auto", "ieee", "tf32"):
+            os.environ["FASTOPT_GALORE_DOT"] = precision
             for label, build in workloads(group, args.quick):
-                if args.k not in label or (precision == "tf32" and not label.startswith("GaLore 32-bit std")):
+                if args.k not in label or (precision != "auto" and not label.startswith("GaLore 32-bit std")):
                     continue
                 rec.context = f"{label} dot={precision}"
                 try:

@@ -442,6 +442,38 @@ def test_launches_and_no_full_size_buffer(backend, device, proj_type, matmuls, m
     assert scratch and max(scratch) < w.numel() // 4, scratch
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mode", ["auto", "ieee"])
+def test_dot_operands_rounded_to_the_param_dtype(backend, device, dtype, mode, monkeypatch):
+    """The projection kernel's products: by default (`auto`) a bf16/fp16 bucket multiplies operands rounded to
+    its dtype (galore-torch's own precision for such params); fp32 runs fp32 (tf32x3 on a GPU, which the
+    interpreter cannot show); FASTOPT_GALORE_DOT=ieee keeps fp32 operands for every dtype. A bad value is a
+    ValueError naming the variable."""
+    if backend != "triton":
+        pytest.skip("the Triton matmul kernel")
+    from fastopt.kernels import galore as k
+    monkeypatch.setenv("FASTOPT_GALORE_DOT", mode)
+    precision, lowp = k.dot_precision()
+    gen = torch.Generator().manual_seed(3)
+    a = torch.randn(2, 37, 53, generator=gen, dtype=torch.float64).to(device)
+    b = torch.randn(2, 53, 29, generator=gen, dtype=torch.float64).to(device)
+    c = torch.empty(2, 37, 29, device=device)
+    dummy = torch.empty(1, device=device)
+    op = torch.empty(1, dtype=dtype, device=device) if lowp and dtype != torch.float32 else None
+    k._Launch(None, None, None, None, 0.0, False, dummy, op, precision).matmul(a.float(), b.float(), c)
+    rounded = dtype if op is not None else torch.float32
+    want = a.to(rounded).double() @ b.to(rounded).double()
+    # fp32 accumulation of exact products: within a few fp32 ulps of the float64 sum of the rounded operands
+    err = ((c.double() - want).abs() / (a.to(rounded).double().abs() @ b.to(rounded).double().abs())).max()
+    assert err <= 53 * 2.0 ** -24, err.item()
+    if op is not None:  # and the rounding shows: fp32 operands would be far off it
+        far = ((a.float().double() @ b.float().double()) - want).abs().max()
+        assert far > 100 * (c.double() - want).abs().max()
+    monkeypatch.setenv("FASTOPT_GALORE_DOT", "tf16")
+    with pytest.raises(ValueError, match="FASTOPT_GALORE_DOT"):
+        k.dot_precision()
+
+
 @pytest.mark.gpu
 def test_step_does_not_sync_with_the_host():
     """Steps without an SVD (the refresh is at step 1 only here) run without a host sync, under GradScaler."""

@@ -349,6 +349,31 @@ def test_missing_compiler_names_the_fix(tmp_path):
     assert not any((tmp_path / "ext").rglob("*.so")), "a library was built"
 
 
+def test_cuda_kernels_with_cpu_only_torch_name_the_fix(tmp_path):
+    """FASTOPT_EXT_CUDA=1 with a CPU-only torch (torch.version.cuda None, faked in the child so that any torch
+    shows it): the error says the torch build is CPU-only and what to install, not "install the toolkit None"
+    (checked in a child process on a cold cache; ninja is stubbed as present)."""
+    script = textwrap.dedent("""
+        import torch
+        import torch.utils.cpp_extension as ce
+        ce.verify_ninja_availability = lambda: None
+        torch.version.cuda = None
+        from fastopt import ext
+        try:
+            ext.load()
+        except RuntimeError as e:
+            print(e)
+        else:
+            raise SystemExit("ext.load() built or loaded CUDA kernels with a CPU-only torch")
+    """)
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"), FASTOPT_EXT_CUDA="1")
+    p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "CPU-only build" in p.stdout and "install a CUDA build of torch" in p.stdout, p.stdout
+    assert "FASTOPT_EXT_CUDA=0" in p.stdout and "None (" not in p.stdout, p.stdout
+    assert not any((tmp_path / "ext").rglob("*.so")), "a library was built"
+
+
 def test_cmake_builds_and_ctest_passes(tmp_path):
     """The torch-free core and its C++ unit tests, without Python (CPU part; the CUDA files are compiled by
     the nvcc test below)."""
