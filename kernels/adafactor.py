@@ -66,8 +66,8 @@ def _step_scale(step, u_sq, p_sq, numel, hyper_ptr, RELATIVE: tl.constexpr, WARM
         rel = tl.load(hyper_ptr + H_LR).to(acc_t)
     alpha = rel
     if SCALE_PARAM:
-        alpha = rel * tl.maximum(tl.sqrt(p_sq / numel), eps2)
-    clip = tl.maximum(tl.sqrt(u_sq / numel) / clip_threshold, 1.0)
+        alpha = rel * tl.maximum(tl.sqrt(p_sq / numel), eps2, propagate_nan=tl.PropagateNan.ALL)
+    clip = tl.maximum(tl.sqrt(u_sq / numel) / clip_threshold, 1.0, propagate_nan=tl.PropagateNan.ALL)
     return alpha, alpha / clip
 
 
@@ -110,7 +110,7 @@ def _vec_stats_kernel(g_ptrs, g_ref, p_ptrs, v_ptrs, step_ptrs, vmeta_ptr, prog_
 
 @triton.jit
 def _apply_kernel(g_ptrs, g_ref, p_ptrs, m_ptrs, step_ptrs, meta_ptr, maps_ptr, prog_param_ptr, stats_ptr, sums_ptr,
-                  inv_scale_ptr, found_inf_ptr, hyper_ptr,
+                  inv_scale_ptr, found_inf_ptr, hyper_ptr, index_ptr,
                   HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr, RELATIVE: tl.constexpr, WARMUP: tl.constexpr,
                   SCALE_PARAM: tl.constexpr, HAS_MOM: tl.constexpr, HAS_WD: tl.constexpr, SR: tl.constexpr,
                   MAPPED: tl.constexpr, ALIGNED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -151,8 +151,8 @@ def _apply_kernel(g_ptrs, g_ref, p_ptrs, m_ptrs, step_ptrs, meta_ptr, maps_ptr, 
             p = p - (weight_decay * alpha) * p - u
         else:
             p = p - u
-        if SR:
-            seed = step.to(tl.int32) * 7919 + i
+        if SR:  # noise from (step, index in the bucket, offset): reference/common.py's stochastic_round_bf16
+            seed = (step.to(tl.int64) << 32) + tl.load(index_ptr + i)
             out = stochastic_round_bf16(p.to(tl.float32), seed, offs)
         else:
             out = round_to(p, g_ref.dtype.element_ty)
@@ -161,7 +161,7 @@ def _apply_kernel(g_ptrs, g_ref, p_ptrs, m_ptrs, step_ptrs, meta_ptr, maps_ptr, 
 
 @triton.jit
 def _vec_apply_kernel(g_ptrs, g_ref, p_ptrs, v_ptrs, m_ptrs, step_ptrs, vmeta_ptr, prog_param_ptr, sums_ptr,
-                      sums_base, inv_scale_ptr, found_inf_ptr, hyper_ptr,
+                      sums_base, inv_scale_ptr, found_inf_ptr, hyper_ptr, index_ptr,
                       HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr, RELATIVE: tl.constexpr,
                       WARMUP: tl.constexpr, SCALE_PARAM: tl.constexpr, HAS_MOM: tl.constexpr,
                       HAS_WD: tl.constexpr, SR: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
@@ -198,7 +198,7 @@ def _vec_apply_kernel(g_ptrs, g_ref, p_ptrs, v_ptrs, m_ptrs, step_ptrs, vmeta_pt
     else:
         p = p - u
     if SR:
-        seed = step.to(tl.int32) * 7919 + 1000003 + j
+        seed = (step.to(tl.int64) << 32) + tl.load(index_ptr + k)
         out = stochastic_round_bf16(p.to(tl.float32), seed, offs)
     else:
         out = round_to(p, g_ref.dtype.element_ty)
@@ -215,6 +215,7 @@ class AdafactorPlan:
         vec = [k for k, s in enumerate(gshapes) if len(s) < 2]
         self.order = fac + vec
         self.n_fac = len(fac)
+        self.bucket_index = to_device(self.order, torch.int64, device)  # seeds the stochastic rounding
         views = [matrix_view(tuple(params[k].shape), layouts[k], device) for k in fac]
         shapes = [v.view_shape for v in views]
         self.fplan = FactoredPlan.build(views, device) if fac else None
@@ -310,10 +311,10 @@ def adafactor_step(params, grads, states, *, lr, eps, clip_threshold, decay_rate
                   HAS_WD=weight_decay != 0, SR=bf16_stochastic_round and params[0].dtype == torch.bfloat16, **flags)
     if fp is not None:
         _apply_kernel[(fp.n_progs,)](g_ptrs, g_ref, plan.p_ptrs, plan.m_ptrs, plan.step_ptrs, fp.meta, fp.maps,
-                                     fp.prog_param, plan.stats, plan.sums, inv_arg, inf_arg, hyper, MAPPED=fp.mapped,
-                                     ALIGNED=al and fp.sizes_aligned, BLOCK_R=fp.block_r, BLOCK_C=fp.block_c,
-                                     **consts)
+                                     fp.prog_param, plan.stats, plan.sums, inv_arg, inf_arg, hyper, plan.bucket_index,
+                                     MAPPED=fp.mapped, ALIGNED=al and fp.sizes_aligned, BLOCK_R=fp.block_r,
+                                     BLOCK_C=fp.block_c, **consts)
     if plan.n_vprogs:
         _vec_apply_kernel[(plan.n_vprogs,)](*vec_args, plan.v_ptrs, plan.m_ptrs[nf:], plan.step_ptrs[nf:], plan.vmeta,
-                                            plan.vprog_param, plan.sums, nf, inv_arg, inf_arg, hyper, BLOCK=BLOCK_V,
-                                            ALIGNED=al and plan.vec_sizes_aligned, **consts)
+                                            plan.vprog_param, plan.sums, nf, inv_arg, inf_arg, hyper, plan.bucket_index,
+                                            BLOCK=BLOCK_V, ALIGNED=al and plan.vec_sizes_aligned, **consts)

@@ -87,14 +87,16 @@ def _trust_scale(step, k, hyper_ptr, sums_ptr, BIAS_CORRECTION: tl.constexpr, HA
     a_sq = tl.load(sums_ptr + 2 * k + 1)
     ratio = tl.where((p_sq > 0) & (a_sq > 0), tl.sqrt(p_sq) / tl.sqrt(tl.where(a_sq > 0, a_sq, 1.0)), 1.0)
     if HAS_MAX:
-        ratio = tl.minimum(ratio, tl.load(hyper_ptr + 9).to(acc_t))
+        ratio = tl.minimum(ratio, tl.load(hyper_ptr + 9).to(acc_t), propagate_nan=tl.PropagateNan.ALL)
     return (eta * ratio.to(tl.float64)).to(acc_t)
 
 
 @triton.jit
 def _store_param(p_ptr, offs, p, keep, step, k, SR: tl.constexpr):
+    """Store p rounded to the param's dtype; SR: stochastically, with noise from (step, index k in the bucket,
+    offset), as reference/common.py's stochastic_round_bf16."""
     if SR:
-        out = stochastic_round_bf16(p.to(tl.float32), step.to(tl.int32) * 7919 + k, offs)
+        out = stochastic_round_bf16(p.to(tl.float32), (step.to(tl.int64) << 32) + k, offs)
     else:
         out = round_to(p, p_ptr.dtype.element_ty)
     tl.store(p_ptr + offs, out, mask=keep)
@@ -140,7 +142,7 @@ def _lamb_stats_kernel(g_ptrs, g_ref, p_ptrs, p_ref, m_ptrs, v_ptrs, meta_ptr, p
     m = tl.load(hyper_ptr + 1).to(acc_t) * tl.load(m_ptr + offs, mask=mask, other=0.0) + \
         tl.load(hyper_ptr + 3).to(acc_t) * g
     v = tl.load(hyper_ptr + 2).to(acc_t) * tl.load(v_ptr + offs, mask=mask, other=0.0) + \
-        tl.load(hyper_ptr + 4).to(acc_t) * (g * g)
+        tl.load(hyper_ptr + 4).to(acc_t) * g * g  # (1-b2) g first: g*g overflows fp32 past 1.8e19
     tl.store(m_ptr + offs, m, mask=keep)
     tl.store(v_ptr + offs, v, mask=keep)
     a = _adam_update(m, v, p, tl.load(hyper_ptr + 7).to(acc_t), tl.load(hyper_ptr + 8).to(acc_t), HAS_WD)
@@ -210,7 +212,7 @@ def _moments8(j, g_ptrs, g_ref, m_ptrs, v_ptrs, ma_ptrs, va_ptrs, offs, mask, bl
     m_old = _dequantize(_u8_ptr(m_ptrs, j, ALIGNED), _f32_ptr(ma_ptrs, j), offs, mask, blk, bmask, map_s_ptr).to(acc_t)
     v_old = _dequantize(_u8_ptr(v_ptrs, j, ALIGNED), _f32_ptr(va_ptrs, j), offs, mask, blk, bmask, map_u_ptr).to(acc_t)
     m = tl.load(hyper_ptr + 1).to(acc_t) * m_old + tl.load(hyper_ptr + 3).to(acc_t) * g
-    v = tl.load(hyper_ptr + 2).to(acc_t) * v_old + tl.load(hyper_ptr + 4).to(acc_t) * (g * g)
+    v = tl.load(hyper_ptr + 2).to(acc_t) * v_old + tl.load(hyper_ptr + 4).to(acc_t) * g * g
     return tl.where(mask, m, 0.0), tl.where(mask, v, 0.0)
 
 

@@ -10,6 +10,8 @@ from conftest import (TOL, assert_tracks, rel_update_error, step_with_inf_at, la
 from transformers.optimization import Adafactor as HFAdafactor
 
 import fastopt
+from sr_checks import (assert_sr_tracks, check_noise_varies, check_sr_deterministic,
+                       sr_problem)
 
 SHAPES = [(1, 9), (9, 1), (3, 5), (2, 3, 4, 5), (7,), (1,), ()]
 OPTIONS = {
@@ -80,20 +82,68 @@ def test_low_precision_tracks_reference(backend, device, dtype):
     assert_tracks([p.cpu() for p in ours], truth, init, dtype, ref_lowp=ref_lowp)
 
 
-def test_bf16_stochastic_rounding_is_unbiased(backend, device):
-    """Updates far below half a bf16 ulp: round-to-nearest never moves p, stochastic rounding tracks it in mean."""
+def test_bf16_stochastic_rounding_tracks_float64(backend, device):
+    """Updates far below half a bf16 ulp: round-to-nearest never moves p, stochastic rounding tracks the float64
+    run in mean and element by element (factored and vector params)."""
     kw = dict(lr=2e-4, relative_step=False, scale_parameter=False)
-    g = torch.Generator().manual_seed(3)
-    init = [torch.ones(64, 64, dtype=torch.float64)]
-    grads = [[torch.rand(64, 64, generator=g, dtype=torch.float64) + 0.5] for _ in range(12)]
+    init, grads = sr_problem([(64, 64), (1000,)], 12)
     truth, _ = run(HFAdafactor, init, grads, torch.float64, **kw)
     nearest, _ = run(fastopt.Adafactor, init, grads, torch.bfloat16, device, **kw)
     sr, _ = run(fastopt.Adafactor, init, grads, torch.bfloat16, device, bf16_stochastic_round=True, **kw)
-    moved = (1 - truth[0]).mean().item()
-    assert moved > 0
-    assert torch.equal(nearest[0].cpu().double(), init[0])
-    sr_moved = (1 - sr[0].cpu().double()).mean().item()
-    assert abs(sr_moved - moved) < 0.1 * moved, (sr_moved, moved)
+    for k in range(2):
+        moved = (1 - truth[k]).mean().item()
+        assert moved > 0
+        assert torch.equal(nearest[k].cpu().double(), init[k])
+        sr_moved = (1 - sr[k].cpu().double()).mean().item()
+        assert abs(sr_moved - moved) < 0.1 * moved, (k, sr_moved, moved)
+    assert_sr_tracks(sr, truth, len(grads))
+
+
+def test_bf16_stochastic_rounding_noise_varies(backend, device):
+    params = [torch.ones(s, dtype=torch.bfloat16, device=device, requires_grad=True)
+              for s in [(32, 64), (32, 64), (2048,), (2048,)]]
+    # A gradient of 1 gives U = 1 (factored and not): the update is lr, 0.4 ulp below 1
+    opt = fastopt.Adafactor(params, lr=0.4 * 2.0 ** -8, relative_step=False, scale_parameter=False,
+                            bf16_stochastic_round=True)
+    check_noise_varies(opt, params)
+
+
+def test_bf16_stochastic_rounding_is_deterministic(backend, device):
+    init, grads = make_problem(shapes=[(300,), (9, 40), (7,), (2, 3, 50), ()], steps=4)  # not the kernels' order
+    check_sr_deterministic(lambda ps: fastopt.Adafactor(ps, beta1=0.9, weight_decay=0.01, bf16_stochastic_round=True),
+                           init, grads, device)
+
+
+@pytest.mark.parametrize("where", ["matrix", "vector"])
+def test_nan_in_one_gradient_element_matches_transformers(backend, device, where):
+    """A NaN in one element of a gradient (no GradScaler) as transformers' Adafactor takes it: the RMS of the
+    update is NaN, so its clip is NaN and the whole param turns NaN (and its momentum), its row and column factors
+    (or V) only where the NaN entered; the other params step on."""
+    kw = dict(beta1=0.9, weight_decay=0.01)
+    init, grads = make_problem(shapes=[(6, 5), (2, 3, 4), (40,), ()], steps=6)
+    if where == "matrix":
+        grads[2][1][1, 2, 0] = float("nan")
+    else:
+        grads[2][2][17] = float("nan")
+    ours, opt = run(fastopt.Adafactor, init, [], torch.float64, device, **kw)
+    ref, ref_opt = run(HFAdafactor, init, [], torch.float64, **kw)
+    for t, step_grads in enumerate(grads):  # in lockstep: the NaN pattern right after the NaN step too
+        for opt_, params in ((opt, ours), (ref_opt, ref)):
+            for p, gr in zip(params, step_grads):
+                p.grad = gr.to(device=p.device)
+            opt_.step()
+        for k, (x, r) in enumerate(zip(ours, ref)):
+            assert torch.equal(x.detach().cpu().isnan(), r.detach().isnan()), f"step {t + 1}, param {k}: NaN pattern"
+    ours, ref = [p.detach().cpu() for p in ours], [p.detach() for p in ref]
+    assert [bool(r.isnan().all()) for r in ref] == [False, where == "matrix", where == "vector", False]
+    finite = [0, 3]
+    assert_tracks([ours[k] for k in finite], [ref[k] for k in finite], [init[k] for k in finite], torch.float64)
+    for key in ("exp_avg_sq_row", "exp_avg_sq_col", "exp_avg_sq", "exp_avg"):
+        for k, (x, y) in enumerate(zip(state_tensors(opt, opt.param_groups[0]["params"], key),
+                                       state_tensors(ref_opt, ref_opt.param_groups[0]["params"], key))):
+            if key != "exp_avg":
+                assert not y.isnan().all(), key  # the factors (or V) are NaN only where the NaN entered
+            torch.testing.assert_close(x.cpu(), y, rtol=TOL[torch.float64], atol=0, equal_nan=True, msg=key)
 
 
 def test_state_dict_round_trip_is_bit_identical(backend, device):
@@ -146,7 +196,6 @@ def test_lr_scheduler_drives_group_lr(backend, device):
 
 def test_skips_params_without_grad_and_empty_params(backend, device):
     check_skips_params_without_grad(lambda a, b, e: fastopt.Adafactor([a, b, e]), device)
-
 
 
 @pytest.mark.parametrize("kwargs, name", [
@@ -203,7 +252,6 @@ def test_bad_group_names_itself_and_changes_nothing(bad, key, how):
 
 def test_sparse_and_complex_refused_before_any_change(backend, device):
     check_refuses_sparse_and_complex(lambda a, other: fastopt.Adafactor([a, other]), device)
-
 
 
 def test_bad_state_dict_fails_and_changes_nothing():

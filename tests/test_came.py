@@ -10,6 +10,8 @@ from conftest import (TOL, assert_tracks, rel_update_error, step_with_inf_at, la
                       check_bad_group_refused, check_refuses_sparse_and_complex, check_skips_params_without_grad)
 
 import fastopt
+from sr_checks import (assert_sr_tracks, check_noise_varies, check_sr_deterministic,
+                       sr_problem)
 
 SHAPES = [(1, 9), (9, 1), (3, 5), (2, 3, 4, 5), (7,), (1,), ()]
 OPTIONS = {
@@ -89,14 +91,11 @@ def test_low_precision_tracks_reference(backend, device, dtype):
     assert_tracks([p.cpu() for p in ours], truth, init, dtype, ref_lowp=ref_lowp)
 
 
-def test_bf16_stochastic_rounding_is_unbiased(backend, device):
-    """Updates below half a bf16 ulp: round-to-nearest never moves p, stochastic rounding tracks it in mean."""
-    torch.manual_seed(0)  # the reference draws its rounding noise from the global generator
+def test_bf16_stochastic_rounding_tracks_float64(backend, device):
+    """Updates below half a bf16 ulp: round-to-nearest never moves p, stochastic rounding tracks the float64 run
+    in mean and element by element (factored and vector params)."""
     kw = dict(lr=7e-4, betas=(0.9, 0.999, 0.9))
-    g = torch.Generator().manual_seed(3)
-    init = [torch.ones(32, 64, dtype=torch.float64), torch.ones(4096, dtype=torch.float64)]
-    grads = [[torch.rand(32, 64, generator=g, dtype=torch.float64) + 0.5,
-              torch.rand(4096, generator=g, dtype=torch.float64) + 0.5] for _ in range(8)]
+    init, grads = sr_problem([(32, 64), (4096,)], 8)
     truth, _ = run(RefCAME, init, grads, torch.float64, **kw)
     nearest, _ = run(fastopt.CAME, init, grads, torch.bfloat16, device, **kw)
     sr, _ = run(fastopt.CAME, init, grads, torch.bfloat16, device, bf16_stochastic_round=True, **kw)
@@ -106,6 +105,58 @@ def test_bf16_stochastic_rounding_is_unbiased(backend, device):
         assert torch.equal(nearest[k].cpu().double(), init[k])
         sr_moved = (1 - sr[k].cpu().double()).mean().item()
         assert abs(sr_moved - moved) < 0.1 * moved, (k, sr_moved, moved)
+    assert_sr_tracks(sr, truth, len(grads))
+
+
+@pytest.mark.parametrize("nbits", [32, 8])
+def test_bf16_stochastic_rounding_noise_varies(backend, device, nbits):
+    params = [torch.ones(s, dtype=torch.bfloat16, device=device, requires_grad=True)
+              for s in [(32, 64), (32, 64), (2048,), (2048,)]]
+    # A gradient of 1 with betas 0 and eps2 = 1 gives U = M_t = 1 and instability factors 1 (factored and not):
+    # the update is lr, 0.4 ulp below 1, at every step
+    opt = fastopt.CAME(params, lr=0.4 * 2.0 ** -8, betas=(0.0, 0.0, 0.0), eps=(1e-30, 1.0), nbits=nbits,
+                       bf16_stochastic_round=True)
+    check_noise_varies(opt, params)
+
+
+@pytest.mark.parametrize("nbits", [32, 8])
+def test_bf16_stochastic_rounding_is_deterministic(backend, device, nbits):
+    init, grads = make_problem(shapes=[(300,), (9, 40), (7,), (2, 3, 50), ()], steps=4)  # not the kernels' order
+    check_sr_deterministic(lambda ps: fastopt.CAME(ps, lr=1e-3, weight_decay=0.01, nbits=nbits,
+                                                   bf16_stochastic_round=True), init, grads, device)
+
+
+@pytest.mark.parametrize("where", ["matrix", "vector"])
+def test_nan_in_one_gradient_element_matches_came_pytorch(backend, device, where):
+    """A NaN in one element of a gradient (no GradScaler) as came-pytorch takes it: the RMS of the update is NaN,
+    so its clip is NaN and the whole param turns NaN, with its momentum and instability factors; its
+    second-moment factors (or V) only where the NaN entered; the other params step on."""
+    kw = dict(lr=1e-3, weight_decay=0.01)
+    init, grads = make_problem(shapes=[(6, 5), (2, 3, 4), (40,), ()], steps=6)
+    if where == "matrix":
+        grads[2][1][1, 2, 0] = float("nan")
+    else:
+        grads[2][2][17] = float("nan")
+    ours = make_params(init, torch.float64, device)
+    ref = make_params(init, torch.float64)
+    opt, ref_opt = fastopt.CAME(ours, **kw), RefCAME(ref, **kw)
+    for t, step_grads in enumerate(grads):  # in lockstep: the NaN pattern right after the NaN step too
+        feed(opt, ours, [step_grads])
+        feed(ref_opt, ref, [step_grads])
+        for k, (x, r) in enumerate(zip(ours, ref)):
+            assert torch.equal(x.detach().cpu().isnan(), r.detach().isnan()), f"step {t + 1}, param {k}: NaN pattern"
+    assert [bool(r.isnan().all()) for r in ref] == [False, where == "matrix", where == "vector", False]
+    finite = [0, 3]
+    assert_tracks([ours[k].detach().cpu() for k in finite], [ref[k].detach() for k in finite],
+                  [init[k] for k in finite], torch.float64)
+    for p, q in zip(ours, ref):
+        theirs = {k: v for k, v in ref_opt.state[q].items() if k in STATE_KEYS}
+        assert set(opt.state[p]) - {"step"} == set(theirs)
+        for k, v in theirs.items():
+            if k in ("exp_avg_sq_row", "exp_avg_sq_col", "exp_avg_sq"):
+                assert not v.isnan().all(), k  # NaN only where the NaN entered
+            torch.testing.assert_close(opt.state[p][k].cpu(), v, rtol=TOL[torch.float64], atol=0, equal_nan=True,
+                                       msg=k)
 
 
 @pytest.mark.parametrize("nbits", [32, 8])
@@ -277,7 +328,6 @@ def test_skips_params_without_grad_and_empty_params(backend, device):
     check_skips_params_without_grad(lambda a, b, e: fastopt.CAME([a, b, e], lr=1e-3), device)
 
 
-
 @pytest.mark.parametrize("kwargs, name", [
     (dict(), "lr"),
     (dict(lr=0.0), "lr"),
@@ -331,7 +381,6 @@ def test_bad_group_names_itself_and_changes_nothing(bad, key, how):
 
 def test_sparse_and_complex_refused_before_any_change(backend, device):
     check_refuses_sparse_and_complex(lambda a, other: fastopt.CAME([a, other], lr=1e-3), device)
-
 
 
 def test_bad_state_dict_fails_and_changes_nothing():

@@ -13,6 +13,8 @@ from conftest import (TOL, Counting, assert_tracks, rel_update_error, step_with_
 
 import fastopt
 from fastopt import ops
+from sr_checks import (assert_sr_tracks, check_noise_varies, check_sr_deterministic,
+                       sr_problem)
 
 # A single element to N-D in one optimizer; several params span more than one program of the kernels.
 SHAPES = [(), (1,), (7,), (300,), (3, 5), (17, 19), (2, 3, 4, 5)]
@@ -131,20 +133,90 @@ def test_low_precision_tracks_reference(backend, device, dtype):
     assert_tracks([p.detach().cpu() for p in ours], truth, [p.to(dtype) for p in init], dtype, ref_lowp=ref_lowp)
 
 
-def test_bf16_stochastic_rounding_is_unbiased(backend, device):
-    """Updates far below half a bf16 ulp: round-to-nearest never moves p, stochastic rounding tracks it in mean."""
+def test_bf16_stochastic_rounding_tracks_float64(backend, device):
+    """Updates far below half a bf16 ulp: round-to-nearest never moves p, stochastic rounding tracks the float64
+    run in mean and element by element."""
     kw = dict(lr=2e-4, bias_correction=False)
-    g = torch.Generator().manual_seed(3)
-    init = [torch.ones(16, 64, dtype=torch.float64)]
-    grads = [[torch.rand(16, 64, generator=g, dtype=torch.float64) + 0.5] for _ in range(12)]
+    init, grads = sr_problem([(16, 64), (1000,)], 12)
     truth, *_ = lamb_reference(init, grads, **kw)
     nearest, _ = run(init, grads, torch.bfloat16, device, **kw)
     sr, _ = run(init, grads, torch.bfloat16, device, bf16_stochastic_round=True, **kw)
-    moved = (1 - truth[0]).mean().item()
-    assert moved > 0
-    assert torch.equal(nearest[0].detach().cpu().double(), init[0])
-    sr_moved = (1 - sr[0].detach().cpu().double()).mean().item()
-    assert abs(sr_moved - moved) < 0.15 * moved, (sr_moved, moved)  # 6 standard deviations of the mean
+    for k in range(2):
+        moved = (1 - truth[k]).mean().item()
+        assert moved > 0
+        assert torch.equal(nearest[k].detach().cpu().double(), init[k])
+        sr_moved = (1 - sr[k].detach().cpu().double()).mean().item()
+        assert abs(sr_moved - moved) < 0.15 * moved, (k, sr_moved, moved)  # 6 standard deviations of the mean
+    assert_sr_tracks(sr, truth, len(grads))
+
+
+@pytest.mark.parametrize("nbits", [32, 8])
+def test_bf16_stochastic_rounding_noise_varies(backend, device, nbits):
+    params = [torch.ones(s, dtype=torch.bfloat16, device=device, requires_grad=True)
+              for s in [(32, 64), (32, 64), (2048,), (2048,)]]
+    # update = lr * |p| per element here (a uniform a, trust ratio ||p|| / ||a||): 0.4 ulp below 1
+    opt = fastopt.Lamb(params, lr=0.4 * 2.0 ** -8, bias_correction=False, bf16_stochastic_round=True, nbits=nbits,
+                       **SMALL_8BIT)
+    check_noise_varies(opt, params)
+
+
+@pytest.mark.parametrize("nbits", [32, 8])
+def test_bf16_stochastic_rounding_is_deterministic(backend, device, nbits):
+    init, grads = make_problem(shapes=[(7,), (9, 40), (), (300,)], steps=4)
+    check_sr_deterministic(lambda ps: fastopt.Lamb(ps, lr=LR, weight_decay=0.01, bf16_stochastic_round=True,
+                                                   nbits=nbits, **SMALL_8BIT), init, grads, device)
+
+
+def test_nan_in_one_gradient_element_matches_reference(backend, device):
+    """A NaN in one element of a gradient (no GradScaler): that element's m, v and param turn NaN and stay so; the
+    param's trust ratio (a NaN norm) falls back to 1 as in the float64 LAMB, so every other element steps on
+    (with max_trust_ratio too: the clamp keeps the ratio of 1)."""
+    kw = dict(lr=LR, weight_decay=0.01, max_trust_ratio=2.0)
+    init, grads = make_problem(shapes=[(6, 5), (40,), ()], steps=STEPS_SHORT)
+    grads[3][0][2, 1] = float("nan")
+    ours, opt = run(init, grads, torch.float64, device, **kw)
+    ref, m_ref, v_ref, _ = lamb_reference(init, grads, **kw)
+    ours = [p.detach().cpu() for p in ours]
+    for k, (x, r) in enumerate(zip(ours, ref)):
+        assert torch.equal(x.isnan(), r.isnan()), f"param {k}: NaN pattern"
+    assert ref[0].isnan().sum() == 1 and not any(r.isnan().any() for r in ref[1:])
+    finite = [~r.isnan() for r in ref]
+    assert_tracks([x[f] for x, f in zip(ours, finite)], [r[f] for r, f in zip(ref, finite)],
+                  [x[f] for x, f in zip(init, finite)], torch.float64)
+    for key, want in (("exp_avg", m_ref), ("exp_avg_sq", v_ref)):
+        for x, y in zip(states(opt, opt.param_groups[0]["params"], key), want):
+            torch.testing.assert_close(x, y, rtol=TOL[torch.float64], atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("nbits", [32, 8])
+def test_huge_gradient_keeps_the_state_finite(backend, device, nbits):
+    """fp32 params, a gradient of +-3e19 in one element: g^2 = 9e38 overflows fp32 (max 3.4e38), (1 - beta2) g g
+    computed as ((1 - beta2) g) g, as the reference does, does not (9e35). The state stays finite and is the
+    float64 LAMB's (8-bit: its codes, to the last one)."""
+    kw = dict(lr=LR, weight_decay=0.01)
+    init, grads = make_problem(shapes=[(24, 40), (200,), (7,)], steps=STEPS_SHORT)
+    grads[2][0][3, 5] = 3e19
+    grads[4][1][17] = -3e19
+    grads = [[g.float().double() for g in step_grads] for step_grads in grads]  # what the fp32 run sees
+    ours, opt = run(init, grads, torch.float32, device, nbits=nbits, **SMALL_8BIT, **kw)
+    params = opt.param_groups[0]["params"]
+    assert all(t.isfinite().all() for s in opt.state.values() for t in s.values() if t.is_floating_point())
+    ours = [p.detach().cpu() for p in ours]
+    if nbits == 32:
+        ref, m_ref, v_ref, _ = lamb_reference(init, grads, **kw)
+        assert v_ref[0].max() > 1e35 and v_ref[1].max() > 1e35
+        for x, y in zip(states(opt, params, "exp_avg_sq"), v_ref):
+            torch.testing.assert_close(x.double(), y, rtol=TOL[torch.float32], atol=0)
+        for x, y in zip(states(opt, params, "exp_avg"), m_ref):
+            torch.testing.assert_close(x.double(), y, rtol=TOL[torch.float32], atol=TOL[torch.float32])
+    else:
+        ref, codes = lamb8_reference(init, grads, block_size=SMALL_8BIT["block_size"],
+                                     min_8bit_size=SMALL_8BIT["min_8bit_size"], **kw)
+        for k in range(2):
+            st = opt.state[params[k]]
+            assert torch.equal(st["exp_avg"].cpu(), codes[k][0]) and torch.equal(st["exp_avg_sq"].cpu(), codes[k][1])
+            assert st["exp_avg_sq_absmax"].max() > 1e35
+    assert_tracks(ours, ref, init, torch.float32)
 
 
 @pytest.mark.parametrize("dtype, nbits", [(torch.float32, 32), (torch.bfloat16, 32), (torch.float32, 8)])

@@ -94,7 +94,9 @@ def adafactor_step(params: list[Tensor], grads: list[Tensor], states: list[dict]
                    found_inf: Tensor | None = None, reduce: Reduce | None = None, layouts: list | None = None) -> None:
     """One step over a bucket of local tensors. `layouts[i]` (fastopt.distributed.layout.Layout or None)
     places param i's local elements in its global tensor (flat layouts: `params[i]` holds only the real
-    elements, see `layout.real_elements`); the row and column factors are global."""
+    elements, see `layout.real_elements`); the row and column factors are global. `bf16_stochastic_round`: bf16
+    params are rounded by common.stochastic_round_bf16, its noise a function of (step, index in `params`, element
+    offset) only."""
     eps1, eps2 = eps
     layouts = layouts or [None] * len(params)
     shapes = [tuple(p.shape) if lay is None else lay.global_shape for p, lay in zip(params, layouts)]
@@ -165,5 +167,5 @@ def adafactor_step(params: list[Tensor], grads: list[Tensor], states: list[dict]
         for k, v in new_states[i].items():
             _commit(s[k], v, found_inf)
         if bf16_stochastic_round and p.dtype == torch.bfloat16:
-            p_new = stochastic_round_bf16(p_new)
+            p_new = stochastic_round_bf16(p_new, s["step"], i)
         _commit(p, p_new, found_inf)

@@ -84,7 +84,9 @@ def came_step(params: list[Tensor], grads: list[Tensor], states: list[dict], *, 
               found_inf: Tensor | None = None, reduce: Reduce | None = None, layouts: list | None = None) -> None:
     """One step over a bucket of params (one device, one dtype). `layouts[i]` (fastopt.distributed.layout.Layout
     or None) places param i's local elements in its global tensor (flat layouts: `params[i]` holds only the
-    real elements, see `layout.real_elements`); the four factors are global, identical on every rank."""
+    real elements, see `layout.real_elements`); the four factors are global, identical on every rank.
+    `bf16_stochastic_round`: bf16 params are rounded by common.stochastic_round_bf16, its noise a function of
+    (step, index in `params`, element offset) only."""
     eps1, eps2 = eps
     beta1, beta2, beta3 = betas
     layouts = layouts or [None] * len(params)
@@ -135,7 +137,8 @@ def came_step(params: list[Tensor], grads: list[Tensor], states: list[dict], *, 
 
     # Phase 4: instability factors, confidence-scaled update, decay, write.
     pos = 0
-    for p, g, s, m_new, ns, shape, f, lay in zip(params, gs, states, moms, new_states, shapes, factored, layouts):
+    for i, (p, g, s, m_new, ns, shape, f, lay) in enumerate(
+            zip(params, gs, states, moms, new_states, shapes, factored, layouts)):
         if f:
             r_fac, c_fac, r_new, c_new, pos = _factors(res_stats, pos, s["exp_avg_res_row"], s["exp_avg_res_col"],
                                                        beta3, eps2, shape, lay)
@@ -149,7 +152,7 @@ def came_step(params: list[Tensor], grads: list[Tensor], states: list[dict], *, 
             _commit(s[k], v, found_inf)
         _store_momentum(s, m_new, nbits, found_inf)
         if bf16_stochastic_round and p.dtype == torch.bfloat16:
-            p_new = stochastic_round_bf16(p_new)
+            p_new = stochastic_round_bf16(p_new, s["step"], i)
         _commit(p, p_new, found_inf)
 
 

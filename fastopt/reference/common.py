@@ -4,14 +4,53 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+_M32 = 0xFFFFFFFF
+# Philox-4x32 constants (Salmon et al., "Parallel Random Numbers: As Easy as 1, 2, 3", SC 2011), as in Triton.
+_ROUND_A, _ROUND_B = 0xD2511F53, 0xCD9E8D57
+_KEY_A, _KEY_B = 0x9E3779B9, 0xBB67AE85
 
-def stochastic_round_bf16(x: Tensor, generator: torch.Generator | None = None) -> Tensor:
+
+def _mulhilo32(a: Tensor, b: int) -> tuple[Tensor, Tensor]:
+    """(high, low) 32 bits of a * b, for int64 `a` in [0, 2**32) and a constant b in [2**31, 2**32), without
+    int64 overflow: a * (b - 2**32) is exact (|.| < 2**63), and a * b = that + a * 2**32."""
+    p = a * (b - (1 << 32))
+    lo = p & _M32
+    return p.bitwise_right_shift_(32).add_(a), lo
+
+
+def philox_randint(key0: int, key1: Tensor, counter: Tensor) -> Tensor:
+    """Triton's `tl.randint(seed, offset)`: the first word of Philox-4x32-10 with key (seed's low, high 32 bits)
+    = (key0, key1) and counter (offset, 0, 0, 0), as unsigned 32-bit values held in int64."""
+    c0 = counter & _M32
+    c1, c2, c3 = torch.zeros_like(c0), torch.zeros_like(c0), torch.zeros_like(c0)
+    k0, k1 = key0 & _M32, key1 & _M32
+    for _ in range(10):
+        hi_b, lo_b = _mulhilo32(c2, _ROUND_B)
+        hi_a, lo_a = _mulhilo32(c0, _ROUND_A)
+        c0, c1, c2, c3 = hi_b.bitwise_xor_(c1).bitwise_xor_(k0), lo_b, hi_a.bitwise_xor_(c3).bitwise_xor_(k1), lo_a
+        k0, k1 = (k0 + _KEY_A) & _M32, (k1 + _KEY_B) & _M32
+    return c0
+
+
+def stochastic_round_bf16(x: Tensor, step: Tensor, index: int) -> Tensor:
     """Round fp32 `x` to bf16 up or down with probability proportional to the distance (unbiased).
 
-    Adds uniform random bits below bf16's 16-bit mantissa cut, then truncates: E[round(x)] = x.
+    Adds 16 random bits below bf16's mantissa cut, then truncates: E[round(x)] = x. The bits depend only on the
+    param's `step` (its state's step counter), its `index` in the bucket (the list of params one fused step
+    updates) and each element's row-major offset in `x`: Triton's `tl.randint(seed, offset)` with
+    seed = step * 2**32 + index and offset = element offset (mod 2**32), the draw the kernels make. No torch
+    RNG is touched (the user's random stream does not move), replicas of a param on several ranks round
+    identically, and both back ends round bit for bit alike.
     """
+    n = x.numel()
+    # Philox is ~120 int64 ops per element: on CPU, in chunks that stay in cache (2-3x faster than in one go).
+    chunk = 1 << 16 if x.device.type == "cpu" else max(n, 1)
+    key1 = step.to(torch.int64)
+    noise = torch.empty(n, dtype=torch.int32, device=x.device)
+    for start in range(0, n, chunk):
+        offs = torch.arange(start, min(start + chunk, n), dtype=torch.int64, device=x.device)
+        noise[start:start + chunk] = philox_randint(index, key1, offs) & 0xFFFF
     bits = x.to(torch.float32).view(torch.int32)
-    noise = torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32, device=x.device, generator=generator)
-    out = ((bits + noise) & -65536).view(torch.float32)
+    out = ((bits + noise.view(x.shape)) & -65536).view(torch.float32)
     out = torch.where(torch.isfinite(x), out, x.to(torch.float32))
     return out.to(torch.bfloat16)

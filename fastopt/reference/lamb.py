@@ -95,7 +95,9 @@ def lamb_step(params: list[Tensor], grads: list[Tensor], states: list[dict], *, 
               bias_correction, max_trust_ratio=None, bf16_stochastic_round: bool = False, block_size: int = 256,
               inv_scale: Tensor | None = None, found_inf: Tensor | None = None,
               reduce: Reduce | None = None) -> None:
-    """One step over a bucket of params (same device and dtype); math in fp64 for fp64 params, else fp32."""
+    """One step over a bucket of params (same device and dtype); math in fp64 for fp64 params, else fp32.
+    `bf16_stochastic_round`: bf16 params are rounded by common.stochastic_round_bf16, its noise a function of
+    (step, index in `params`, element offset) only."""
     beta1, beta2 = betas
     acc = torch.float64 if params[0].dtype == torch.float64 else torch.float32
 
@@ -124,5 +126,5 @@ def lamb_step(params: list[Tensor], grads: list[Tensor], states: list[dict], *, 
         p_new = p.to(acc) - (eta * ratio.to(torch.float64)).to(acc) * a
         store_moments(s, m, v, block_size, found_inf)
         if bf16_stochastic_round and p.dtype == torch.bfloat16:
-            p_new = stochastic_round_bf16(p_new)
+            p_new = stochastic_round_bf16(p_new, s["step"], i)
         _commit(p, p_new, found_inf)
