@@ -255,9 +255,12 @@ def import_state(st, p: Tensor, spec: dict, quantized: dict, elementwise: set, w
                              f"a float tensor without {quantized.get(key, ('its absmax',))[0]!r} (dequantized)")
         if dtype != torch.uint8 and not here.is_floating_point():
             raise ValueError(f"{where}[{key!r}] has dtype {here.dtype}, expected a floating-point tensor")
-        if here.is_floating_point() and not torch.isfinite(here).all():
-            problem = problem or f"{where}[{key!r}] holds non-finite values"
-        t = here.detach().to(device=device, copy=True)
+        # Float state takes the dtype the optimizer keeps for this param (fp32 saved for an fp64 param, or the
+        # reverse): the kernels read it with the param's state dtype.
+        t = here.detach().to(device=device, dtype=dtype, copy=True)
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            cast = f" as {dtype}" if t.dtype != here.dtype else ""
+            problem = problem or f"{where}[{key!r}] holds non-finite values{cast}"
         out[key] = like_param(t, p) if elem else t
     return out, problem
 

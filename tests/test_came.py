@@ -358,7 +358,6 @@ def test_bad_arguments_name_themselves(kwargs, name):
 # A param group's own settings, each bad in one way.
 BAD_GROUPS = [
     (dict(lr=-1.0), "lr"),
-    (dict(lr=0.0), "lr"),
     (dict(lr=True), "lr"),
     (dict(lr=float("nan")), "lr"),
     (dict(betas=(1.5, 0.999, 0.9999)), "betas[0]"),

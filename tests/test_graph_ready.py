@@ -81,3 +81,33 @@ def test_step_does_not_sync_with_the_host(name, dtype):
     shapes = [(64, 48), (7, 5), (2, 3, 16), (96,), (5,), ()]
     params = [(torch.randn(s, device="cuda") * 0.1).to(dtype).requires_grad_() for s in shapes]
     check_no_host_sync(OPTS[name](params), params, steps=4, first_checked=1)
+
+
+@pytest.mark.parametrize("name, plan", [("adafactor", "AdafactorPlan"), ("lamb", "LambPlan"), ("came", "CAMEPlan")])
+def test_two_buckets_of_one_group_keep_their_plans(name, plan, monkeypatch):
+    """One param group holding a plain param and a declared shard (two buckets of the same device and dtype, as
+    FSDP2+TP matrices and dp-only norms are): each bucket's plan is built once, not rebuilt every step because
+    the other bucket evicted it (the Triton kernels, under the interpreter)."""
+    if not (ops.triton_available() and (torch.cuda.is_available() or ops.interpreting())):
+        pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1")
+    import importlib
+    from fastopt.distributed import declare_shard
+    from fastopt.distributed.layout import Layout
+    monkeypatch.setenv("FASTOPT_BACKEND", "triton")
+    monkeypatch.setattr(Layout, "reduce", lambda self, buf: None)  # one "rank" holding the whole param
+    cls = getattr(importlib.import_module(f"fastopt.kernels.{name}"), plan)
+    built = []
+    init = cls.__init__
+    monkeypatch.setattr(cls, "__init__", lambda self, *a, **k: built.append(1) or init(self, *a, **k))
+    make = {"adafactor": lambda ps: fastopt.Adafactor(ps, lr=1e-2, relative_step=False),
+            "lamb": lambda ps: fastopt.Lamb(ps, lr=1e-2), "came": lambda ps: fastopt.CAME(ps, lr=1e-2)}[name]
+    for mixed in (False, True):
+        a, b = torch.randn(6, 5), torch.randn(6, 5)
+        if mixed:
+            b = declare_shard(b, (6, 5), "group", flat_offset=0)
+        opt = make([a, b])
+        built.clear()
+        for _ in range(4):
+            a.grad, b.grad = torch.randn_like(a), torch.randn_like(b)
+            opt.step()
+        assert len(built) == (2 if mixed else 1), (mixed, len(built))

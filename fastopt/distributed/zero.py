@@ -132,6 +132,31 @@ class _Bucket:
         self.work = None
 
 
+class _SharedGroup:
+    """The wrapper's process group inside its pickled state: the same group in a deepcopy (the copy communicates
+    over it, like the original); pickled only when there is none (a single process)."""
+
+    __slots__ = ("pg",)
+
+    def __init__(self, pg):
+        self.pg = pg
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        if self.pg is not None:
+            raise TypeError(f"{_NAME}: cannot pickle a wrapper over a process group (the group belongs to this "
+                            "process); save its state_dict instead")
+        return _SharedGroup, (None,)
+
+
+# What a pickle or a deepcopy of the wrapper carries; the rest (buckets, hooks) is rebuilt, with ZeRO-2's
+# accumulators and the gradients exposed as views of them.
+_PICKLED = ("defaults", "optim", "partition_grad", "overlap_communication", "bucket_size_mb", "_cap", "rank",
+            "world_size", "_ranks", "_params", "_owner", "_loads", "_inv_world", "_synced")
+
+
 def _chunks(items: list[int], params: list[Tensor], cap_bytes: int) -> list[list[int]]:
     """Consecutive runs of `items` of at most `cap_bytes` each (a larger param gets a bucket of its own)."""
     out: list[list[int]] = []
@@ -397,6 +422,38 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     def __del__(self):
         for h in getattr(self, "_handles", ()):
             h.remove()
+
+    def __getstate__(self) -> dict:
+        state = {k: self.__dict__[k] for k in _PICKLED}
+        state["param_groups"] = [dict(g) for g in self.param_groups]
+        state["_pg"] = _SharedGroup(self._pg)
+        state["_accs"] = [(b.acc, list(b.seen)) for b in self._red]  # ZeRO-2: gradients summed so far
+        state["_exposed"] = sorted(self._views)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        """A deepcopy or unpickled copy: the wrapped optimizer's copy, over the copied params, with buckets and
+        hooks of its own (on the same process group, for a deepcopy)."""
+        state = dict(state)
+        pg = state.pop("_pg").pg
+        accs, exposed = state.pop("_accs"), state.pop("_exposed")
+        differentiable = "differentiable" in state["defaults"]
+        self.__dict__["_initialized"] = False
+        super().__setstate__(state)  # torch's: its hook registries (empty, as in a copy of a torch optimizer)
+        if not differentiable:  # torch adds it to the defaults, shared with the wrapped optimizer
+            self.defaults.pop("differentiable", None)
+        self._pg = pg
+        self._gidx = {id(p): i for i, p in enumerate(self._params)}
+        self.param_groups = [self._wrap_group(g, i) for i, g in enumerate(self.param_groups)]
+        self._initialized = True
+        self._handles = []
+        self._build()  # the same buckets, in the same order
+        for b, (acc, seen) in zip(self._red, accs):
+            b.acc, b.seen = acc, seen
+        for gidx in exposed:  # the owner's .grad: a view of the accumulator again, not a copy of one
+            b, k = self._slot[gidx]
+            p = self._params[gidx]
+            self._views[gidx] = p.grad = b.slot(b.acc, k).view(p.shape)
 
     # ---- torch.optim.Optimizer surface -------------------------------------------------------------
     @property
@@ -689,9 +746,23 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         """This rank's shard (default), or with `consolidated=True` the whole state in the unwrapped optimizer's
         format, gathered (a collective: call it on every rank) to rank `to` of the group, or to every rank with
         `to=None`; other ranks get None. The shard, keyed by the global param index, carries a "zero" entry
-        (world size, rank, owner of every param) and reloads only on the same partition."""
-        if consolidated:
-            return self.consolidate_state_dict(to=to)
+        (world size, rank, owner of every param) and reloads only on the same partition. The wrapper's
+        `register_state_dict_pre_hook` hooks run first, its post hooks on the dict returned (on the ranks that
+        get one), as in torch; the wrapped optimizer's own hooks run on its part."""
+        if consolidated and to is not None and not (isinstance(to, int) and 0 <= to < self.world_size):
+            raise ValueError(f"{_NAME}.consolidate_state_dict: to={to!r} must be a rank in [0, {self.world_size}) "
+                             "or None")
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        sd = self._consolidated(to) if consolidated else self._shard()
+        if sd is not None:
+            for post_hook in self._optimizer_state_dict_post_hooks.values():
+                out = post_hook(self, sd)
+                if out is not None:
+                    sd = out
+        return sd
+
+    def _shard(self) -> dict:
         self._push_hyper()
         inner = self.optim.state_dict()
         l2g = self._local_to_global()
@@ -710,11 +781,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
     def consolidate_state_dict(self, to: int | None = 0) -> dict | None:
         """The whole optimizer state as the unwrapped optimizer would save it (CPU tensors), on rank `to`
-        (None: every rank); None on the other ranks. Collective."""
-        if to is not None and not (isinstance(to, int) and 0 <= to < self.world_size):
-            raise ValueError(f"{_NAME}.consolidate_state_dict: to={to!r} must be a rank in [0, {self.world_size}) "
-                             "or None")
-        shard = self.state_dict()
+        (None: every rank); None on the other ranks. Collective. `state_dict(consolidated=True, to=to)`."""
+        return self.state_dict(consolidated=True, to=to)
+
+    def _consolidated(self, to: int | None) -> dict | None:
+        shard = self._shard()
         shard.pop("zero")
         shard["state"] = {gid: {k: (v.detach().cpu() if isinstance(v, Tensor) else v) for k, v in st.items()}
                           for gid, st in shard["state"].items()}
@@ -735,7 +806,15 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         return shard
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load a consolidated state_dict (also one saved by the unwrapped optimizer) or this rank's shard."""
+        """Load a consolidated state_dict (also one saved by the unwrapped optimizer) or this rank's shard. The
+        wrapper's `register_load_state_dict_pre_hook` hooks see (and may replace) a shallow copy of it first, its
+        post hooks run once it is loaded, as in torch."""
+        if isinstance(state_dict, dict):
+            state_dict = state_dict.copy()
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            out = pre_hook(self, state_dict)
+            if out is not None:
+                state_dict = out
         if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
             raise ValueError(f"{_NAME}.load_state_dict: expected a dict with 'state' and 'param_groups'")
         saved = state_dict["param_groups"]
@@ -789,6 +868,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         inner["param_groups"] = inner_groups
         self.optim.load_state_dict(inner)
         self._pull_hyper()
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
 
 def _end_of_backward(ref):

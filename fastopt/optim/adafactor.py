@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from .. import ops
 from ..distributed.layout import local
-from .base import FLAG, NONNEG, POSITIVE, FastOptimizer, check, eps_pair, is_number
+from .base import FLAG, NONNEG, POSITIVE, FastOptimizer, check, eps_pair, is_number, lr_rule
 
 
 class Adafactor(FastOptimizer):
@@ -34,12 +34,13 @@ class Adafactor(FastOptimizer):
     _name = "Adafactor"
     _supports_layouts = True
     _elementwise_state = ("exp_avg", "exp_avg_sq")  # the factors are whole
+    _layout_keys = ("beta1",)  # None: no exp_avg
     _hyper_rules = dict(
         eps=eps_pair, clip_threshold=POSITIVE,
         decay_rate=(lambda v: is_number(v) and v < 0, "be a finite number < 0"),
         beta1=(lambda v: v is None or (is_number(v) and 0 <= v < 1), "be None or in [0, 1)"), weight_decay=NONNEG,
         scale_parameter=FLAG, relative_step=FLAG, warmup_init=FLAG, bf16_stochastic_round=FLAG,
-        lr=(lambda v: v is None or (is_number(v) and v >= 0), "be None or a finite number >= 0"))
+        lr=lr_rule(">= 0", allow_none=True))
 
     def __init__(self, params, lr=None, eps=(1e-30, 1e-3), clip_threshold=1.0, decay_rate=-0.8, beta1=None,
                  weight_decay=0.0, scale_parameter=True, relative_step=True, warmup_init=False,
@@ -49,7 +50,6 @@ class Adafactor(FastOptimizer):
             weight_decay=weight_decay, scale_parameter=scale_parameter, relative_step=relative_step,
             warmup_init=warmup_init, bf16_stochastic_round=bf16_stochastic_round))
         super().__init__(params, defaults)
-        self._plans: dict = {}
 
     # ---- validation -----------------------------------------------------------------------------------
     def _check_hyper(self, hp: dict, where: str | None = None) -> dict:
@@ -88,14 +88,13 @@ class Adafactor(FastOptimizer):
         return spec
 
     def _step_group(self, group, params, grads, states, scaler, layouts=None, reduce=None):
-        hyper = {k: group[k] for k in ("lr", "eps", "clip_threshold", "decay_rate", "beta1", "weight_decay",
-                                       "scale_parameter", "relative_step", "warmup_init", "bf16_stochastic_round")}
-        cache = self._plans.setdefault((id(group), params[0].device, params[0].dtype), {})
+        hyper = self._values(group, ("lr", "eps", "clip_threshold", "decay_rate", "beta1", "weight_decay",
+                                     "scale_parameter", "relative_step", "warmup_init", "bf16_stochastic_round"))
         ops.adafactor_step(params, grads, states, inv_scale=scaler.inv_scale, found_inf=scaler.found_inf,
-                           cache=cache, layouts=layouts, reduce=reduce, **hyper)
+                           cache=self._plan_cache(group, params), layouts=layouts, reduce=reduce, **hyper)
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Also takes transformers' `Adafactor` state_dicts: the same state keys (`exp_avg_sq_row`,
+    def _from_foreign(self, state_dict):
+        """load_state_dict also takes transformers' `Adafactor` state_dicts: the same state keys (`exp_avg_sq_row`,
         `exp_avg_sq_col` or `exp_avg_sq`, `exp_avg` with beta1), their int `step` becomes a tensor, their
         `RMS` (recomputed there every step from the param, unused across steps) is dropped, and their groups
         get this optimizer's `bf16_stochastic_round`."""
@@ -108,7 +107,7 @@ class Adafactor(FastOptimizer):
             state_dict = {"state": state,
                           "param_groups": [{**g, "bf16_stochastic_round": ours["bf16_stochastic_round"]}
                                            for g, ours in zip(groups, self.param_groups)]}
-        super().load_state_dict(state_dict)
+        return state_dict
 
 
 # Group keys of transformers' Adafactor; a state_dict whose groups hold these and no fastopt-only key is its.

@@ -7,7 +7,7 @@ import torch
 
 from .. import ops
 from ..distributed.layout import local, real_elements
-from .base import BLOCK_SIZE, MIN_8BIT_SIZE, NONNEG, FastOptimizer, betas_rule
+from .base import BLOCK_SIZE, MIN_8BIT_SIZE, NONNEG, FastOptimizer, betas_rule, host_value, lr_rule
 
 
 class AdamW8bit(FastOptimizer):
@@ -42,7 +42,8 @@ class AdamW8bit(FastOptimizer):
     # the local piece (so they differ from a single process's blocks by the quantization error alone).
     _supports_layouts = True
     _elementwise_state = ("state1", "state2")
-    _hyper_rules = dict(lr=NONNEG, betas=betas_rule(2), eps=NONNEG, weight_decay=NONNEG, block_size=BLOCK_SIZE,
+    _layout_keys = ("block_size", "min_8bit_size")
+    _hyper_rules = dict(lr=lr_rule(">= 0"), betas=betas_rule(2), eps=NONNEG, weight_decay=NONNEG, block_size=BLOCK_SIZE,
                         min_8bit_size=MIN_8BIT_SIZE)
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, block_size=256,
@@ -65,7 +66,7 @@ class AdamW8bit(FastOptimizer):
         bs = group["block_size"]
         params, grads, states = real_elements(params, grads, states, layouts, self._elementwise_state,
                                               {"absmax1": bs, "absmax2": bs})
-        ops.adamw8bit_step(params, grads, states, lr=group["lr"], betas=group["betas"], eps=group["eps"],
+        ops.adamw8bit_step(params, grads, states, lr=host_value(group["lr"]), betas=group["betas"], eps=group["eps"],
                            weight_decay=group["weight_decay"], block_size=group["block_size"],
                            inv_scale=scaler.inv_scale, found_inf=scaler.found_inf)
 
@@ -73,8 +74,8 @@ class AdamW8bit(FastOptimizer):
         bs = group["block_size"]
         return {"state1": ("absmax1", True, bs), "state2": ("absmax2", False, bs)}
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Also takes bitsandbytes' `AdamW8bit` state_dicts (same codes, same maps, same blocks of 256):
+    def _from_foreign(self, state_dict):
+        """load_state_dict also takes bitsandbytes' `AdamW8bit` state_dicts (same codes, same maps, same blocks of 256):
         its per-param `__bnb_optimizer_quant_state__` entry is unpacked, `qmap1`/`qmap2` are checked against
         fastopt's fixed maps and dropped, its int `step` becomes a tensor, and its groups (lr, betas, eps,
         weight_decay; alpha, t_alpha, t_beta3 of its AdEMAMix variant are ignored) get this optimizer's
@@ -87,7 +88,7 @@ class AdamW8bit(FastOptimizer):
                           "param_groups": [{**{k: v for k, v in g.items() if k not in _BNB_ONLY},
                                             "block_size": ours["block_size"], "min_8bit_size": ours["min_8bit_size"]}
                                            for g, ours in zip(groups, self.param_groups)]}
-        super().load_state_dict(state_dict)
+        return state_dict
 
 
 # Group keys of bitsandbytes' 8-bit Adam family that fastopt's AdamW8bit does not have.

@@ -6,6 +6,7 @@ device and dtype). Everything torch users expect from `torch.optim` comes from `
 """
 from __future__ import annotations
 
+import copy
 import math
 from collections import defaultdict
 from typing import Any, Callable, Iterable
@@ -17,7 +18,7 @@ from torch import Tensor
 from .. import checkpoint as ckpt
 from ..distributed.layout import Layout, layout_of, local
 
-__all__ = ["FastOptimizer", "check", "check_betas", "ScalerArgs"]
+__all__ = ["FastOptimizer", "check", "check_betas", "ScalerArgs", "lr_rule", "host_value"]
 
 
 def check(cond: bool, name: str, owner: str, value: Any, must: str) -> None:
@@ -41,6 +42,37 @@ def is_number(x) -> bool:
 
 def is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def host_value(v):
+    """A hyperparameter as the step reads it: a 0-dim CPU tensor (an lr a scheduler may change in place) as
+    the float it holds now (no host sync: it lives on the host), anything else as it is."""
+    return float(v) if isinstance(v, Tensor) else v
+
+
+def lr_rule(minimum: str = ">= 0", allow_none: bool = False, hint: str = ""):
+    """The rule of an lr: a finite number `minimum` (">= 0" or "> 0"), or a 0-dim CPU tensor holding one (as
+    torch.optim.AdamW accepts; kept as the tensor, so that a scheduler's in-place change is read at each
+    step), or None where `allow_none`. A CUDA tensor is refused: reading it at every step would be a host
+    sync."""
+    strict = minimum == "> 0"
+    must = ("be None or " if allow_none else "be ") + f"a finite number {minimum}" + hint
+
+    def rule(owner: str, name: str, v):
+        if v is None and allow_none:
+            return v
+        x = v
+        if isinstance(v, Tensor):
+            if v.device.type != "cpu":
+                raise ValueError(f"{owner}: {name}={v!r} is a tensor on {v.device}; the step reads the lr on the "
+                                 "host, which would wait for the device (a host sync) at every step: pass a number "
+                                 "or a 0-dim CPU tensor")
+            if v.dim() != 0 or v.dtype == torch.bool or v.is_complex():
+                raise ValueError(f"{owner}: {name}={v!r} must {must} (a tensor lr: 0-dim, real, on the CPU)")
+            x = float(v)
+        check(is_number(x) and (x > 0 if strict else x >= 0), name, owner, v, must)
+        return v
+    return rule
 
 
 # Rules of `FastOptimizer._hyper_rules`: (test, what the value must be), or a function (owner, name, value) that
@@ -90,12 +122,23 @@ class FastOptimizer(torch.optim.Optimizer):
     _name = "FastOptimizer"
 
     def __init__(self, params, defaults: dict):
+        self._plans: dict = {}  # (id(group), device, dtype) -> the kernels' cache of that bucket
+        self._layout_sigs: dict = {}  # see _check_state_layouts
         super().__init__(params, defaults)
         self.state = ckpt.StateDict(dict, self.state)
 
     def __setstate__(self, state: dict) -> None:
+        """After unpickling, deepcopy and load_state_dict: the caches that are not pickled start afresh (the
+        kernels' plans of groups that are gone with their scratch buffers, the layout signatures)."""
+        defaults = state.get("defaults", self.__dict__.get("defaults", {}))
+        differentiable = "differentiable" in defaults
         super().__setstate__(state)
+        # torch adds defaults["differentiable"]; a group of a state_dict would then "lack" it on the next load.
+        if not differentiable:
+            self.defaults.pop("differentiable", None)
         self.state = ckpt.StateDict(dict, self.state)  # torch.optim's load_state_dict hands a plain defaultdict
+        self._plans = {}
+        self._layout_sigs = {}
 
     # ---- subclass interface -------------------------------------------------------------------
     def _state_spec(self, p: Tensor, group: dict) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -124,6 +167,10 @@ class FastOptimizer(torch.optim.Optimizer):
         """The element-wise state keys of the params of `group` (`_elementwise_state` unless overridden)."""
         return frozenset(self._elementwise_state)
 
+    # The group keys that `_state_spec` reads: changing one between steps is refused where the state of a
+    # param no longer fits (`_check_state_layouts`).
+    _layout_keys: tuple[str, ...] = ()
+
     def _init_state(self, p: Tensor, group: dict) -> dict:
         """Zeros of `_state_spec`; for a DTensor param the element-wise states are DTensors like it
         (fastopt/checkpoint.py: DCP reshards them), whose local tensors `step()` hands to `_step_group`."""
@@ -151,16 +198,36 @@ class FastOptimizer(torch.optim.Optimizer):
         return out
 
     def add_param_group(self, param_group: dict) -> None:
-        """Checks the group's hyperparameters (`_check_hyper`) before adding it; torch checks the rest."""
+        """Checks the group's hyperparameters (`_check_hyper`) and that none of its params is already in a
+        group or appears twice in it (torch only warns there, and the param would be stepped twice) before
+        adding it; torch checks the rest."""
         if isinstance(param_group, dict):
-            param_group = self._check_hyper(param_group, f"param_groups[{len(self.param_groups)}]")
+            where = f"param_groups[{len(self.param_groups)}]"
+            param_group = self._check_hyper(param_group, where)
+            params = param_group.get("params")
+            if params is not None and not isinstance(params, (Tensor, set)):  # torch refuses a set itself
+                param_group["params"] = params = list(params)
+                seen = {id(p): f"param_groups[{gi}]['params'][{pi}]"
+                        for gi, g in enumerate(self.param_groups) for pi, p in enumerate(g["params"])}
+                for i, q in enumerate(params):
+                    t = q[1] if isinstance(q, tuple) and len(q) == 2 else q  # (name, param)
+                    here = f"{where}['params'][{i}]"
+                    if id(t) in seen:
+                        raise ValueError(f"{self._name}: {here} is the same tensor as {seen[id(t)]}; each param "
+                                         "may appear once in an optimizer (it would be stepped twice)")
+                    seen[id(t)] = here
         super().add_param_group(param_group)
+
+    def _check_group(self, gi: int, group: dict) -> None:
+        """A subclass's own step-time checks of a group (after `_check_hyper`)."""
 
     def _check_grads(self) -> None:
         """Every refusal happens here, before any parameter or state changes: the groups' hyperparameters
-        again (an lr scheduler or a user may have changed them), then the gradients."""
+        again (an lr scheduler or a user may have changed them), the gradients, then whether each param's
+        state still fits its group's settings and its dtype and shape."""
         for gi, group in enumerate(self.param_groups):
             self._check_hyper(group, f"param_groups[{gi}]")
+            self._check_group(gi, group)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
@@ -171,6 +238,76 @@ class FastOptimizer(torch.optim.Optimizer):
                     raise RuntimeError(f"{self._name} does not support complex parameters")
                 if not p.is_floating_point():
                     raise RuntimeError(f"{self._name}: parameter of dtype {p.dtype} is not floating point")
+        self._check_state_layouts()
+
+    def _check_state_layouts(self) -> None:
+        """Refuse a step whose params' existing state no longer fits `_state_spec`: a group key of
+        `_layout_keys` changed between steps (Adafactor's beta1 None -> 0.9, nbits, block_size, GaLore's rank
+        ...), or a param's dtype or shape changed (`model.double()`). The kernels would read and write the
+        old tensors out of bounds. The full comparison (metadata only, no host sync) runs for a group only when
+        its signature (those keys, its params' dtypes, shapes and devices) differs from the one last checked."""
+        sigs = self._layout_sigs
+        live = set()
+        for gi, group in enumerate(self.param_groups):
+            sig = (tuple(group.get(k) for k in self._layout_keys),
+                   tuple((p.dtype, p.shape, p.device) for p in group["params"]))
+            live.add(id(group))
+            old = sigs.get(id(group))
+            if old is not None and old[0] is group and old[1] == sig:
+                continue
+            self._check_group_state(gi, group, old[1] if old is not None and old[0] is group else None)
+            sigs[id(group)] = (group, sig)
+        if len(sigs) > len(live):
+            for k in [k for k in sigs if k not in live]:
+                del sigs[k]
+
+    def _check_group_state(self, gi: int, group: dict, old_sig) -> None:
+        where = f"param_groups[{gi}]"
+        for pi, p in enumerate(group["params"]):
+            st = self.state.get(p)
+            if not st:
+                continue
+            spec = self._state_spec(p, group)
+            here = ckpt.local_state(st, p)
+            dev = local(p).device
+            have = {k: (tuple(v.shape), v.dtype, v.device) for k, v in here.items()
+                    if k != "step" and isinstance(v, Tensor)}
+            want = {k: (tuple(s), d, dev) for k, (s, d) in spec.items()}
+            if have == want:
+                continue
+            n = self._name
+            pw = f"{where}['params'][{pi}]"
+            diff = _state_diff(have, want, dev)
+            new_opt = ("give these params to a new optimizer (a state_dict saved here loads into it: load_state_dict "
+                       "casts and checks the state)")
+            if old_sig is not None and pi < len(old_sig[1]) and old_sig[1][pi] != (p.dtype, p.shape, p.device):
+                was = old_sig[1][pi]
+                raise ValueError(f"{n}: {pw} is now {p.dtype} of shape {tuple(p.shape)} on {p.device}, but its state "
+                                 f"was made for {was[0]} of shape {tuple(was[1])} on {was[2]} ({diff}): change the "
+                                 f"param back, or {new_opt}")
+            if old_sig is not None:
+                changed = [(k, v0, group.get(k)) for k, v0 in zip(self._layout_keys, old_sig[0]) if v0 != group.get(k)]
+                if changed:
+                    keys = ", ".join(f"{where}[{k!r}]={v!r} (was {v0!r})" for k, v0, v in changed)
+                    raise ValueError(f"{n}: {keys} changes the layout of the state of {pw} ({diff}); a group's state "
+                                     f"layout is fixed once its params have state: set it back, or {new_opt}")
+            keys = ", ".join(f"{where}[{k!r}]={group.get(k)!r}" for k in self._layout_keys if k in group)
+            raise ValueError(f"{n}: the state of {pw} does not fit its param ({p.dtype}, shape {tuple(p.shape)})"
+                             f"{' with ' + keys if keys else ''} ({diff}): restore the settings and the param it was "
+                             f"made with, or {new_opt}")
+
+    def _plan_cache(self, group: dict, params: list[Tensor]) -> dict:
+        """The kernels' cache (plans, tables, scratch buffers) of one bucket of `group`, keyed like the bucket
+        (device, dtype, reduction groups): two buckets of one group (e.g. FSDP2+TP matrices and dp-only norms)
+        must not evict each other's plans every step."""
+        lay = self._layout(params[0])
+        return self._plans.setdefault(
+            (id(group), params[0].device, params[0].dtype, None if lay is None else lay.group_key), {})
+
+    @staticmethod
+    def _values(group: dict, keys: Iterable[str]) -> dict:
+        """The group's hyperparameters `keys` as the kernels take them (a tensor lr read now: `host_value`)."""
+        return {k: host_value(group[k]) for k in keys}
 
     def _scaler_args(self, device: torch.device, cache: dict) -> ScalerArgs:
         if device in cache:
@@ -308,15 +445,21 @@ class FastOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """torch.optim's state_dict (tensors and plain numbers only: loads with `torch.load(weights_only=True)`),
         with copies of the state tensors, zero state for trainable params that have none yet, and DTensor
-        params' state in the form `torch.distributed.checkpoint` reshards (see fastopt/checkpoint.py)."""
-        sd = super().state_dict()
+        params' state in the form `torch.distributed.checkpoint` reshards (see fastopt/checkpoint.py). The
+        hooks of `register_state_dict_pre_hook` run first, those of `register_state_dict_post_hook` on the
+        finished dict, as in torch."""
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
         # One form for every param, whatever layout each one has: a param that is plain under TP alone (a
         # norm's weight) may be a DTensor under FSDP, and DCP matches states by name.
         force = self.__dict__.get("_dequantize_8bit", False) or any(
             ckpt.is_dtensor(p) for g in self.param_groups for p in g["params"])
-        state = {}
+        state, groups = {}, []
         index = 0
         for group in self.param_groups:
+            packed = {k: v for k, v in group.items() if k != "params"}
+            packed["params"] = list(range(index, index + len(group["params"])))  # torch's ids (no duplicates)
+            groups.append(packed)
             quantized = self._quantized_keys(group)
             for p in group["params"]:
                 if p in self.state and self.state[p]:
@@ -325,7 +468,11 @@ class FastOptimizer(torch.optim.Optimizer):
                     zero = ckpt.zero_state(self._state_spec(p, group), p, self._elementwise_keys(group))
                     state[index] = ckpt.export_state(zero, quantized, force)
                 index += 1
-        sd["state"] = state
+        sd = {"state": state, "param_groups": groups}
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            out = post_hook(self, sd)
+            if out is not None:
+                sd = out
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -334,13 +481,33 @@ class FastOptimizer(torch.optim.Optimizer):
 
         Takes this optimizer's state_dicts from any layout: DTensor states are redistributed to the params'
         placements, plain full-size element-wise states are cut to the local piece, dequantized 8-bit states
-        are requantized into the local blocks (fastopt/checkpoint.py). Unlike `torch.optim.Optimizer`, state
-        tensors keep their saved dtype (fp32 state of a bf16 param stays fp32) and move to their param's device.
+        are requantized into the local blocks (fastopt/checkpoint.py). State tensors move to their param's
+        device, and float states take the dtype this optimizer keeps for the param (`state_dtype`: fp64 for
+        fp64 params, fp32 for the others; 8-bit codes stay uint8, `step` fp32), as torch casts them to the
+        param's. The hooks of `register_load_state_dict_pre_hook` see (and may replace) a shallow copy of
+        `state_dict` before anything else; those of `register_load_state_dict_post_hook` run once it is loaded.
         """
+        if isinstance(state_dict, dict):
+            state_dict = state_dict.copy()  # shallow, as torch: a pre hook may edit it
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            out = pre_hook(self, state_dict)
+            if out is not None:
+                state_dict = out
+        state_dict = self._from_foreign(state_dict)
         new_state = self._validate_state_dict(state_dict)
-        super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
-        for p, st in new_state.items():
-            self.state[p] = st
+        saved_groups = copy.deepcopy(state_dict["param_groups"])
+        for g, sg in zip(self.param_groups, saved_groups):  # torch's update_group
+            sg["params"] = g["params"]
+            if "param_names" in g and "param_names" not in sg:
+                sg["param_names"] = g["param_names"]
+        self.__setstate__({"state": new_state, "param_groups": saved_groups})  # new groups: their plans go
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _from_foreign(self, state_dict):
+        """A state_dict of another library's optimizer (transformers, came-pytorch, bitsandbytes) in this
+        optimizer's form; this optimizer's own (and anything else) as it is."""
+        return state_dict
 
     def _validate_state_dict(self, state_dict: dict) -> dict:
         """{param: the state to install}, built from `state_dict` without touching the optimizer; raises
@@ -388,6 +555,16 @@ class FastOptimizer(torch.optim.Optimizer):
             new_state[p] = out
         ckpt.agree(problem, sharded)
         return new_state
+
+
+def _state_diff(have: dict, want: dict, dev) -> str:
+    """What differs between a param's state and the state it needs (key -> (shape, dtype, device) each)."""
+    def fmt(m):
+        return f"{m[0]} {m[1]}" + ("" if m[2] == dev else f" on {m[2]}")
+    return "; ".join(
+        f"{k!r} is {fmt(have[k])}, needs {fmt(want[k])}" if k in have and k in want else
+        f"no {k!r} ({fmt(want[k])} needed)" if k in want else f"{k!r} ({fmt(have[k])}) is not needed"
+        for k in sorted(set(have) | set(want)) if have.get(k) != want.get(k))
 
 
 def _working_layout(working: Tensor, tp_group, owner: str, where: str) -> Layout | None:

@@ -9,7 +9,7 @@ from .. import ops
 from ..distributed.layout import local
 from ..reference import quant
 from ..reference.came import QBLOCK
-from .base import FLAG, NBITS, NONNEG, POSITIVE, FastOptimizer, betas_rule, eps_pair
+from .base import FLAG, NBITS, NONNEG, POSITIVE, FastOptimizer, betas_rule, eps_pair, lr_rule
 
 # Group keys of came-pytorch's CAME; a state_dict whose groups hold only these comes from came-pytorch.
 _CAME_PYTORCH_KEYS = ("lr", "eps", "clip_threshold", "betas", "weight_decay")
@@ -44,10 +44,13 @@ class CAME(FastOptimizer):
     _name = "CAME"
     _supports_layouts = True
     _elementwise_state = ("exp_avg", "exp_avg_sq")  # the four factors are whole
+    _layout_keys = ("nbits",)
+    # A group's lr may be 0 (a warm-up schedule starts there, CosineAnnealingLR may end there); the
+    # constructor's must be > 0, as came-pytorch checks it (`_check_hyper`).
     _hyper_rules = dict(
-        lr=(POSITIVE[0], "be a finite number > 0 (CAME has no relative step size: pass lr)"), eps=eps_pair,
-        betas=betas_rule(3), clip_threshold=POSITIVE, weight_decay=NONNEG, bf16_stochastic_round=FLAG,
-        nbits=NBITS)
+        lr=lr_rule(">= 0"), eps=eps_pair, betas=betas_rule(3), clip_threshold=POSITIVE, weight_decay=NONNEG,
+        bf16_stochastic_round=FLAG, nbits=NBITS)
+    _constructor_lr = staticmethod(lr_rule("> 0", hint=" (CAME has no relative step size: pass lr)"))
 
     def __init__(self, params, lr=None, eps=(1e-30, 1e-16), clip_threshold=1.0, betas=(0.9, 0.999, 0.9999),
                  weight_decay=0.0, bf16_stochastic_round=False, nbits=32):
@@ -55,7 +58,12 @@ class CAME(FastOptimizer):
                                           weight_decay=weight_decay, bf16_stochastic_round=bf16_stochastic_round,
                                           nbits=nbits))
         super().__init__(params, defaults)
-        self._plans: dict = {}
+
+    def _check_hyper(self, hp: dict, where: str | None = None) -> dict:
+        """The base class's rules; the constructor's lr must also be > 0."""
+        if where is None and "lr" in hp:
+            self._constructor_lr(self._name, "lr", hp["lr"])
+        return super()._check_hyper(hp, where)
 
     def _state_spec(self, p, group):
         """The four factors span the whole (global) matrix, identical on every rank that holds a piece of a
@@ -78,19 +86,18 @@ class CAME(FastOptimizer):
         return spec
 
     def _step_group(self, group, params, grads, states, scaler, layouts=None, reduce=None):
-        hyper = {k: group[k] for k in ("lr", "eps", "clip_threshold", "betas", "weight_decay",
-                                       "bf16_stochastic_round", "nbits")}
-        cache = self._plans.setdefault((id(group), params[0].device, params[0].dtype), {})
-        ops.came_step(params, grads, states, inv_scale=scaler.inv_scale, found_inf=scaler.found_inf, cache=cache,
-                      layouts=layouts, reduce=reduce, **hyper)
+        hyper = self._values(group, ("lr", "eps", "clip_threshold", "betas", "weight_decay",
+                                     "bf16_stochastic_round", "nbits"))
+        ops.came_step(params, grads, states, inv_scale=scaler.inv_scale, found_inf=scaler.found_inf,
+                      cache=self._plan_cache(group, params), layouts=layouts, reduce=reduce, **hyper)
 
     def _quantized_keys(self, group):
         return {"exp_avg": ("exp_avg_absmax", True, QBLOCK)}
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Also takes came-pytorch's state_dicts: their int `step` becomes a tensor, their `RMS` (recomputed
-        there every step, unused by the math) is dropped, and the groups get this optimizer's fastopt-only
-        options."""
+    def _from_foreign(self, state_dict):
+        """load_state_dict also takes came-pytorch's state_dicts: their int `step` becomes a tensor, their `RMS`
+        (recomputed there every step, unused by the math) is dropped, and the groups get this optimizer's
+        fastopt-only options."""
         if isinstance(state_dict, dict) and isinstance(state_dict.get("param_groups"), list) and all(
                 isinstance(g, dict) and set(_CAME_PYTORCH_KEYS) <= set(g) and "nbits" not in g
                 for g in state_dict["param_groups"]) and len(state_dict["param_groups"]) == len(self.param_groups):
@@ -101,4 +108,4 @@ class CAME(FastOptimizer):
                            for k, v in st.items() if k != "RMS"}
                      for pid, st in state_dict.get("state", {}).items()}
             state_dict = {"state": state, "param_groups": groups}
-        super().load_state_dict(state_dict)
+        return state_dict

@@ -10,7 +10,8 @@ from .. import ops
 from ..distributed.layout import local
 from ..reference.galore import PROJ_TYPES, basis_shapes, projected_shape, projection_side
 from ..reference.quant import num_blocks
-from .base import BLOCK_SIZE, MIN_8BIT_SIZE, NBITS, NONNEG, FastOptimizer, betas_rule, check, is_int, is_number
+from .base import (BLOCK_SIZE, MIN_8BIT_SIZE, NBITS, NONNEG, FastOptimizer, betas_rule, check, host_value, is_int,
+                   is_number, lr_rule)
 
 __all__ = ["GaLoreAdamW", "GaLoreAdamW8bit", "get_galore_param_groups"]
 
@@ -66,17 +67,26 @@ class GaLoreAdamW(FastOptimizer):
     # the ranks that share a param, one collective per step for the bucket.
     _supports_layouts = True
     _elementwise_state = ("exp_avg", "exp_avg_sq")  # groups without `rank` only: see _elementwise_keys
-    _hyper_rules = dict(lr=NONNEG, betas=betas_rule(2), eps=NONNEG, weight_decay=NONNEG, nbits=NBITS,
+    # `rank` and `proj_type` give the bases' and moments' shapes (a group without `rank`: None).
+    _layout_keys = ("nbits", "min_8bit_size", "block_size", "rank", "proj_type")
+    _hyper_rules = dict(lr=lr_rule(">= 0"), betas=betas_rule(2), eps=NONNEG, weight_decay=NONNEG, nbits=NBITS,
                         min_8bit_size=MIN_8BIT_SIZE, block_size=BLOCK_SIZE)
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01, nbits=32,
                  min_8bit_size=4096, block_size=256):
         defaults = self._check_hyper(dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, nbits=nbits,
                                           min_8bit_size=min_8bit_size, block_size=block_size))
-        self._plans: dict = {}
         self._host_steps: dict = {}  # id(state["step"]) -> [that tensor, its value as the host knows it]
         self._pending: list = []     # (found_inf copy, CUDA event or None, host-step entries it may undo)
         super().__init__(params, defaults)
+
+    def __setstate__(self, state: dict) -> None:
+        """After unpickling, deepcopy and load_state_dict: the host's mirror of the step counters, read once
+        here from the (copied or loaded) state, so that step() never needs a read."""
+        super().__setstate__(state)
+        self._host_steps = {id(s["step"]): [s["step"], int(s["step"].item())] for s in self.state.values()
+                            if "step" in s}
+        self._pending = []
 
     # ---- validation -----------------------------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
@@ -118,11 +128,9 @@ class GaLoreAdamW(FastOptimizer):
             check(rank <= min(shape[-2:]), f"{where}['rank']", n, rank,
                   f"be at most min(m, n) = {min(shape[-2:])} of its param {pi} of shape {shape}")
 
-    def _check_grads(self) -> None:
-        super()._check_grads()  # the groups' hyperparameters (`_hyper_rules`) too
-        for gi, group in enumerate(self.param_groups):
-            if "rank" in group:
-                self._check_projected(group, f"param_groups[{gi}]")
+    def _check_group(self, gi: int, group: dict) -> None:
+        if "rank" in group:
+            self._check_projected(group, f"param_groups[{gi}]")
 
     # ---- state ------------------------------------------------------------------------------------------
     def _state_spec(self, p, group):
@@ -159,14 +167,6 @@ class GaLoreAdamW(FastOptimizer):
         if fresh:
             self._host_steps[id(state["step"])] = [state["step"], 0]
         return state
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        super().load_state_dict(state_dict)
-        # One read of each step counter here, so that step() never needs one.
-        self._host_steps = {id(s["step"]): [s["step"], int(s["step"].item())] for s in self.state.values()
-                            if "step" in s}
-        self._pending.clear()
-        self._plans.clear()
 
     # ---- the refresh schedule, on the host --------------------------------------------------------------
     def _resolve_pending(self) -> None:
@@ -206,17 +206,16 @@ class GaLoreAdamW(FastOptimizer):
 
     # ---- the step -----------------------------------------------------------------------------------------
     def _step_group(self, group, params, grads, states, scaler, layouts=None, reduce=None):
-        hyper = dict(lr=group["lr"], betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
-                     block_size=group["block_size"])
+        hyper = dict(lr=host_value(group["lr"]), betas=group["betas"], eps=group["eps"],
+                     weight_decay=group["weight_decay"], block_size=group["block_size"])
         if "rank" in group:
             refresh = self._refresh_flags(states, group["update_proj_gap"], scaler.found_inf)
             if any(refresh):
                 ops.galore_refresh(grads, states, refresh, rank=group["rank"], inv_scale=scaler.inv_scale,
                                    found_inf=scaler.found_inf, layouts=layouts)
             hyper["scale"] = group["scale"]
-        cache = self._plans.setdefault((id(group), params[0].device, params[0].dtype), {})
-        ops.galore_step(params, grads, states, inv_scale=scaler.inv_scale, found_inf=scaler.found_inf, cache=cache,
-                        layouts=layouts, reduce=reduce, **hyper)
+        ops.galore_step(params, grads, states, inv_scale=scaler.inv_scale, found_inf=scaler.found_inf,
+                        cache=self._plan_cache(group, params), layouts=layouts, reduce=reduce, **hyper)
 
 
 class GaLoreAdamW8bit(GaLoreAdamW):

@@ -8,7 +8,7 @@ import torch
 from .. import ops
 from ..distributed.layout import local
 from ..reference.quant import num_blocks
-from .base import BLOCK_SIZE, FLAG, MIN_8BIT_SIZE, NBITS, NONNEG, FastOptimizer, betas_rule, is_number
+from .base import BLOCK_SIZE, FLAG, MIN_8BIT_SIZE, NBITS, NONNEG, FastOptimizer, betas_rule, is_number, lr_rule
 
 
 class Lamb(FastOptimizer):
@@ -48,8 +48,9 @@ class Lamb(FastOptimizer):
     # that hold its pieces (the base class's `reduce`), whatever the layout (flat shards: padding cut off).
     _supports_layouts = True
     _elementwise_state = ("exp_avg", "exp_avg_sq")
+    _layout_keys = ("nbits", "block_size", "min_8bit_size")
     _hyper_rules = dict(
-        lr=NONNEG, betas=betas_rule(2), eps=NONNEG, weight_decay=NONNEG, bias_correction=FLAG,
+        lr=lr_rule(">= 0"), betas=betas_rule(2), eps=NONNEG, weight_decay=NONNEG, bias_correction=FLAG,
         bf16_stochastic_round=FLAG, nbits=NBITS, block_size=BLOCK_SIZE, min_8bit_size=MIN_8BIT_SIZE,
         max_trust_ratio=(lambda v: v is None or (is_number(v) and v > 0), "be None or a finite number > 0"))
 
@@ -60,7 +61,6 @@ class Lamb(FastOptimizer):
             max_trust_ratio=max_trust_ratio, bf16_stochastic_round=bf16_stochastic_round, nbits=nbits,
             block_size=block_size, min_8bit_size=min_8bit_size))
         super().__init__(params, defaults)
-        self._plans: dict = {}
 
     def _state_spec(self, p, group):
         """Shaped like the local piece of a sharded param; 8-bit when the whole param is large enough."""
@@ -77,8 +77,7 @@ class Lamb(FastOptimizer):
         return {"exp_avg": ("exp_avg_absmax", True, bs), "exp_avg_sq": ("exp_avg_sq_absmax", False, bs)}
 
     def _step_group(self, group, params, grads, states, scaler, layouts=None, reduce=None):
-        hyper = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay", "bias_correction", "max_trust_ratio",
-                                       "bf16_stochastic_round", "block_size")}
-        cache = self._plans.setdefault((id(group), params[0].device, params[0].dtype), {})
-        ops.lamb_step(params, grads, states, inv_scale=scaler.inv_scale, found_inf=scaler.found_inf, cache=cache,
-                      layouts=layouts, reduce=reduce, **hyper)
+        hyper = self._values(group, ("lr", "betas", "eps", "weight_decay", "bias_correction", "max_trust_ratio",
+                                     "bf16_stochastic_round", "block_size"))
+        ops.lamb_step(params, grads, states, inv_scale=scaler.inv_scale, found_inf=scaler.found_inf,
+                      cache=self._plan_cache(group, params), layouts=layouts, reduce=reduce, **hyper)

@@ -1,0 +1,511 @@
+"""torch.optim's conventions, for every fastopt optimizer (Adafactor, CAME 32/8, Lamb 32/8, GaLore-AdamW 32/8 with a
+projected group, AdamW8bit) on both back ends:
+
+- loaded state takes the dtype the optimizer keeps for its param (fp64 for fp64 params, fp32 for the others), as
+  torch casts it to the param's; a state_dict loads twice, and into a deepcopy;
+- a group key the state layout depends on (beta1 None/not None, nbits, block_size, min_8bit_size, GaLore's rank and
+  proj_type), or a param's dtype, changed between steps is refused, naming it, before anything changes; a change
+  that keeps the layout steps;
+- CAME takes lr=0 in its groups (warm-up and cosine schedules), not as its constructor's lr;
+- deepcopy and pickle (also of the ZeRO wrapper) give an optimizer that steps like the original;
+- the state_dict and load_state_dict hooks run as on torch.optim.AdamW (optimizers and the ZeRO wrapper);
+- a 0-dim CPU tensor lr, changed in place between steps, steps like the same float lrs; a CUDA (here: meta)
+  tensor lr is refused;
+- a param twice in one group, or in two groups, is refused;
+- the kernels' plans of groups replaced by load_state_dict are dropped.
+Float64 params (unless a test is about dtypes) and fresh random gradients at every step.
+"""
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+import re
+
+import pytest
+import torch
+from conftest import TOL, assert_unchanged, check_no_host_sync, rel_update_error, snapshot
+
+import fastopt
+
+F32, F64 = torch.float32, torch.float64
+SHAPES = [(8, 12), (12,), (24, 20)]
+
+
+def _galore(ps, **kw):
+    cls = fastopt.GaLoreAdamW
+    rank, proj_type = kw.pop("rank", 2), kw.pop("proj_type", "std")
+    return cls([{"params": [ps[0], ps[2]], "rank": rank, "update_proj_gap": 3, "proj_type": proj_type},
+                {"params": [ps[1]]}], **kw)
+
+
+# name -> (factory(params, **overrides), its defaults). 8-bit cases: small blocks and thresholds, so that the
+# matrices (96 and 480 elements; GaLore's projected moments 24 and 48) are 8-bit and the vector is not.
+CASES = {
+    "adafactor": (fastopt.Adafactor, dict(lr=1e-2, relative_step=False, scale_parameter=False, beta1=0.9,
+                                          weight_decay=0.1)),
+    "came32": (fastopt.CAME, dict(lr=1e-2, weight_decay=0.1)),
+    "came8": (fastopt.CAME, dict(lr=1e-2, weight_decay=0.1, nbits=8)),
+    "lamb32": (fastopt.Lamb, dict(lr=1e-2, weight_decay=0.1)),
+    "lamb8": (fastopt.Lamb, dict(lr=1e-2, weight_decay=0.1, nbits=8, block_size=64, min_8bit_size=64)),
+    "galore32": (_galore, dict(lr=1e-2)),
+    "galore8": (_galore, dict(lr=1e-2, nbits=8, block_size=64, min_8bit_size=16)),
+    "adamw8bit": (fastopt.AdamW8bit, dict(lr=1e-2, block_size=64, min_8bit_size=64)),
+}
+
+
+def make(case, ps, **over):
+    fn, kw = CASES[case]
+    return fn(ps, **{**kw, **over})
+
+
+def make_params(device, dtype=F64, seed=0):
+    """The same values (fp32-representable) in any dtype."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g).to(device=device, dtype=dtype).requires_grad_() for s in SHAPES]
+
+
+def set_grads(ps, t, seed=1):
+    """Fresh full-rank gradients for step t, the same for any params of the same shapes (in their dtype)."""
+    g = torch.Generator().manual_seed(1000 * seed + t)
+    for p in ps:
+        p.grad = torch.randn(p.shape, generator=g, dtype=F64).to(device=p.device, dtype=p.dtype)
+
+
+def run(opt, ps, steps):
+    for t in steps:
+        set_grads(ps, t)
+        opt.step()
+
+
+def params_of(opt):
+    return [p for g in opt.param_groups for p in g["params"]]
+
+
+def assert_same(opt_a, opt_b):
+    """Params and states of two optimizers over params in the same order: bit for bit."""
+    for p, q in zip(params_of(opt_a), params_of(opt_b)):
+        assert torch.equal(p, q)
+        sa, sb = opt_a.state.get(p, {}), opt_b.state.get(q, {})
+        assert sa.keys() == sb.keys()
+        for k in sa:
+            assert sa[k].dtype == sb[k].dtype and torch.equal(sa[k], sb[k]), k
+
+
+# ---- 1. loaded state takes its param's state dtype --------------------------------------------------------------
+@pytest.mark.parametrize("src, dst", [(F32, F64), (F64, F32)], ids=["fp32_to_fp64", "fp64_to_fp32"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_loaded_state_takes_the_state_dtype_of_its_param(case, src, dst, backend, device):
+    """State saved from `src` params after 3 steps loads into the same params in `dst`: float states become fp64
+    for fp64 params and fp32 for the others (8-bit codes stay uint8, absmax and step fp32), holding the saved
+    values. The next 6 steps equal, bit for bit, those of a twin given that state cast by hand, keep every dtype
+    (the Triton kernels read the state with the param's state dtype), and track an fp64 run from the start at
+    least half as closely as a run in fp32 from the start does."""
+    a = make_params(device, src)
+    opt_a = make(case, a)
+    run(opt_a, a, range(3))
+    sd = opt_a.state_dict()
+    b, c = ([p.detach().to(dst).requires_grad_() for p in a] for _ in range(2))
+    opt_b, opt_c = make(case, b), make(case, c)
+    opt_b.load_state_dict(sd)
+    want = F64 if dst == F64 else F32
+
+    def expected(k, v):
+        return v.dtype if v.dtype == torch.uint8 else F32 if k == "step" or "absmax" in k else want
+    for p, q, r in zip(params_of(opt_a), params_of(opt_b), params_of(opt_c)):
+        assert opt_b.state[q].keys() == opt_a.state[p].keys()
+        for k, v in opt_a.state[p].items():
+            got = opt_b.state[q][k]
+            assert got.dtype == expected(k, v), (k, got.dtype)
+            assert torch.equal(got, v.to(got.dtype)), k
+        opt_c.state[r] = {k: v.to(expected(k, v), copy=True) for k, v in opt_a.state[p].items()}
+    run(opt_b, b, range(3, 9))
+    run(opt_c, c, range(3, 9))
+    assert_same(opt_b, opt_c)
+    assert all(v.dtype == expected(k, v) for q in b for k, v in opt_b.state[q].items())
+    truth, low = make_params(device, F64), make_params(device, F32)
+    run(make(case, truth), truth, range(9))
+    run(make(case, low), low, range(9))
+    init = make_params(device, F64)
+    err, floor = rel_update_error(b, truth, init), rel_update_error(low, truth, init)
+    assert err <= 2 * floor + 1e-6, f"{case}: {err:.3g} of the update from fp64; fp32 throughout: {floor:.3g}"
+
+
+def test_a_state_dict_loads_twice_and_into_a_deepcopy(backend, device):
+    """torch's __setstate__ adds defaults['differentiable']; a state_dict's groups must not "lack" it later."""
+    for case in CASES:
+        ps = make_params(device)
+        opt = make(case, ps)
+        run(opt, ps, range(2))
+        sd = opt.state_dict()
+        opt.load_state_dict(sd)
+        opt.load_state_dict(sd)
+        copy.deepcopy(opt).load_state_dict(sd)
+        assert "differentiable" not in opt.defaults
+
+
+# ---- 2. state layout fixed between steps ------------------------------------------------------------------------
+# (case, constructor overrides, key of group 0, new value): each changes the state layout of a param with state.
+LAYOUT_CHANGES = [
+    ("adafactor", dict(beta1=None), "beta1", 0.9),
+    ("adafactor", {}, "beta1", None),
+    ("came32", {}, "nbits", 8),
+    ("came8", {}, "nbits", 32),
+    ("lamb32", dict(min_8bit_size=64), "nbits", 8),
+    ("lamb8", {}, "block_size", 128),
+    ("lamb8", {}, "min_8bit_size", 100),
+    ("galore32", {}, "rank", 3),
+    ("galore32", {}, "proj_type", "full"),
+    ("galore8", {}, "nbits", 32),
+    ("galore8", {}, "min_8bit_size", 32),
+    ("adamw8bit", {}, "block_size", 128),
+    ("adamw8bit", {}, "min_8bit_size", 100),
+]
+
+
+@pytest.mark.parametrize("case, kw, key, new", LAYOUT_CHANGES,
+                         ids=[f"{c}-{k}={v}" for c, _, k, v in LAYOUT_CHANGES])
+def test_layout_key_changed_between_steps_is_refused(case, kw, key, new, backend, device):
+    """The step after the change raises a ValueError naming param_groups[0][key], its new and old values, and
+    changes nothing; set back, the optimizer steps on exactly like a twin that never changed."""
+    ps, tw = make_params(device), make_params(device)
+    opt, twin = make(case, ps, **kw), make(case, tw, **kw)
+    run(opt, ps, range(2))
+    run(twin, tw, range(2))
+    old = opt.param_groups[0][key]
+    opt.param_groups[0][key] = new
+    set_grads(ps, 2)
+    before = snapshot(opt)
+    name = type(opt).__name__
+    with pytest.raises(ValueError, match=re.escape(f"{name}: param_groups[0]['{key}']={new!r} (was {old!r}) "
+                                                   "changes the layout of the state of param_groups[0]['params']")):
+        opt.step()
+    assert_unchanged(opt, before)
+    with pytest.raises(ValueError, match=re.escape(f"param_groups[0]['{key}']={new!r}")):
+        opt.step()  # still refused
+    opt.param_groups[0][key] = old
+    run(opt, ps, range(2, 6))
+    run(twin, tw, range(2, 6))
+    assert_same(opt, twin)
+
+
+# (case, key of group 0, new value): changes that keep every param's state layout.
+LAYOUT_KEPT = [
+    ("adafactor", "beta1", 0.5),
+    ("lamb8", "min_8bit_size", 90),
+    ("galore32", "update_proj_gap", 2),
+    ("adamw8bit", "min_8bit_size", 90),
+]
+
+
+@pytest.mark.parametrize("case, key, new", LAYOUT_KEPT, ids=[f"{c}-{k}={v}" for c, k, v in LAYOUT_KEPT])
+def test_change_that_keeps_the_layout_steps(case, key, new, backend, device):
+    ps, tw = make_params(device), make_params(device)
+    opt, twin = make(case, ps), make(case, tw)
+    run(opt, ps, range(2))
+    run(twin, tw, range(2))
+    opt.param_groups[0][key] = new
+    twin.param_groups[0][key] = new
+    run(opt, ps, range(2, 6))
+    run(twin, tw, range(2, 6))
+    assert_same(opt, twin)
+
+
+@pytest.mark.parametrize("reloaded", [False, True], ids=["stepped", "loaded"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_param_dtype_changed_between_steps_is_refused(case, reloaded, backend, device):
+    """model.double() after steps (p.data replaced by an fp64 copy) leaves fp32 state the kernels would read as
+    fp64: the step raises naming the param and changes nothing. With state that was loaded (no earlier step
+    saw the param) the error says the state does not fit the param. A new optimizer takes the state_dict."""
+    ps = make_params(device, F32)
+    opt = make(case, ps)
+    run(opt, ps, range(2))
+    if reloaded:
+        opt.load_state_dict(opt.state_dict())
+    sd = opt.state_dict()
+    before = {p: {k: v.clone() for k, v in opt.state[p].items()} for p in ps}
+    values = [p.detach().double() for p in ps]
+    for p in ps:
+        p.data = p.data.double()
+    set_grads(ps, 2)
+    # the first param with fp32 state (8-bit codes and their absmax fit an fp64 param as well)
+    gi, pi, first = next((gi, pi, p) for gi, g in enumerate(opt.param_groups) for pi, p in enumerate(g["params"])
+                         if any(v.is_floating_point() and k != "step" and "absmax" not in k
+                                for k, v in opt.state[p].items()))
+    pos = f"param_groups[{gi}]['params'][{pi}]"
+    msg = (f"the state of {pos} does not fit its param (torch.float64" if reloaded else
+           f"{pos} is now torch.float64 of shape {tuple(first.shape)}")
+    with pytest.raises(ValueError, match=re.escape(msg)):
+        opt.step()
+    for p, v in zip(ps, values):
+        assert torch.equal(p, v)
+        assert all(torch.equal(opt.state[p][k], s) for k, s in before[p].items())
+    fresh = make(case, ps)
+    fresh.load_state_dict(sd)
+    fresh.step()
+    assert all(v.dtype in (F64, torch.uint8) or k == "step" or "absmax" in k
+               for p in ps for k, v in fresh.state[p].items())
+
+
+# ---- 3. CAME: lr 0 in groups ------------------------------------------------------------------------------------
+def test_came_groups_take_lr_zero_the_constructor_does_not(backend, device, monkeypatch):
+    """A warm-up from 0 (LambdaLR t/4) then a cosine to 0 (CosineAnnealingLR, eta_min=0), against the
+    plain-torch back end over the same schedule; the steps at lr=0 leave the params as they are (weight decay
+    is scaled by lr too) while the state moves on."""
+    with pytest.raises(ValueError, match=re.escape("CAME: lr=0.0 must be a finite number > 0 (CAME has no "
+                                                   "relative step size")):
+        fastopt.CAME(make_params(device), lr=0.0)
+    runs = {}
+    for which in ("torch", backend):
+        monkeypatch.setenv("FASTOPT_BACKEND", which)
+        ps = make_params(device)
+        opt = fastopt.CAME(ps[:2], lr=1e-2, weight_decay=0.1)
+        opt.add_param_group({"params": ps[2:], "lr": 0.0})  # accepted: a group's lr may be 0 (a frozen group)
+        warm = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: min(t / 4, 1.0))
+        init = [p.detach().clone() for p in ps]
+        zero_steps = 0
+        for t in range(10):
+            if t == 5:
+                cos = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=4, eta_min=0.0)
+            lr0 = opt.param_groups[0]["lr"]
+            p0 = [p.detach().clone() for p in ps]
+            set_grads(ps, t)
+            opt.step()
+            if lr0 == 0:
+                zero_steps += 1
+                assert torch.equal(ps[0], p0[0]) and torch.equal(ps[1], p0[1])
+            assert float(opt.state[ps[0]]["step"]) == t + 1
+            (warm if t < 5 else cos).step()
+        assert zero_steps == 2  # the warm-up's first step and the cosine's last
+        assert torch.equal(ps[2], init[2]) and float(opt.state[ps[2]]["step"]) == 10
+        assert not torch.equal(ps[0], init[0])
+        runs[which] = ([p.detach().clone() for p in ps], init)
+    (ref, init), (ours, _) = runs["torch"], runs[backend]
+    err = rel_update_error(ours, ref, init)
+    assert err <= TOL[F64], f"{backend}: {err:.3g} of the update away from the torch back end"
+
+
+# ---- 4. deepcopy and pickle ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("wrapped", [False, True], ids=["plain", "zero"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_deepcopy_and_pickle_step_like_the_original(case, wrapped, backend, device):
+    """After 3 steps (GaLore's next refresh is at step 4) a deepcopy and a pickle round trip each step on their
+    own params exactly like a twin that was never copied, and so does the original (the copies do not touch
+    it). `wrapped`: the single-process ZeRO wrapper around the optimizer."""
+    def build(ps):
+        opt = make(case, ps)
+        return fastopt.ZeroRedundancyOptimizer(opt) if wrapped else opt
+    ps, tw = make_params(device), make_params(device)
+    opt, twin = build(ps), build(tw)
+    run(opt, ps, range(3))
+    run(twin, tw, range(3))
+    copies = [copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))]
+    run(twin, tw, range(3, 8))
+    for c in copies + [opt]:
+        cps = params_of(c)
+        assert c is opt or not any(q is p for q in cps for p in ps)
+        _run_in_order(c, range(3, 8))
+        assert_same(c, twin)
+
+
+def _zero_copy_case(rank, world, case, partition_grad):
+    """2 ranks, each with its own gradients: a deepcopy of the ZeRO wrapper made after 2 steps communicates over
+    the same group and steps like a twin never copied, as does the original; pickling it is refused (the group
+    belongs to this process); its state_dict hooks run on every rank, the post hooks where a dict is returned."""
+    def build(ps):
+        return fastopt.ZeroRedundancyOptimizer(make(case, ps), partition_grad=partition_grad)
+
+    def steps(opt, ts):
+        ps = sorted(params_of(opt), key=lambda p: SHAPES.index(tuple(p.shape)))
+        for t in ts:
+            set_grads(ps, t, seed=1 + rank)
+            opt.step()
+    ps, tw = make_params("cpu"), make_params("cpu")
+    opt, twin = build(ps), build(tw)
+    steps(opt, range(2))
+    steps(twin, range(2))
+    dup = copy.deepcopy(opt)
+    with pytest.raises(TypeError, match="cannot pickle a wrapper over a process group"):
+        pickle.dumps(opt)
+    steps(twin, range(2, 5))
+    for c in (dup, opt):
+        steps(c, range(2, 5))
+        assert_same(c, twin)
+    log = []
+    dup.register_state_dict_pre_hook(lambda o: log.append("pre"))
+    dup.register_state_dict_post_hook(lambda o, sd: log.append(("post", sorted(sd["state"]))))
+    full = dup.state_dict(consolidated=True, to=0)
+    return log, full is not None
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("partition_grad", [False, True], ids=["zero1", "zero2"])
+@pytest.mark.parametrize("case", ["adafactor", "lamb8", "galore32"])
+def test_deepcopy_of_the_zero_wrapper_on_two_ranks(case, partition_grad):
+    from dist_utils import run as dist_run
+    out = dist_run(_zero_copy_case, 2, case, partition_grad, env={"FASTOPT_BACKEND": "torch"})
+    assert out == [(["pre", ("post", [0, 1, 2])], True), (["pre"], False)]
+
+
+def _run_in_order(opt, steps):
+    """Gradients by the params' positions in `SHAPES` (GaLore's groups hold them in another order)."""
+    ps = sorted(params_of(opt), key=lambda p: SHAPES.index(tuple(p.shape)))
+    run(opt, ps, steps)
+
+
+# ---- 5. state_dict hooks -----------------------------------------------------------------------------------------
+def _hook_log(opt, fresh) -> list:
+    """Register one of each state_dict hook on `opt` and the load hooks on `fresh`, save `opt` and load into
+    `fresh`; what each hook saw, in the order they ran."""
+    log = []
+    opt.register_state_dict_pre_hook(lambda o: log.append(("sd_pre", sum(1 for s in o.state.values() if s))))
+
+    def sd_post(o, sd):
+        tensors = all(isinstance(v, torch.Tensor) for st in sd["state"].values() for v in st.values())
+        log.append(("sd_post", sorted(sd["state"]), tensors))
+        sd["edited"] = True  # in place, kept
+    opt.register_state_dict_post_hook(sd_post)
+    opt.register_state_dict_post_hook(lambda o, sd: {**sd, "replaced": True})  # a new dict, returned
+    sd = opt.state_dict()
+    log.append(("saved", sd.get("edited"), sd.get("replaced")))
+
+    def load_pre(o, sd_):
+        log.append(("load_pre", sorted(sd_["state"])))
+        del sd_["edited"], sd_["replaced"]  # a shallow copy: the caller's dict keeps them
+        sd_["state"] = {k: {**st, "step": torch.tensor(100.0)} for k, st in sd_["state"].items()}
+    fresh.register_load_state_dict_pre_hook(load_pre)
+    fresh.register_load_state_dict_pre_hook(lambda o, sd_: {**sd_})  # a new dict, returned and loaded
+    fresh.register_load_state_dict_post_hook(
+        lambda o: log.append(("load_post", sorted(float(s["step"]) for s in o.state.values() if s))))
+    fresh.load_state_dict(sd)
+    log.append(("caller's dict", sd.get("edited"), sd.get("replaced")))
+    return log
+
+
+@pytest.mark.parametrize("wrapped", [False, True], ids=["plain", "zero"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_state_dict_hooks_run_as_on_torch_adamw(case, wrapped, backend, device):
+    """Pre hooks before, post hooks after, on the dicts that are saved and loaded: the same log as
+    torch.optim.AdamW's (and the wrapper's hooks on the wrapper's dicts)."""
+    def ours(ps):
+        opt = make(case, ps)
+        return fastopt.ZeroRedundancyOptimizer(opt) if wrapped else opt
+
+    def adamw(ps):
+        return torch.optim.AdamW(ps, lr=1e-2)
+    logs = {}
+    for name, build in (("torch", adamw), ("ours", ours)):
+        ps = make_params(device)
+        opt = build(ps)
+        _run_in_order(opt, range(2))
+        logs[name] = _hook_log(opt, build(make_params(device)))
+    assert logs["ours"] == logs["torch"]
+    assert logs["torch"][-2] == ("load_post", [100.0] * len(SHAPES))
+
+
+# ---- 6. tensor lr -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("case", list(CASES))
+def test_tensor_lr_changed_in_place_steps_like_floats(case, backend, device):
+    """lr=torch.tensor(...) (0-dim, CPU, as torch.optim.AdamW takes it), changed in place before each step as a
+    scheduler does: the same params and states, bit for bit, as a twin whose groups get the same floats."""
+    lr = torch.tensor(1e-2, dtype=F64)
+    ps, tw = make_params(device), make_params(device)
+    opt, twin = make(case, ps, lr=lr), make(case, tw, lr=1e-2)
+    assert all(g["lr"] is lr for g in opt.param_groups)
+    for t in range(6):
+        lr.fill_(1e-2 * (t + 1) / 6)
+        for g in twin.param_groups:
+            g["lr"] = float(lr)
+        set_grads(ps, t)
+        set_grads(tw, t)
+        opt.step()
+        twin.step()
+    assert_same(opt, twin)
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    again = make(case, make_params(device), lr=1e-2)
+    again.load_state_dict(torch.load(buf, weights_only=True))
+    assert float(again.param_groups[0]["lr"]) == float(lr)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(CASES))
+def test_tensor_lr_and_state_checks_need_no_host_sync(case):
+    """A CPU tensor lr of CUDA params is read on the host, and the pre-step checks (state layouts included)
+    read metadata only: GradScaler steps 2 and 3 (no GaLore refresh) never synchronize."""
+    ps = make_params("cuda", F32)
+    opt = make(case, ps, lr=torch.tensor(1e-2, dtype=F64))
+    check_no_host_sync(opt, ps, steps=3, first_checked=1)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_lr_tensor_off_the_host_is_refused(case):
+    """A tensor lr that is not on the CPU (CUDA; here a meta tensor) would need a host sync at every step: refused
+    in the constructor, in add_param_group and when set between steps, naming why; so are other bad tensors."""
+    name = CASES[case][0].__name__ if isinstance(CASES[case][0], type) else "GaLoreAdamW"
+    off = torch.tensor(1e-2, device="meta")
+    with pytest.raises(ValueError, match=re.escape(f"{name}: lr=") + ".*host sync"):
+        make(case, make_params("cpu"), lr=off)
+    for bad in (torch.tensor([1e-2]), torch.tensor(-1e-2), torch.tensor(float("nan"))):
+        with pytest.raises(ValueError, match=re.escape(f"{name}: lr=")):
+            make(case, make_params("cpu"), lr=bad)
+    ps = make_params("cpu")
+    opt = make(case, ps)
+    run(opt, ps, range(1))
+    n = len(opt.param_groups)
+    with pytest.raises(ValueError, match=re.escape(f"{name}: param_groups[{n}]['lr']=") + ".*host sync"):
+        opt.add_param_group({"params": [torch.zeros(3, dtype=F64, requires_grad=True)], "lr": off})
+    assert len(opt.param_groups) == n
+    before = snapshot(opt)
+    opt.param_groups[0]["lr"] = off
+    set_grads(ps, 1)
+    with pytest.raises(ValueError, match=re.escape(f"{name}: param_groups[0]['lr']=") + ".*host sync"):
+        opt.step()
+    assert_unchanged(opt, before)
+
+
+# ---- 7. duplicate params ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("case", list(CASES))
+def test_duplicate_params_are_refused(case):
+    """Twice in one group (torch only warns; the param would be stepped twice) or in two groups, given to the
+    constructor or to add_param_group: a ValueError naming both places; nothing is added."""
+    cls, kw = CASES[case]
+    kw = {k: v for k, v in kw.items() if k not in ("rank", "proj_type")}
+    cls = fastopt.GaLoreAdamW if cls is _galore else cls
+    name = cls.__name__
+    a, b, c = make_params("cpu")
+
+    def refused(where, first):
+        return pytest.raises(ValueError, match=re.escape(f"{name}: {where} is the same tensor as {first}"))
+    with refused("param_groups[0]['params'][2]", "param_groups[0]['params'][0]"):
+        cls([a, b, a], **kw)
+    with refused("param_groups[0]['params'][1]", "param_groups[0]['params'][0]"):
+        cls([("w", a), ("v", a)], **kw)
+    with refused("param_groups[1]['params'][1]", "param_groups[0]['params'][1]"):
+        cls([{"params": [a, b]}, {"params": [c, b]}], **kw)
+    opt = cls([a], **kw)
+    with refused("param_groups[1]['params'][1]", "param_groups[0]['params'][0]"):
+        opt.add_param_group({"params": [b, a]})
+    with refused("param_groups[1]['params'][1]", "param_groups[1]['params'][0]"):
+        opt.add_param_group({"params": (p for p in [c, c])})
+    assert len(opt.param_groups) == 1
+
+
+# ---- 8. plans of replaced groups -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("case", ["adafactor", "came32", "lamb8", "galore32"])
+def test_plans_of_replaced_groups_are_dropped(case, backend, device):
+    """Each load_state_dict replaces the groups: the kernels' plans (and scratch buffers) of the old ones go, and
+    the optimizer steps on exactly like a twin that never reloaded."""
+    ps, tw = make_params(device), make_params(device)
+    opt, twin = make(case, ps), make(case, tw)
+    for t in range(4):
+        run(opt, ps, [t])
+        run(twin, tw, [t])
+        opt.load_state_dict(opt.state_dict())
+    run(opt, ps, [4])
+    run(twin, tw, [4])
+    live = {id(g) for g in opt.param_groups}
+    assert opt._plans and {k[0] for k in opt._plans} <= live
+    assert len(opt._plans) == len(twin._plans)
+    assert_same(opt, twin)
