@@ -515,6 +515,27 @@ def test_lr_scheduler_and_clip_grad_norm(pool, partition_grad, overlap):
         assert [a for a, _ in res["lrs"][-1]] == res["ref_lrs"]
 
 
+def _clip_idle_rank(rank, world, partition_grad):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1, bias=False)).double()
+    ref = copy.deepcopy(model)
+    opt = ZeroRedundancyOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), partition_grad=partition_grad)
+    x = torch.randn(2, 4, dtype=torch.float64)
+    model(x).sum().backward()
+    ref(x).sum().backward()
+    return len(opt._owned), float(opt.clip_grad_norm_(1.0)), float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0))
+
+
+@pytest.mark.parametrize("partition_grad", [False, True])
+def test_clip_grad_norm_with_a_rank_that_owns_nothing(pool, partition_grad):
+    """A float64 model of 3 params on 4 ranks: one rank owns none, and must still reduce the norm in float64
+    (it sent 4 bytes where the others sent 8, and gloo aborted)."""
+    results = pool.run(_clip_idle_rank, partition_grad)
+    assert sorted(r[0] for r in results)[0] == 0, "every rank owns a param: the test would prove nothing"
+    for _, norm, ref in results:
+        assert abs(norm - ref) <= 1e-12 * ref, (norm, ref)
+
+
 # ---- state_dict ------------------------------------------------------------------------------------------
 def _continue(model, opt, rank, world, first, last, partition_grad=True):
     for step in range(first, last):

@@ -710,7 +710,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._reduce_grads()
         grads = [self._params[i].grad for i in self._owned if self._params[i].grad is not None]
         dev = self._params[self._managed[0]].device if self._managed else torch.device("cpu")
-        acc_dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+        # From every managed param, not the grads this rank owns: all ranks must reduce the same dtype (a rank
+        # owning no grad would otherwise send 4 bytes where the others send 8).
+        acc_dtype = torch.float64 if any(self._params[i].dtype == torch.float64 for i in self._managed) \
+            else torch.float32
         by: dict = {}
         for g in grads:
             by.setdefault((g.device, g.dtype), []).append(g)
