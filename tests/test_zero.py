@@ -536,6 +536,19 @@ def test_clip_grad_norm_with_a_rank_that_owns_nothing(pool, partition_grad):
         assert abs(norm - ref) <= 1e-12 * ref, (norm, ref)
 
 
+def test_frozen_params_do_not_count_in_the_balance():
+    """A frozen 1000x16 embedding and 8 trainable 16x16 layers over 4 ranks: each rank owns 2 trainable layers
+    (counting the embedding's elements left one rank without any). World 4 is simulated: the assignment is
+    made at construction from sizes alone."""
+    emb = torch.nn.Parameter(torch.zeros(1000, 16), requires_grad=False)
+    layers = [torch.nn.Parameter(torch.zeros(16, 16)) for _ in range(8)]
+    opt = ZeroRedundancyOptimizer.__new__(ZeroRedundancyOptimizer)
+    opt.world_size, opt._params, opt._owner, opt._gidx, opt._loads = 4, [], [], {}, [0] * 4
+    opt._assign([emb] + layers)
+    owners = [opt._owner[opt._gidx[id(p)]] for p in layers]
+    assert sorted(owners.count(r) for r in range(4)) == [2, 2, 2, 2], owners
+
+
 # ---- state_dict ------------------------------------------------------------------------------------------
 def _continue(model, opt, rank, world, first, last, partition_grad=True):
     for step in range(first, last):

@@ -355,10 +355,12 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             self._gidx[id(p)] = base + k
             self._params.append(p)
             self._owner.append(-1)
-        for i in sorted(range(base, len(self._params)), key=lambda i: (-self._params[i].numel(), i)):
+        # A frozen param weighs nothing (it has no state): counting it could leave a rank without trainable ones.
+        weight = lambda i: self._params[i].numel() if self._params[i].requires_grad else 0  # noqa: E731
+        for i in sorted(range(base, len(self._params)), key=lambda i: (-weight(i), i)):
             r = min(range(self.world_size), key=lambda r: (self._loads[r], r))
             self._owner[i] = r
-            self._loads[r] += self._params[i].numel()
+            self._loads[r] += weight(i)
 
     def _wrap_group(self, group: dict, index: int) -> _Group:
         g = _Group(group)
