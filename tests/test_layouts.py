@@ -445,6 +445,10 @@ def _errors_case(rank, world):
         (lambda: declare_shard(x.clone(), (12, 4), dist.group.WORLD, flat_offset=49), "flat_offset=49"),
         (lambda: declare_shard(x.clone(), (12, -4), dist.group.WORLD, flat_offset=0), "global_shape="),
     ]
+    only0 = dist.new_group([0])  # every rank calls new_group; ranks 1.. are not in it
+    if rank != 0:  # its all-reduces would be no-ops: local statistics, silently wrong
+        cases.append((lambda: declare_shard(x.clone(), (12, 4), only0, dim=0, start=3 * rank),
+                      "does not contain this rank"))
     for fn, msg in cases:
         with pytest.raises(ValueError, match=msg.replace("(", r"\(").replace("=", "=")):
             fn()

@@ -211,6 +211,13 @@ def _check_groups(groups, owner: str) -> tuple:
     if not groups or any(g is None for g in groups):
         raise ValueError(f"{owner}: group={groups!r} must be a process group or a non-empty tuple of them, "
                          "none of them None")
+    if dist.is_available() and dist.is_initialized():
+        for g in groups:  # a group without this rank would make every reduction a no-op: local, wrong statistics
+            # new_group() hands non-members a sentinel, not a ProcessGroup
+            if g is dist.GroupMember.NON_GROUP_MEMBER or (
+                    isinstance(g, dist.ProcessGroup) and dist.get_rank(g) < 0):
+                raise ValueError(f"{owner}: group={g!r} does not contain this rank ({dist.get_rank()}): pass the "
+                                 "group of the ranks that hold this param's pieces, this one among them")
     return groups
 
 
