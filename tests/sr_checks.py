@@ -25,6 +25,18 @@ def assert_sr_tracks(sr, truth, steps):
         assert rms <= (steps / 4) ** 0.5, f"param {k}: RMS error {rms:.3f} ulp after {steps} steps"
 
 
+def assert_sr_beats_nearest(sr, nearest, truth, init, steps, rel=0.1):
+    """Updates far below half a bf16 ulp: round-to-nearest never moves a param, stochastic rounding tracks the
+    float64 run in mean (within `rel` of the mean move) and element by element (`assert_sr_tracks`)."""
+    for k, (s, n, t, x) in enumerate(zip(sr, nearest, truth, init)):
+        moved = (1 - t).mean().item()
+        assert moved > 0
+        assert torch.equal(n.detach().cpu().double(), x)
+        sr_moved = (1 - s.detach().cpu().double()).mean().item()
+        assert abs(sr_moved - moved) < rel * moved, (k, sr_moved, moved)
+    assert_sr_tracks(sr, truth, steps)
+
+
 def sr_problem(shapes, steps, seed=3):
     """Params at 1, gradients in [0.5, 1.5) exactly representable in bf16 (the truth sees what bf16 sees)."""
     g = torch.Generator().manual_seed(seed)
