@@ -13,17 +13,25 @@ A param's state, in memory and in a state_dict:
   redistributed.
 - Whole states (Adafactor's and CAME's row and column statistics, GaLore's bases and projected moments):
   plain tensors, identical on every rank, so they load under any layout as they are.
-- 8-bit states (codes + one fp32 absmax per block): for an optimizer of plain params (single process, DDP)
-  the state_dict holds the codes and absmax themselves: compact, exact, bitsandbytes' format. The blocks of a
-  DTensor param are cut from this rank's local piece, so they mean nothing under another layout: the
-  state_dict of an optimizer with any DTensor param holds every 8-bit state DEQUANTIZED (fp32, a DTensor for
-  a DTensor param, under the codes' key, and no absmax key; the same form for its plain params, which may
-  be DTensors under another layout), and `load_state_dict`
-  requantizes them into the blocks of the new local piece with `requantize`, which gives back the very same
-  values, bit for bit, wherever a new block holds the elements of one old block (the same layout, or layouts
-  whose local pieces start on block boundaries); elsewhere each element moves by at most half a quantization
-  step of its new block. A single process that loads a checkpoint saved from DTensor params needs its DCP
-  template in that form too: build it under `dequantized_8bit(optimizer)`.
+- 8-bit states (codes + one fp32 absmax per block) come in two forms, under different keys, so that DCP
+  (which fills the template's keys from the checkpoint's keys of the same name, casting dtypes silently)
+  never copies one form into the other:
+  - codes: `state1` (uint8) + `absmax1`. An optimizer of plain params (single process, DDP) saves these:
+    compact, exact, bitsandbytes' format.
+  - dequantized: `state1_fp32` (fp32; `dequantized_key`), no absmax. The blocks of a DTensor param are cut
+    from this rank's local piece and mean nothing under another layout, so an optimizer with any DTensor
+    param saves every 8-bit state in this form (a DTensor for a DTensor param; its plain params too, which
+    may be DTensors under another layout), and so does any optimizer within `dequantized_8bit(...)`.
+  `load_state_dict` takes either form under any layout (and fp32 values under the codes' key without the
+  absmax: older fastopt state_dicts, came-pytorch): dequantized values are requantized into the blocks of the
+  new local piece with `requantize`, which gives back the very same values, bit for bit, wherever a new block
+  holds the elements of one old block (the same layout, or layouts whose local pieces start on block
+  boundaries); elsewhere each element moves by at most half a quantization step of its new block. Codes saved
+  by plain params are dequantized whole before that.
+  With DCP, the template and the checkpoint must hold the same form: DDP -> FSDP2/TP fails with DCP's
+  "Missing key in checkpoint ... state1_fp32" unless the DDP side saved within `dequantized_8bit(opt)` (do
+  that whenever a checkpoint may be resumed under another layout); FSDP2/TP -> single process or DDP needs
+  its template built within `dequantized_8bit(opt)`, or DCP misses `state1`.
 
 DCP's `get_optimizer_state_dict` runs a fake step (zero grads, lr=0) on an optimizer whose state is empty; a
 fastopt optimizer's state mapping is never empty in that sense (`StateDict`), and its `state_dict()` lists
@@ -37,9 +45,11 @@ Usage (every rank; the loading side may use another mesh, parallelism or world s
     dcp.save({"optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=path)
     ...
     sd = {"optim": get_optimizer_state_dict(model, opt)}   # the template (zero state if opt is fresh)
-    dcp.load(sd, checkpoint_id=path)                        # no_dist=True in a single process, and
-    set_optimizer_state_dict(model, opt, sd["optim"])      # `with dequantized_8bit(opt):` around the
-                                                            # template there for 8-bit state
+    dcp.load(sd, checkpoint_id=path)                        # no_dist=True in a single process
+    set_optimizer_state_dict(model, opt, sd["optim"])
+
+8-bit state between plain params (single process, DDP) and DTensor params: `with dequantized_8bit(opt):`
+around `get_optimizer_state_dict` on the side with plain params, for the save and for the template alike.
 
 Not covered: plain tensors sharded by hand (`declare_shard`, `setup_distributed`'s flat ZeRO ranges) keep
 element-wise state of their local piece, which DCP cannot reshard; save those with their own layout.
@@ -58,7 +68,7 @@ from . import ops
 from .distributed.layout import local
 from .reference import quant as q
 
-__all__ = ["StateDict", "dequantized_8bit", "requantize", "is_dtensor"]
+__all__ = ["StateDict", "dequantized_8bit", "dequantized_key", "requantize", "is_dtensor"]
 
 
 class StateDict(defaultdict):
@@ -112,9 +122,10 @@ def zero_state(spec: dict, p: Tensor, elementwise: set) -> dict:
 
 @contextlib.contextmanager
 def dequantized_8bit(*optimizers):
-    """Within this block, the state_dicts of `optimizers` hold every 8-bit state in its dequantized fp32 form
-    (as DTensor params always do): the DCP template of a process that loads a checkpoint saved from DTensor
-    params, or a checkpoint meant for other block sizes."""
+    """Within this block, the state_dicts of `optimizers` hold every 8-bit state in its dequantized fp32 form,
+    under `dequantized_key` (as DTensor params always do): what an optimizer of plain params (single process,
+    DDP) saves for a checkpoint that DTensor params (FSDP2, TP) will load, and its DCP template for a checkpoint
+    that DTensor params saved; also a checkpoint meant for other block sizes."""
     saved = [o.__dict__.get("_dequantize_8bit", False) for o in optimizers]
     for o in optimizers:
         o._dequantize_8bit = True
@@ -125,9 +136,17 @@ def dequantized_8bit(*optimizers):
             o._dequantize_8bit = s
 
 
+DEQUANTIZED = "_fp32"  # the key of an 8-bit state's dequantized form: the codes' key + this
+
+
+def dequantized_key(key: str) -> str:
+    """The state_dict key of the dequantized (fp32) form of the 8-bit state whose codes are under `key`."""
+    return key + DEQUANTIZED
+
+
 def export_state(st: dict, quantized: dict, force_dequantize: bool) -> dict:
-    """A copy of one param's state for a state_dict; 8-bit states dequantized when the param is a DTensor
-    or `force_dequantize`."""
+    """A copy of one param's state for a state_dict; 8-bit states dequantized, under `dequantized_key`, when
+    the param is a DTensor or `force_dequantize`."""
     out = {k: (v.detach().clone() if isinstance(v, Tensor) else v) for k, v in st.items()}
     for key, (akey, signed, block) in quantized.items():
         if akey not in st or st[key].dtype != torch.uint8:
@@ -136,8 +155,8 @@ def export_state(st: dict, quantized: dict, force_dequantize: bool) -> dict:
         if not (force_dequantize or is_dtensor(codes)):
             continue
         vals = ops.dequantize_blockwise(local(codes).contiguous(), st[akey], block, signed, torch.float32)
-        out[key] = like_param(vals, codes) if is_dtensor(codes) else vals
-        del out[akey]
+        del out[key], out[akey]
+        out[dequantized_key(key)] = like_param(vals, codes) if is_dtensor(codes) else vals
     return out
 
 
@@ -204,6 +223,7 @@ def import_state(st, p: Tensor, spec: dict, quantized: dict, elementwise: set, w
     across ranks before raising."""
     if not isinstance(st, dict):
         raise ValueError(f"{where} is a {type(st).__name__}, expected a dict of tensors")
+    st = _dequantized_forms(st, p, spec, quantized, elementwise, where)
     akeys = {akey: key for key, (akey, _s, _b) in quantized.items() if akey in spec}
     dequantized = {key for akey, key in akeys.items()
                    if akey not in st and isinstance(st.get(key), Tensor) and st[key].is_floating_point()}
@@ -265,15 +285,90 @@ def import_state(st, p: Tensor, spec: dict, quantized: dict, elementwise: set, w
     return out, problem
 
 
-def agree(problem: str | None, distributed: bool) -> None:
-    """Raise ValueError(problem) on every rank when any rank has one (a collective when `distributed`)."""
-    if distributed and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        found = [None] * dist.get_world_size()
-        dist.all_gather_object(found, problem)
-        bad = [(r, f) for r, f in enumerate(found) if f is not None]
-        if bad:
-            r, f = bad[0]
-            raise ValueError(f + (f" (on rank {r})" if r != dist.get_rank() else ""))
+def _dequantized_forms(st: dict, p: Tensor, spec: dict, quantized: dict, elementwise: set, where: str) -> dict:
+    """`st` with every 8-bit state in the one form `import_state` reads for it: the codes with their absmax,
+    or the dequantized values under the codes' key without the absmax (the form of older fastopt state_dicts
+    and of libraries that keep fp32 state under that name, e.g. came-pytorch).
+
+    Read here: the dequantized values under `dequantized_key` (every optimizer with DTensor params, and any
+    under `dequantized_8bit`), moved to the codes' key; and, for an element-wise state of a DTensor param,
+    the codes and absmax of the whole tensor that plain params save (single process, DDP): dequantized here,
+    so that `import_state` cuts this rank's piece and requantizes it into its own blocks. Codes of a DTensor's
+    local blocks are never in a state_dict (their blocks mean nothing under another layout)."""
+    out = None
+    for key, (akey, signed, block) in quantized.items():
+        if akey not in spec:
+            continue  # 32-bit state here
+        dkey = dequantized_key(key)
+        if dkey in st:
+            if key in st or akey in st:
+                raise ValueError(f"{where} holds both {dkey!r} (dequantized) and {key!r}/{akey!r} (8-bit codes): "
+                                 "one form per state")
+            out = dict(st) if out is None else out
+            out[key] = out.pop(dkey)
+            continue
+        codes, absmax = st.get(key), st.get(akey)
+        if not (key in elementwise and is_dtensor(p) and isinstance(codes, Tensor) and isinstance(absmax, Tensor)
+                and codes.dtype == torch.uint8):
+            continue
+        if is_dtensor(codes) or is_dtensor(absmax) or tuple(codes.shape) != tuple(p.shape) or \
+                absmax.numel() != q.num_blocks(p.numel(), block):
+            raise ValueError(f"{where}[{key!r}] holds 8-bit codes of shape {tuple(codes.shape)} with "
+                             f"{absmax.numel()} blocks in {akey!r}; for a DTensor param of shape {tuple(p.shape)} "
+                             f"the state_dict holds the dequantized form {dkey!r} (save under "
+                             "fastopt.checkpoint.dequantized_8bit), or the codes of the whole tensor as plain "
+                             "params save them")
+        out = dict(st) if out is None else out
+        vals = ops.dequantize_blockwise(codes.to(local(p).device).contiguous(), absmax.to(local(p).device),
+                                        block, signed, torch.float32)
+        out[key] = vals.view(tuple(p.shape))
+        del out[akey]
+    return st if out is None else out
+
+
+def agreement_groups(params: list, layouts: list) -> list:
+    """The process groups over which the ranks that share `params` agree on a verdict (`agree`): every dim
+    group of each DTensor param's mesh and every group of each declared layout (`layouts[i]`, None for plain
+    or DTensor params), one object per communicator, in an order that every rank derives alone: rank gap
+    (large first: the outer mesh dims before the inner ones, as the mesh's dims come), then ranks, then name.
+    Groups of one rank are left out; ranks that share none of these params are never among them."""
+    found = {}
+
+    def add(g):
+        if not isinstance(g, dist.ProcessGroup):
+            return
+        ranks = tuple(sorted(dist.get_process_group_ranks(g)))
+        if len(ranks) > 1:
+            found.setdefault((-(ranks[1] - ranks[0]), ranks, dist._get_process_group_name(g)), g)
+
+    for p, lay in zip(params, layouts):
+        if is_dtensor(p):
+            mesh = p.device_mesh
+            for d in range(mesh.ndim):
+                add(mesh.get_group(d))
+        elif lay is not None:
+            for g in lay.groups:
+                add(g)
+    return [found[k] for k in sorted(found)]
+
+
+def agree(problem: str | None, groups: list) -> None:
+    """Raise ValueError(problem) on every rank of `groups` (`agreement_groups`) when any of them has one.
+
+    Two sweeps of all_gather_object over the groups in their common order: the first passes a verdict along a
+    mesh's dims (or any orthogonal groups) to every rank of the mesh, the second across meshes and declared
+    groups that share ranks. Only ranks that hold these params take part; none when `groups` is empty."""
+    if groups and dist.is_available() and dist.is_initialized():
+        me = dist.get_rank()
+        known = None if problem is None else (problem, me)
+        for _sweep in range(2):
+            for g in groups:
+                found = [None] * dist.get_world_size(g)
+                dist.all_gather_object(found, known, group=g)
+                known = known or next((f for f in found if f is not None), None)
+        if known is not None:
+            f, r = known
+            raise ValueError(f + (f" (on rank {r})" if r != me else ""))
         return
     if problem is not None:
         raise ValueError(problem)

@@ -477,6 +477,146 @@ def test_declarations_are_checked(pool):
     pool.run(_errors_case)
 
 
+def _cover_case(rank, world, name):
+    """Declarations whose pieces do not cover the tensor once over their group: refused at the first step, on
+    every rank, naming the param, the group size and the count; a right one costs one int64 all_reduce per
+    group at its first step and none after."""
+    from fastopt.distributed import declare_shard
+    tp, _dp = _tp_groups(rank)
+    full = torch.randn(10, 6, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    r2 = dist.get_rank(tp)
+    bad = {  # what -> (piece, expected message)
+        # rows split over tp = {0, 1}, {2, 3} (replicated over dp) declared over the world: every row twice
+        "group too large": (lambda: declare_shard(full[5 * r2:5 * r2 + 5].clone(), (10, 6), dist.group.WORLD,
+                                                  dim=0, start=5 * r2), "4 ranks whose pieces hold 120 of its"),
+        # flat ranges of 18 elements: [0, 5) twice and [5, 10) nowhere, as many elements as the tensor
+        "overlap and hole": (lambda: declare_shard(torch.zeros(5), (3, 6), dist.group.WORLD,
+                                                   flat_offset=[0, 0, 10, 15][rank]), "some twice and others not"),
+        "overlap": (lambda: declare_shard(torch.zeros(5), (3, 6), dist.group.WORLD, flat_offset=3 * rank),
+                    "hold 20 of its elements in all, not its 18"),
+        "hole": (lambda: declare_shard(torch.zeros(4), (3, 6), dist.group.WORLD, flat_offset=4 * rank),
+                 "hold 16 of its elements in all, not its 18"),
+        "rows overlap": (lambda: declare_shard(torch.zeros(3, 6), (12, 6), dist.group.WORLD, dim=0,
+                                               start=[0, 0, 6, 9][rank]), "some twice and others not"),
+    }
+    out = {}
+    for what, (make, msg) in bad.items():
+        piece = make()
+        ok = declare_shard(torch.zeros(2, 3), (8, 3), dist.group.WORLD, dim=0)  # right, in the same bucket
+        opt = _make_opt(name, [ok, piece])
+        ok.grad, piece.grad = torch.randn_like(ok), torch.randn_like(piece)
+        with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[1\] \(local shape .*" + msg):
+            opt.step()
+        out[what] = True
+    # A right declaration over the world and one over tp: one int64 all_reduce per group at the first step.
+    pieces = [declare_shard(torch.randn(5), (3, 6), dist.group.WORLD, flat_offset=min(5 * rank, 18)),
+              declare_shard(full[5 * r2:5 * r2 + 5].clone(), (10, 6), tp, dim=0)]
+    opt = _make_opt(name, pieces)
+    calls = []
+    real = dist.all_reduce
+
+    def counting(t, *a, **k):
+        calls.append(t.dtype)
+        return real(t, *a, **k)
+    dist.all_reduce = counting
+    try:
+        for _ in range(3):
+            for p in pieces:
+                p.grad = torch.randn_like(p)
+            opt.step()
+            out.setdefault("int64", []).append(calls.count(torch.int64))
+            calls.clear()
+    finally:
+        dist.all_reduce = real
+    return out
+
+
+@pytest.mark.parametrize("name", ["adafactor", "lamb"])
+def test_declared_pieces_must_cover_the_tensor_once(pool, name):
+    for res in pool.run(_cover_case, name):
+        assert res.pop("int64") == [2, 0, 0], res
+        assert all(res.values()) and len(res) == 5, res
+
+
+def _copy_case(rank, world, name):
+    """A deepcopy of an optimizer over pieces declared by hand (declare_shard) and by setup_distributed (ZeRO
+    over TP) keeps their layouts: it steps like the original, exactly. Pickling it is refused by name."""
+    import pickle
+
+    from fastopt.distributed import declare_shard
+    from fastopt.distributed.layout import layout_of
+    tp, dp = _tp_groups(rank)
+    g = torch.Generator().manual_seed(2)
+    full = [torch.randn(10, 6, generator=g, dtype=torch.float64), torch.randn(6, 7, generator=g, dtype=torch.float64)]
+    work = _dim_piece(full[1], 0, tp).clone()
+    work.dist_layout = _FakeDistLayout((6, 7), 0)
+
+    def build():
+        a = declare_shard(_dim_piece(full[0], 0, tp).clone(), (10, 6), tp, dim=0)
+        b, pad = _flat_piece(work, dp)
+        b = b.clone()
+        by_hand = _make_opt(name, [a])
+        zero = _make_opt(name, [b], [(6, 7)])
+        zero.setup_distributed(tp_group=tp, dp_group=dp, shard_to_working_param={id(b): work},
+                               padding_map={id(b): pad}, is_zero=True)
+        return [by_hand, zero], [a, b]
+    opts, ps = build()
+    twins, tws = build()
+    grads = [[torch.randn(p.shape, generator=g, dtype=torch.float64) for p in ps] for _ in range(6)]
+
+    def run(os_, params, gs):
+        for gg in gs:
+            for p, x in zip(params, gg):
+                p.grad = x.clone()
+            for o in os_:
+                o.step()
+    run(opts, ps, grads[:2])
+    run(twins, tws, grads[:2])
+    dups = [copy.deepcopy(o) for o in opts]
+    dps = [o.param_groups[0]["params"][0] for o in dups]
+    assert layout_of(dps[0]) is layout_of(ps[0])  # the declaration travels with the copied piece
+    for o in opts:
+        with pytest.raises(TypeError, match="Layout holds process groups"):
+            pickle.dumps(o)
+    run(dups, dps, grads[2:])
+    run(twins, tws, grads[2:])
+    return all(torch.equal(a, b) for a, b in zip(dps, tws)) and not any(torch.equal(a, b) for a, b in zip(dps, ps))
+
+
+@pytest.mark.parametrize("name", ["adafactor", "came", "lamb"])
+def test_deepcopy_keeps_declared_layouts(pool, name):
+    assert all(pool.run(_copy_case, name))
+
+
+def _reinit_case(rank, world):
+    """A DeviceMesh built after destroy_process_group + init_process_group has groups of its own; the layout of
+    a DTensor on it sums over them, not over the destroyed groups of an equal mesh built before."""
+    import os
+    import tempfile
+
+    from fastopt.distributed import layout_of
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    meshes = [DeviceMesh("cpu", [0, 1]), DeviceMesh("cpu", [2, 3])]  # every rank builds every mesh
+    before = layout_of(distribute_tensor(torch.zeros(6, 4), meshes[rank // 2], [Shard(0)])).group
+    store = os.path.join(tempfile.gettempdir(), f"fastopt-reinit-{os.getppid()}")
+    dist.barrier()
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    meshes = [DeviceMesh("cpu", [0, 1]), DeviceMesh("cpu", [2, 3])]
+    mesh = meshes[rank // 2]
+    after = layout_of(distribute_tensor(torch.zeros(6, 4), mesh, [Shard(0)])).group
+    dist.barrier()
+    if rank == 0:
+        os.remove(store)
+    return after is mesh.get_group(0) and after is not before
+
+
+def test_layout_groups_follow_a_new_process_group():
+    from dist_utils import run
+    assert all(run(_reinit_case, WORLD, timeout=60.0))
+
+
 # ---- flat ranges in one process: the buffers reduced, the padding never read or written -------------------
 LOCAL_OPTS = {**{k: OPTS[k] for k in ("adafactor", "came", "came8", "lamb", "adamw8bit")},
               "lamb8": ("Lamb", dict(lr=1e-2, nbits=8, min_8bit_size=0, block_size=64)),

@@ -20,19 +20,27 @@ DDP, whose gradients are already averaged).
 Stable API (the optimizers and the GaLore layout support use it): `Layout` with `global_shape`, `index`,
 `group`, `groups`, `group_key`, `flat`, `base`, `numel`, `count`, `is_flat`, `dim_index`, `batch_index`,
 `flat_index`, `factor_index`, `local_view`, `reduce`; `layout_of`, `local`, `declare_shard`, `make_layout`,
-`full_tensor`, `real_elements`.
+`full_tensor`, `real_elements`, `check_cover`.
+
+A declaration is checked once, at the first step that uses it (`check_cover`): the real elements of the pieces
+over the declared groups must be every element of the global tensor once, else a ValueError on every rank (a
+group larger than the ranks that hold pieces, overlapping ranges or holes would count elements twice or not at
+all: silently wrong statistics). DTensor layouts are right by construction and are not checked.
+
+A Layout is immutable and holds process groups: `copy.deepcopy` shares it (the groups are process-wide handles),
+and pickling it raises (a process group does not pickle; save the optimizer's state_dict and declare again).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from functools import lru_cache
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["Layout", "layout_of", "local", "declare_shard", "make_layout", "full_tensor", "real_elements"]
+__all__ = ["Layout", "layout_of", "local", "declare_shard", "make_layout", "full_tensor", "real_elements",
+           "check_cover"]
 
 _ATTR = "_fastopt_layout"  # where declare_shard keeps a plain tensor's declared layout
 
@@ -51,6 +59,16 @@ class Layout:
     def __post_init__(self):
         if not self.groups:
             object.__setattr__(self, "groups", (self.group,))
+
+    def __deepcopy__(self, memo):
+        # Immutable, and its groups are this process's communicators: a copy of an optimizer (or of a model
+        # whose tensors carry declarations) must keep summing over the very same groups.
+        return self
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError("fastopt: a sharded param's Layout holds process groups, which do not pickle; save "
+                        "optimizer.state_dict() instead, and declare the shards again (declare_shard / "
+                        "setup_distributed) in the process that loads it")
 
     @property
     def numel(self) -> int:
@@ -146,8 +164,10 @@ def _shard_dim(placement) -> int | None:
     return None
 
 
-@lru_cache(maxsize=None)
 def _group_for(mesh, mesh_dims: tuple[int, ...]):
+    # Not cached here: a DeviceMesh hashes by its ranks, so a cache would hand a mesh built after
+    # destroy_process_group + init_process_group the destroyed group of an equal, older mesh. The mesh keeps
+    # its own groups (and torch caches flattened meshes); a layout is built once per param and optimizer.
     if len(mesh_dims) == 1:
         return mesh.get_group(mesh_dims[0])
     if len(mesh_dims) == mesh.ndim and mesh.size() == dist.get_world_size():
@@ -335,3 +355,70 @@ def real_elements(params: list, grads: list, states: list[dict], layouts: list |
                 view[k] = s[k][:-(-lay.count // block)]
         ps.append(lay.local_view(p)), gs.append(lay.local_view(g)), ss.append(view)
     return ps, gs, ss
+
+
+# ---- declarations: every element once ----------------------------------------------------------------------
+_CHECKSUM_MOD = (1 << 31) - 1  # index sums are compared modulo this prime: any world size sums them in int64
+
+
+def _index_prefix_sum(lay: Layout, m: int) -> int:
+    """The sum of the global flat indices of the first `m` real local elements of `lay` (row-major over the
+    local piece for dim layouts, in order for flat ones), exactly (python ints), without an index tensor."""
+    if m <= 0:
+        return 0
+    if lay.flat is not None:
+        off = lay.flat[0]
+        if lay.base is None:
+            return m * off + m * (m - 1) // 2
+        return _index_prefix_sum(lay.base, off + m) - _index_prefix_sum(lay.base, off)
+    shape = lay.global_shape
+    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    idx = [range(n) if i is None else i.tolist() for n, i in zip(shape, lay.index)]
+    sizes = [len(i) for i in idx]
+
+    def whole(d: int) -> int:  # the sum over the full sub-product of dims d..
+        return sum(sum(idx[e]) * strides[e] * math.prod(sizes[f] for f in range(d, len(sizes)) if f != e)
+                   for e in range(d, len(sizes)))
+
+    def prefix(d: int, k: int) -> int:
+        if k <= 0 or d == len(sizes):
+            return 0
+        rest = math.prod(sizes[d + 1:])
+        q, r = divmod(k, rest)
+        out = rest * sum(idx[d][:q]) * strides[d] + q * whole(d + 1)
+        if r:
+            out += r * idx[d][q] * strides[d] + prefix(d + 1, r)
+        return out
+
+    return prefix(0, m)
+
+
+def check_cover(layouts: list, names: list[str], device, owner: str) -> None:
+    """Check, with one all_reduce per group for all of them, that the pieces of each declared layout in
+    `layouts` (all with the same groups; `names[i]` says which param each is) hold every element of the global
+    tensor exactly once over those groups: the real elements must count the global numel, and their global flat
+    indices must sum (modulo a prime) to 0 + 1 + ... + (numel - 1), which catches overlapping pieces that leave
+    as many holes. Raises ValueError on every rank (all see the same sums); marks the layouts checked, so that a
+    layout costs this once, at the first step that uses it. Skipped without an initialized process group or
+    when every group has one rank (nothing to sum over)."""
+    if not layouts:
+        return
+    lay0 = layouts[0]
+    if (dist.is_available() and dist.is_initialized()
+            and all(isinstance(g, dist.ProcessGroup) for g in lay0.groups)
+            and any(dist.get_world_size(g) > 1 for g in lay0.groups)):
+        buf = torch.tensor([[lay.count, _index_prefix_sum(lay, lay.count) % _CHECKSUM_MOD] for lay in layouts],
+                           dtype=torch.int64, device=device)
+        lay0.reduce(buf)
+        sizes = " x ".join(str(dist.get_world_size(g)) for g in lay0.groups)
+        for lay, name, (count, checksum) in zip(layouts, names, buf.tolist()):
+            n = lay.numel
+            if count == n and checksum == (n * (n - 1) // 2) % _CHECKSUM_MOD:
+                continue
+            why = (f"hold {count} of its elements in all, not its {n}" if count != n else
+                   f"hold {n} elements in all, but some twice and others not at all (overlapping ranges)")
+            raise ValueError(f"{owner}: {name} of global shape {lay.global_shape} is declared over a group of "
+                             f"{sizes} ranks whose pieces {why}: declare it over exactly the ranks that hold its "
+                             "pieces (replicas of a piece belong to other groups), with pieces that cover it once")
+    for lay in layouts:
+        lay._cache["covered"] = True

@@ -127,9 +127,26 @@ class FastOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.state = ckpt.StateDict(dict, self.state)
 
+    def __getstate__(self) -> dict:
+        """torch's state (defaults, state, param_groups) plus the layouts of the params sharded by hand
+        (`declare_shard`, `setup_distributed`), in the order of the params: a deep copy of a param does not keep
+        its declaration, and the optimizer's own cache of them is not copied, so a copy would otherwise step its
+        pieces as whole tensors. Layouts are shared by `copy.deepcopy` and refuse to pickle (process groups)."""
+        state = super().__getstate__()
+        from ..distributed.layout import _ATTR
+        declared = [None if ckpt.is_dtensor(p) or self._layout(p) is None else
+                    (self._layout(p), getattr(p, _ATTR, None) is self._layout(p))
+                    for g in self.param_groups for p in g["params"]]
+        if any(d is not None for d in declared):
+            state["_fastopt_layouts"] = declared
+        return state
+
     def __setstate__(self, state: dict) -> None:
         """After unpickling, deepcopy and load_state_dict: the caches that are not pickled start afresh (the
-        kernels' plans of groups that are gone with their scratch buffers, the layout signatures)."""
+        kernels' plans of groups that are gone with their scratch buffers, the layout signatures); the declared
+        layouts of a copy are given to its params (`__getstate__`)."""
+        state = dict(state)
+        declared = state.pop("_fastopt_layouts", None)
         defaults = state.get("defaults", self.__dict__.get("defaults", {}))
         differentiable = "differentiable" in defaults
         super().__setstate__(state)
@@ -139,6 +156,14 @@ class FastOptimizer(torch.optim.Optimizer):
         self.state = ckpt.StateDict(dict, self.state)  # torch.optim's load_state_dict hands a plain defaultdict
         self._plans = {}
         self._layout_sigs = {}
+        if declared is not None:
+            from ..distributed.layout import _ATTR
+            cache = self.__dict__.setdefault("_layout_cache", {})
+            for p, d in zip([p for g in self.param_groups for p in g["params"]], declared):
+                if d is not None:
+                    cache[id(p)] = (p, d[0])
+                    if d[1] and getattr(p, _ATTR, None) is None:
+                        setattr(p, _ATTR, d[0])  # declare_shard's declaration, as on the original tensor
 
     # ---- subclass interface -------------------------------------------------------------------
     def _state_spec(self, p: Tensor, group: dict) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -335,6 +360,20 @@ class FastOptimizer(torch.optim.Optimizer):
             cache[key] = (p, layout_of(p))  # keep p alive so its id is not reused
         return cache[key][1]
 
+    def _check_declarations(self, group: dict, params: list[Tensor], layouts: list) -> None:
+        """At the first step that uses a declared layout (`declare_shard`, `setup_distributed`): its pieces must
+        cover the global tensor once over its groups (`check_cover`: one all_reduce per group for the whole
+        bucket; nothing at later steps). DTensor layouts are right by construction."""
+        todo = [(p, lay) for p, lay in zip(params, layouts)
+                if lay is not None and not ckpt.is_dtensor(p) and "covered" not in lay._cache]
+        if not todo:
+            return
+        from ..distributed.layout import check_cover
+        gi = next(i for i, g in enumerate(self.param_groups) if g is group)
+        pos = {id(p): i for i, p in enumerate(group["params"])}
+        names = [f"param_groups[{gi}]['params'][{pos[id(p)]}] (local shape {tuple(p.shape)})" for p, _ in todo]
+        check_cover([lay for _, lay in todo], names, local(todo[0][0]).device, self._name)
+
     def _global_shape(self, p: Tensor) -> tuple[int, ...]:
         """The shape of the whole tensor that p is (a piece of)."""
         lay = self._layout(p)
@@ -437,6 +476,7 @@ class FastOptimizer(torch.optim.Optimizer):
                     self._step_group(group, [local(p) for p in params], grads, states, scaler)
                 else:
                     layouts = [self._layout(p) for p in params]
+                    self._check_declarations(group, params, layouts)
                     self._step_group(group, [local(p) for p in params], grads, states, scaler, layouts=layouts,
                                      reduce=layouts[0].reduce)
         return loss
@@ -541,19 +581,27 @@ class FastOptimizer(torch.optim.Optimizer):
         if not isinstance(saved_state, dict):
             raise ValueError(f"{where}: 'state' must be a dict (param id -> state), got "
                              f"{type(saved_state).__name__}")
-        new_state, problem, sharded = {}, None, False
+        # The ranks that share a sharded param agree on the verdict (a non-finite value, or another shape, may be
+        # in one rank's piece only): over the groups of the params' meshes and declarations, never the world.
+        params = [p for g in self.param_groups for p in g["params"]]
+        groups = ckpt.agreement_groups(params, [None if ckpt.is_dtensor(p) else self._layout(p) for p in params])
+        new_state, problem = {}, None
         for pid, st in saved_state.items():
             if pid not in id_map:
-                raise ValueError(f"{where}: state for unknown param id {pid!r}")
+                problem = f"{where}: state for unknown param id {pid!r}"
+                break
             p, group = id_map[pid]
-            sharded = sharded or ckpt.is_dtensor(p)
             spec = self._state_spec(p, group)
-            out, bad = ckpt.import_state(st, p, spec, self._quantized_keys(group),
-                                         self._elementwise_keys(group),
-                                         f"{where}: state[{pid!r}]", local(p).device)
+            try:
+                out, bad = ckpt.import_state(st, p, spec, self._quantized_keys(group),
+                                             self._elementwise_keys(group),
+                                             f"{where}: state[{pid!r}]", local(p).device)
+            except ValueError as e:  # raised below on every rank of the groups, not on this one alone
+                problem = str(e)
+                break
             problem = problem or bad
             new_state[p] = out
-        ckpt.agree(problem, sharded)
+        ckpt.agree(problem, groups)
         return new_state
 
 
