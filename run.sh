@@ -29,7 +29,7 @@ cmd=${1:-}
 case "$cmd" in
   demo)  setup; exec "$py" -m fastopt.demo "$@" ;;
   test)  setup; export TRITON_INTERPRET=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-         exec "$py" -m pytest tests -q -ra "$@" ;;
+         exec "$py" -m pytest tests -q -ra --durations=15 "$@" ;;
   bench) setup; exec "$py" -m fastopt.bench "$@" ;;
   setup) setup ;;
   *) echo "usage: ./run.sh demo|test|bench|setup [args]" >&2; exit 2 ;;

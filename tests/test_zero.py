@@ -60,9 +60,9 @@ class Net(torch.nn.Module):
         return [[self.emb, self.w1, self.w2, self.w3], [self.b1, self.b2, self.gain]]
 
 
-def batch(step, world=WORLD, dtype=DT):
+def batch(step, world=WORLD, dtype=DT, n_in=11):
     g = torch.Generator().manual_seed(1000 + step)
-    x = torch.randn(world * LOCAL_BATCH, 11, generator=g, dtype=torch.float64).to(dtype)
+    x = torch.randn(world * LOCAL_BATCH, n_in, generator=g, dtype=torch.float64).to(dtype)
     y = torch.randn(world * LOCAL_BATCH, 3, generator=g, dtype=torch.float64).to(dtype)
     return x, y
 
@@ -112,7 +112,7 @@ def optimizer_names():
 
 
 def make_opt(name, model):
-    factory = FACTORIES.get(name) or _generic(getattr(fastopt, name))
+    factory = FACTORIES.get(name) or SPLIT_FACTORIES.get(name) or _generic(getattr(fastopt, name))
     return factory(*model.groups())
 
 
@@ -413,9 +413,10 @@ class Stack(torch.nn.Module):
         return x
 
 
-def _state_bytes(opt):
-    return sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values()
-               if isinstance(t, torch.Tensor))
+def _state_bytes(opt, param=None):
+    """Bytes of `opt`'s state tensors (of `param`'s state only, if given)."""
+    states = opt.state.values() if param is None else [opt.state[param]]
+    return sum(t.numel() * t.element_size() for st in states for t in st.values() if isinstance(t, torch.Tensor))
 
 
 def _memory(rank, world, name):
@@ -477,6 +478,234 @@ def test_bench_data_parallel_memory(tmp_path, monkeypatch):
         for z in (z1, z2):
             assert ddp["state_bytes_per_rank"][r] == pytest.approx(world * z["state_bytes_per_rank"][r], rel=0.02)
         assert ddp["grad_bytes_per_rank"][r] == pytest.approx(world * z2["grad_bytes_per_rank"][r], rel=0.02)
+
+
+# ---- a param larger than a fair share is split into flat ranges ------------------------------------------
+class Wide(torch.nn.Module):
+    """One param far larger than the rest: `big` (128 x 257 = 32896 elements > 4 * 4096, so it is split over 4
+    ranks; its ranges start mid-row), next to ~1.1k elements of small ones. Groups: matrices, vectors."""
+
+    N_IN = 128
+
+    def __init__(self, seed=0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+
+        def P(*shape, scale=0.5):
+            return torch.nn.Parameter(torch.randn(*shape, generator=g, dtype=DT) * scale)
+
+        self.big = P(128, 257, scale=0.1)
+        self.w = P(5, 257, scale=0.2)
+        self.b = P(5, scale=0.1)
+        self.w3 = P(5, 3)
+        self.gain = P(3, scale=1.0)
+
+    def forward(self, x, use_big=True):
+        h = torch.tanh(x @ (self.big if use_big else self.big.detach()))
+        return ((h @ self.w.T + self.b) @ self.w3) * self.gain
+
+    def groups(self):
+        return [[self.big, self.w, self.w3], [self.b, self.gain]]
+
+
+SPLIT_FACTORIES = {  # the 8-bit variants of CAME and Lamb (the others are in FACTORIES)
+    "CAME8bit": lambda mats, vecs: fastopt.CAME([{"params": mats, "weight_decay": 0.01}, {"params": vecs}],
+                                                lr=1e-2, nbits=8),
+    "Lamb8bit": lambda mats, vecs: fastopt.Lamb([{"params": mats, "weight_decay": 0.01}, {"params": vecs}],
+                                                lr=1e-2, nbits=8, block_size=64, min_8bit_size=0),
+}
+
+# (optimizer, mode): every optimizer once, the modes spread over them (ZeRO-1 and 2, overlap or not, accumulation,
+# zero_grad(set_to_none=False), accumulation across steps, gradients set by hand).
+SPLIT_CASES = [("AdamW", "zero1"), ("AdamW", "zero2-overlap-accum-skip"), ("Adafactor", "zero2-accum"),
+               ("Adafactor", "zero1-byhand-skip"), ("CAME", "zero2-overlap-zeros"), ("Lamb", "zero1-overlap-accum"),
+               ("GaLoreAdamW", "zero2-accum"), ("AdamW8bit", "zero1"), ("AdamW8bit", "zero2-overlap-accum-skip"),
+               ("CAME8bit", "zero2-overlap-accum-skip"), ("Lamb8bit", "zero2-byhand"),
+               ("GaLoreAdamW8bit", "zero1-overlap-accum")]
+SPLIT_STEPS = 6  # GaLore (update_proj_gap=3) refreshes its projection twice
+
+
+def _make_split_opt(name, model):
+    return (SPLIT_FACTORIES.get(name) or FACTORIES[name])(*model.groups())
+
+
+def _split_train(rank, world, name, mode):
+    os.environ["FASTOPT_BACKEND"] = "torch"
+    m = MODES[mode]
+    ref_model = Wide()
+    model = copy.deepcopy(ref_model)
+    init = [p.detach().clone() for p in ref_model.parameters()]
+    ref_opt = _make_split_opt(name, ref_model)
+    opt = ZeroRedundancyOptimizer(_make_split_opt(name, model), partition_grad=m["partition_grad"],
+                                  overlap_communication=m["overlap"], bucket_size_mb=BUCKET_MB)
+    for step in range(SPLIT_STEPS):
+        x, y = batch(step, world, n_in=Wide.N_IN)
+        _zero_grads(ref_opt, m["zero"], step)
+        loss_fn(ref_model, x, y).backward()
+        ref_opt.step()
+        _zero_grads(opt, m["zero"], step)
+        _local_backward(model, x, y, rank, m["accum"], m["by_hand"])
+        opt.step()
+    full = opt.state_dict(consolidated=True, to=None)
+    big = opt._gidx[id(model.big)]
+    return dict(param_err=rel_update_error(list(model.parameters()), list(ref_model.parameters()), init),
+                big_err=rel_update_error([model.big], [ref_model.big], [init[0]]),
+                state_err=_state_err(full, ref_opt.state_dict()),
+                params=[p.detach().clone() for p in model.parameters()],
+                split=opt._split.get(big), state=_state_bytes(opt.optim), full_state=_state_bytes(ref_opt),
+                big_state=_state_bytes(opt.optim, opt._pieces.get(big)),
+                ref_big_state=_state_bytes(ref_opt, ref_model.big),
+                piece=tuple(opt._pieces[big].shape) if big in opt._pieces else None)
+
+
+@pytest.mark.parametrize("name,mode", SPLIT_CASES)
+def test_split_param_matches_single_process(pool, name, mode):
+    """The big param is cut into 4 flat ranges at multiples of 4096 elements, one per rank; params and the
+    consolidated state (8-bit codes and absmax included: the ranges cut the 8-bit blocks of the whole param)
+    equal one process on the whole batch, and each rank holds about a quarter of the optimizer state."""
+    results = pool.run(_split_train, name, mode)
+    bounds = results[0]["split"]
+    assert bounds is not None and list(bounds) == [0, 8192, 16384, 24576, 32896], bounds
+    for r, res in enumerate(results):
+        assert res["piece"] == (bounds[r + 1] - bounds[r],), (r, res["piece"])
+        assert res["big_err"] <= TOL[DT], f"rank {r}: big param: relative update error {res['big_err']:.3g}"
+        assert res["param_err"] <= TOL[DT], f"rank {r}: params: relative update error {res['param_err']:.3g}"
+        assert res["state_err"] <= TOL[DT], f"rank {r}: state: relative error {res['state_err']:.3g}"
+    _check_equal_across_ranks(results)
+    # The big param's state bytes on each rank: what is whole on every rank (Adafactor's and CAME's factors,
+    # GaLore's projection and projected moments) is held WORLD times, so the pieces' states add up to the
+    # unsharded one plus (WORLD - 1) copies of it; the element-wise rest is cut in proportion to the ranges
+    # (8-bit absmax: one per block, the blocks of the whole param), within 16 bytes.
+    ref_big, bigs = results[0]["ref_big_state"], [res["big_state"] for res in results]
+    whole = (sum(bigs) - ref_big) / (WORLD - 1)
+    elem = ref_big - whole
+    assert whole >= 0 and (elem > 0 or name.startswith("GaLore")), (bigs, ref_big)
+    for r, b in enumerate(bigs):
+        assert abs(b - whole - elem * (bounds[r + 1] - bounds[r]) / bounds[-1]) <= 16, (r, bigs, ref_big, whole)
+    # All the state: no rank holds more than half of it, where whole params would put the big one's on one rank
+    # (GaLore: its projected state is whole anyway).
+    full, states = results[0]["full_state"], [res["state"] for res in results]
+    if not name.startswith("GaLore"):
+        assert ref_big >= 0.7 * full and max(states) <= 0.5 * full, (states, full, ref_big)
+
+
+def _split_partial(rank, world, partition_grad, overlap):
+    """The big (split) param gets a gradient from every rank (steps 0, 3, ...), from rank 0 only (1, 4, ...: the
+    others contribute zeros) or from none (2, 5, ...: AdamW's weight decay must not move it)."""
+    os.environ["FASTOPT_BACKEND"] = "torch"
+    ref_model = Wide()
+    model = copy.deepcopy(ref_model)
+    init = [p.detach().clone() for p in ref_model.parameters()]
+    ref_opt, inner = make_opt("AdamW", ref_model), make_opt("AdamW", model)
+    opt = ZeroRedundancyOptimizer(inner, partition_grad=partition_grad, overlap_communication=overlap,
+                                  bucket_size_mb=BUCKET_MB)
+    uses = lambda step, r: step % 3 == 0 or (step % 3 == 1 and r == 0)  # noqa: E731
+    still, norms = [], []
+    for step in range(SPLIT_STEPS):
+        x, y = batch(step, world, n_in=Wide.N_IN)
+        sl = [slice(r * LOCAL_BATCH, (r + 1) * LOCAL_BATCH) for r in range(world)]
+        before = (ref_model.big.detach().clone(), model.big.detach().clone())
+        ref_opt.zero_grad()
+        sum(((ref_model(x[s], uses(step, r)) - y[s]) ** 2).mean() for r, s in enumerate(sl)).div(world).backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 0.05)
+        ref_opt.step()
+        opt.zero_grad()
+        ((model(x[sl[rank]], uses(step, rank)) - y[sl[rank]]) ** 2).mean().backward()
+        norms.append((float(opt.clip_grad_norm_(0.05)), float(ref_norm)))
+        opt.step()
+        still.append((torch.equal(before[0], ref_model.big), torch.equal(before[1], model.big)))
+    full = opt.state_dict(consolidated=True, to=None)
+    return dict(param_err=rel_update_error(list(model.parameters()), list(ref_model.parameters()), init),
+                state_err=_state_err(full, ref_opt.state_dict()), still=still, split=sorted(opt._split), norms=norms,
+                params=[p.detach().clone() for p in model.parameters()])
+
+
+@pytest.mark.parametrize("partition_grad,overlap", [(False, True), (True, False), (True, True)])
+def test_split_param_without_gradients(pool, partition_grad, overlap):
+    """A split param's "has a gradient" count: stepped when one rank alone had a gradient (ZeRO-2: carried in
+    the last slot of each reduce-scattered block), left alone when none had; clip_grad_norm_ counts each of
+    its ranges once."""
+    results = pool.run(_split_partial, partition_grad, overlap)
+    for r, res in enumerate(results):
+        assert res["split"] == [0]
+        assert res["still"] == [(s % 3 == 2,) * 2 for s in range(SPLIT_STEPS)], (r, res["still"])
+        assert all(abs(a - b) <= 1e-12 * b and b > 0.05 for a, b in res["norms"]), res["norms"]  # clipped
+        assert res["param_err"] <= TOL[DT], f"rank {r}: params: relative update error {res['param_err']:.3g}"
+        assert res["state_err"] <= TOL[DT], f"rank {r}: state: relative error {res['state_err']:.3g}"
+    _check_equal_across_ranks(results)
+
+
+# ---- params frozen or unfrozen after construction ------------------------------------------------------
+def _refreeze(rank, world, partition_grad, overlap, accum):
+    """w2 frozen at construction and unfrozen at step 3, b1 frozen at step 5 (with its state kept), on the
+    reference and the wrapper alike."""
+    os.environ["FASTOPT_BACKEND"] = "torch"
+    ref_model = Net()
+    model = copy.deepcopy(ref_model)
+    init = [p.detach().clone() for p in ref_model.parameters()]
+    for m in (ref_model, model):
+        m.w2.requires_grad_(False)
+    ref_opt = make_opt("AdamW", ref_model)
+    opt = ZeroRedundancyOptimizer(make_opt("AdamW", model), partition_grad=partition_grad,
+                                  overlap_communication=overlap, bucket_size_mb=BUCKET_MB)
+    moved = []
+    for step in range(STEPS):
+        for m in (ref_model, model):
+            if step == 3:
+                m.w2.requires_grad_(True)
+            if step == 5:
+                m.b1.requires_grad_(False)
+        x, y = batch(step, world)
+        ref_opt.zero_grad()
+        loss_fn(ref_model, x, y).backward()
+        ref_opt.step()
+        opt.zero_grad()
+        _local_backward(model, x, y, rank, accum, False)
+        opt.step()
+        moved.append(not torch.equal(model.w2, init[3]))
+    return dict(err=rel_update_error(list(model.parameters()), list(ref_model.parameters()), init), moved=moved,
+                params=[p.detach().clone() for p in model.parameters()])
+
+
+@pytest.mark.parametrize("partition_grad,overlap,accum", [(False, False, 1), (True, True, 2), (True, False, 1)])
+def test_unfrozen_param_is_reduced_and_stepped(pool, partition_grad, overlap, accum):
+    """A param unfrozen after construction is reduced and stepped from then on, one frozen later is left alone:
+    the buckets and hooks are rebuilt on every rank when the requires_grad pattern changes (it was never
+    reduced: each rank stepped it with its own gradient, and the ranks drifted apart)."""
+    results = pool.run(_refreeze, partition_grad, overlap, accum)
+    for r, res in enumerate(results):
+        assert res["moved"] == [False] * 3 + [True] * (STEPS - 3), (r, res["moved"])
+        assert res["err"] <= TOL[DT], f"rank {r}: relative update error {res['err']:.3g}"
+    _check_equal_across_ranks(results)
+
+
+# ---- torch.amp.GradScaler is refused on every rank alike ---------------------------------------------------
+def _grad_scaler(rank, world, partition_grad):
+    ref_model, ref_opt, model, opt, init = _ref_and_zero("AdamW", partition_grad, False)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    x, y = batch(0, world)
+    xs, ys = x[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH], y[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH]
+    scaler.scale(loss_fn(model, xs, ys)).backward()
+    if rank == 1 and model.w1.grad is not None:  # an overflow on one rank only
+        model.w1.grad[0, 0] = float("inf")
+    with pytest.raises(RuntimeError, match="does not support torch.amp.GradScaler"):
+        scaler.step(opt)
+    left = [k for k in ("grad_scale", "found_inf") if k in opt.__dict__]
+    # Every rank is still in step with the others: a plain step and a collective go through.
+    opt.zero_grad()
+    _local_backward(model, x, y, rank, 1, False)
+    opt.step()
+    return left, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("partition_grad", [False, True])
+def test_grad_scaler_fails_on_every_rank(pool, partition_grad):
+    """GradScaler skipped step() on the ranks that found an inf while the others waited in its collectives (a
+    hang): the wrapper declares `_step_supports_amp_scaling`, so GradScaler calls step() on every rank, which
+    raises alike."""
+    results = pool.run(_grad_scaler, partition_grad)
+    assert all(left == [] for left, _ in results)
+    _check_equal_across_ranks([{"params": ps} for _, ps in results])
 
 
 # ---- LR schedulers and clip_grad_norm_ -------------------------------------------------------------------
@@ -552,7 +781,7 @@ def test_frozen_params_do_not_count_in_the_balance():
 # ---- state_dict ------------------------------------------------------------------------------------------
 def _continue(model, opt, rank, world, first, last, partition_grad=True):
     for step in range(first, last):
-        x, y = batch(step, world)
+        x, y = batch(step, world, n_in=getattr(model, "N_IN", 11))
         opt.zero_grad()
         _local_backward(model, x, y, rank, 1, False)
         opt.step()
@@ -561,15 +790,16 @@ def _continue(model, opt, rank, world, first, last, partition_grad=True):
 
 def _reference(model, opt, world, first, last):
     for step in range(first, last):
-        x, y = batch(step, world)
+        x, y = batch(step, world, n_in=getattr(model, "N_IN", 11))
         opt.zero_grad()
         loss_fn(model, x, y).backward()
         opt.step()
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _state_dict_roundtrip(rank, world, name, partition_grad):
+def _state_dict_roundtrip(rank, world, name, partition_grad, model_cls=None):
     os.environ["FASTOPT_BACKEND"] = "torch"
+    Net = model_cls or globals()["Net"]  # noqa: N806
     mk = lambda m: ZeroRedundancyOptimizer(make_opt(name, m), partition_grad=partition_grad,  # noqa: E731
                                            bucket_size_mb=BUCKET_MB)
     model = Net()
@@ -587,7 +817,9 @@ def _state_dict_roundtrip(rank, world, name, partition_grad):
     box = [full]
     dist.broadcast_object_list(box, src=0)
     full = box[0]
+    dup_model, dup = copy.deepcopy((model, opt))  # one memo: the copy steps the copied model's params
     straight = _continue(model, opt, rank, world, 4, 8)
+    out["deepcopy"] = all(torch.equal(a, b) for a, b in zip(_continue(dup_model, dup, rank, world, 4, 8), straight))
 
     def fresh():
         m = Net()
@@ -624,6 +856,7 @@ def _state_dict_roundtrip(rank, world, name, partition_grad):
     m6, o6 = fresh()
     with pytest.raises(ValueError, match="consolidated=True"):
         o6.load_state_dict(shards[(rank + 1) % world])
+    out["split"] = sorted(opt._split)
     return out
 
 
@@ -633,33 +866,54 @@ def test_state_dict_roundtrip(pool, name, partition_grad):
     check_state_dict_roundtrip(pool.run(_state_dict_roundtrip, name, partition_grad))
 
 
+@pytest.mark.parametrize("name,partition_grad", [("AdamW", True), ("Adafactor", False), ("AdamW8bit", True),
+                                                  ("GaLoreAdamW8bit", False)])
+def test_state_dict_roundtrip_split(pool, name, partition_grad):
+    """As above with a split param: the consolidated state cuts back into the pieces (8-bit codes and absmax
+    at the ranges' block boundaries), the shard reloads on the same partition, the unwrapped optimizer's
+    state loads too."""
+    results = pool.run(_state_dict_roundtrip, name, partition_grad, Wide)
+    assert all(res["split"] == [0] for res in results), "the big param was not split"
+    check_state_dict_roundtrip(results)
+
+
 def check_state_dict_roundtrip(results: list) -> None:
     """The verdicts of `_state_dict_roundtrip` on every rank (test_checkpoint.py runs it for every optimizer)."""
     for res in results:
         assert res["full_elsewhere_is_none"]
         assert res["sharded"], "reloading the shard changed the continuation"
+        assert res["deepcopy"], "a deepcopy did not continue like the original"
         assert res["consolidated"], "reloading the consolidated state changed the continuation"
         assert res["unwrapped_err"] <= TOL[DT], res["unwrapped_err"]
         assert res["from_unwrapped_err"] <= TOL[DT], res["from_unwrapped_err"]
 
 
-def _add_group(rank, world):
+def _add_group(rank, world, model_cls=None):
+    """Net: the vectors added as a second group. Wide: the matrices (the big param among them) added to a
+    wrapper built over the vectors, so the big param is split by add_param_group."""
     os.environ["FASTOPT_BACKEND"] = "torch"
-    ref_model = Net()
+    ref_model = (model_cls or Net)()
     model = copy.deepcopy(ref_model)
     init = [p.detach().clone() for p in ref_model.parameters()]
     ref_opt = make_opt("AdamW", ref_model)
     mats, vecs = model.groups()
-    opt = ZeroRedundancyOptimizer(torch.optim.AdamW(mats, lr=1e-2, weight_decay=0.1), partition_grad=True,
-                                  bucket_size_mb=BUCKET_MB)
-    opt.add_param_group({"params": vecs, "weight_decay": 0.0})  # collective: every rank adds the same group
+    first, second = ({"params": mats, "weight_decay": 0.1}, {"params": vecs, "weight_decay": 0.0})
+    if model_cls is not None:
+        first, second = second, first
+    opt = ZeroRedundancyOptimizer(torch.optim.AdamW(first["params"], lr=1e-2, weight_decay=first["weight_decay"]),
+                                  partition_grad=True, bucket_size_mb=BUCKET_MB)
+    opt.add_param_group(second)  # collective: every rank adds the same group
     _reference(ref_model, ref_opt, world, 0, STEPS)
     _continue(model, opt, rank, world, 0, STEPS)
-    return rel_update_error(list(model.parameters()), list(ref_model.parameters()), init)
+    return rel_update_error(list(model.parameters()), list(ref_model.parameters()), init), sorted(opt._split)
 
 
 def test_add_param_group_distributed(pool):
-    assert max(pool.run(_add_group)) <= TOL[DT]
+    results = pool.run(_add_group)
+    assert max(err for err, _ in results) <= TOL[DT]
+    results = pool.run(_add_group, Wide)
+    assert all(split == [len(Wide().groups()[1])] for _, split in results), results  # the big param is split
+    assert max(err for err, _ in results) <= TOL[DT]
 
 
 # ---- bad input -------------------------------------------------------------------------------------------

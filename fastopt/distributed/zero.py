@@ -3,15 +3,31 @@
 The model stays an ordinary module with the same weights on every rank, and each rank trains on its own data
 (DDP-style data parallelism without a model wrapper). The wrapper owns the data-parallel communication:
 
-* Partition. Whole parameters are assigned to ranks, largest first, each to the rank holding the fewest
-  elements so far (the greedy balance of `torch.distributed.optim.ZeroRedundancyOptimizer`). A parameter is
-  never split: every statistic an optimizer keeps over a whole matrix (Adafactor's and CAME's row and column
-  factors, Lamb's trust ratio, GaLore's projection, 8-bit blocks) is then computed by one rank from the whole
-  gradient, exactly as in a single process, with no extra communication. The price is balance: a rank holds
-  at most `total / world + (largest parameter)` elements of state.
+* Partition. A trainable parameter is split when it alone exceeds a fair share of the memory, namely when
+  all of these hold: numel > ceil(trainable numel of all the wrapper's params / world); numel >= world * 4096;
+  it is contiguous; and the wrapped optimizer steps flat pieces exactly. That last condition covers every
+  fastopt optimizer (a `FastOptimizer` with `_supports_layouts`) and torch's element-wise optimizers by exact
+  type: SGD, Adam, AdamW, Adamax, NAdam, RAdam, Adagrad, RMSprop (checked in torch 2.13's source: their state
+  is per element, or scalars that depend only on the step count). Nothing else ever splits: torch's Adafactor,
+  LBFGS, subclasses of torch's optimizers. A split param is cut into `world` contiguous ranges of its
+  flattened elements, one per rank in rank order. Boundary r is r * numel / world rounded to the nearest
+  multiple of 4096, so every range is non-empty and within 4096 elements of an even share. Because of that alignment, 8-bit blocks of any
+  block_size <= 4096 cut the pieces exactly where they cut the whole param: 8-bit states stay bit-compatible
+  with one process, and they consolidate by concatenation. All other params are whole. They go largest first
+  to the rank with the fewest elements so far, with each rank's ranges counted (the greedy balance of
+  `torch.distributed.optim.ZeroRedundancyOptimizer`), and frozen params weigh nothing. A rank then holds at
+  most `total / world + 4096 + (largest whole param)` elements of element-wise state. A whole param's matrix
+  statistics (Adafactor's and CAME's factors, Lamb's trust ratio, GaLore's projection, 8-bit blocks) are
+  computed by its owner from the whole gradient, as in one process. A split param's statistics are computed
+  on the pieces: each piece is declared `declare_shard(piece, p.shape, group, flat_offset=a)`, and the
+  optimizer sums the partial statistics over the group with its own collectives, in which every rank takes
+  part. State that is whole per param (factors, `step`, GaLore's projection) is kept on every rank.
+  Ownership and splits are fixed when a param is added; a param frozen then and unfrozen later stays whole.
 * The wrapped optimizer sees only this rank's parameters: its `param_groups` are cut down in place (each group
-  keeps its hyperparameters, possibly with no params on this rank) and state of other ranks' params is
-  dropped, so its state exists for this rank's shard only.
+  keeps its hyperparameters, possibly with no params on this rank), each split param replaced at its place by
+  this rank's piece (a leaf `Parameter` viewing the param's storage, `p.view(-1)[a:b]`; its state is keyed by
+  the piece, and state made before wrapping is cut to it), and state of other ranks' params is dropped, so its
+  state exists for this rank's shard only.
 * ZeRO-1 (`partition_grad=False`): gradients are averaged over the group by all-reduce of flat buckets (one
   collective per bucket of at most `bucket_size_mb`). With `overlap_communication=False` this happens in
   `step()`, each all-reduce waited on right after it is launched; with `True` each bucket is all-reduced
@@ -24,9 +40,16 @@ The model stays an ordinary module with the same weights on every rank, and each
   (nothing on the wire while backward computes; gradients are still freed as they are packed); with `True`
   the reductions run while backward goes on. At the end of backward (an autograd callback) all reductions are
   waited on and the owner's params get `.grad` as views of the accumulator; other ranks' params keep
-  `.grad = None`.
-* `step()` steps this rank's shard with the wrapped optimizer, then every owner broadcasts its updated params
-  in flat buckets, so all ranks end the step with identical weights.
+  `.grad = None`. A split param has a bucket of its own. It holds `world` blocks of (chunk + 1) elements, where
+  chunk is the longest range: block r holds range r of the gradient and, in its last slot, the "has a
+  gradient" count. The bucket is reduce-scattered (`reduce_scatter_single`, or `reduce_scatter_tensor` on torch
+  releases without it), so each rank receives only its range summed over the ranks, plus the summed count.
+  That is added into the rank's accumulator, the piece gets `.grad` as a view of it, and the param keeps
+  `.grad = None` on every rank. With ZeRO-1, the piece's `.grad` is its range of the all-reduced gradient.
+* `step()` steps this rank's shard with the wrapped optimizer. Then every owner broadcasts its updated params
+  in flat buckets, and each split param is all-gathered from its pieces (one `all_gather_single` per split
+  param, ranges padded to the longest). All ranks end the step with identical weights. `clip_grad_norm_`
+  counts each rank's own params and its range of each split param, so every element is counted once.
 
 Gradient accumulation: run several backward passes, then `step()`. ZeRO-1 reduces once, in `step()` (with
 overlap: once per backward, an all-reduce of the running sums, which stays exact because the earlier part is
@@ -48,14 +71,32 @@ Hyperparameters live in `param_groups` of the wrapper (every param of each group
 Without an initialized process group (or with a group of one rank) the wrapper is a pass-through that
 communicates nothing.
 
-Not supported: `torch.amp.GradScaler` (its inf check and step skip are per rank, so ranks could disagree;
-the wrapper does not declare `_step_supports_amp_scaling`), optimizers that evaluate the closure several times
+Freezing or unfreezing params after construction (`requires_grad_`) is noticed at the next `step()` or
+`clip_grad_norm_()`. There the buckets and hooks are rebuilt for the params that now require a gradient, and
+ZeRO-2's accumulated gradients carry over. A newly unfrozen param's gradient, which no hook saw, is then reduced
+like a gradient set by hand, so it is averaged and stepped like the others from its first step on. The change
+must be made on every rank alike, before the backward passes of that step. Freeze a param after `zero_grad()`:
+one frozen while it still holds a gradient would be stepped by its owner (torch's optimizers step any param
+with a gradient) but, no longer managed, neither averaged nor broadcast.
+
+State dicts: the shard (default) holds this rank's params' state and its pieces' state; its "zero" entry records
+the owners and the splits, and it reloads on the same partition only. The consolidated state is the unwrapped
+optimizer's: a split param's element-wise states (for a FastOptimizer: `_elementwise_keys`, and the absmax of
+element-wise 8-bit codes; for torch's optimizers: tensors with the piece's numel) are concatenated in rank
+order and reshaped; the others (factors, `step`, GaLore's projection and projected moments) are taken from one
+piece. Loading a consolidated or unwrapped state cuts them back into the pieces.
+
+Not supported: `torch.amp.GradScaler` (its inf check and step skip are per rank, so ranks could disagree:
+the wrapper declares `_step_supports_amp_scaling`, so GradScaler calls `step()` on every rank, and `step()`
+raises the same RuntimeError on all of them instead of the ranks that found an inf skipping it while the
+others wait in its collectives), optimizers that evaluate the closure several times
 per step (LBFGS: the wrapper runs the closure once, then reduces), DTensor params (FSDP / tensor parallelism
 shard them already: use the optimizer directly), and params of one group spread over devices whose backward
 hooks run in different threads.
 """
 from __future__ import annotations
 
+import copy
 import math
 import sys
 import weakref
@@ -70,6 +111,36 @@ __all__ = ["ZeroRedundancyOptimizer"]
 
 _NAME = "ZeroRedundancyOptimizer"
 _NOT_HYPER = ("params", "param_names")
+# A split param's ranges start at multiples of this many elements: every 8-bit block size (a power of two up to
+# 4096) then cuts the pieces into the blocks of the whole param.
+_ALIGN = 4096
+# torch's optimizers whose math is element-wise (checked in torch 2.13's source: no norm, sum or mean over a
+# param; scalars such as `step` and NAdam's `mu_product` depend on the step count alone), by exact type.
+_ELEMENTWISE_TORCH = ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "RMSprop")
+
+
+def _split_bounds(n: int, world: int) -> tuple[int, ...]:
+    """Range boundaries of a param of n >= world * _ALIGN elements: r * n / world rounded to the nearest
+    multiple of _ALIGN. Strictly increasing (consecutive targets are >= _ALIGN apart) and below n, so no range
+    is empty; each range is within _ALIGN elements of n / world."""
+    inner = [(2 * r * n + world * _ALIGN) // (2 * world * _ALIGN) * _ALIGN for r in range(1, world)]
+    return tuple([0] + inner + [n])
+
+
+def _can_split(optimizer) -> bool:
+    """Whether `optimizer` steps a flat piece of a param exactly as the whole: a FastOptimizer that takes
+    layouts (its whole-tensor statistics are summed over the group of the pieces), or one of torch's
+    element-wise optimizers by exact type (a subclass may change the math)."""
+    from ..optim.base import FastOptimizer
+    if isinstance(optimizer, FastOptimizer):
+        return bool(optimizer._supports_layouts)
+    return any(type(optimizer) is getattr(torch.optim, n, None) for n in _ELEMENTWISE_TORCH)
+
+
+def _collective(new: str, old: str):
+    """torch >= 2.13 names the flat collectives `*_single` and warns on the older names, which torch 2.11 has
+    alone: the new name where it exists (looked up at each call, so a patched `dist` is seen)."""
+    return getattr(dist, new, None) or getattr(dist, old)
 
 
 class _Group(dict):
@@ -92,15 +163,22 @@ class _Bucket:
     A reduction buffer (`staging`, ZeRO-2's `acc`) holds the `numel` gradient elements followed by one count
     per param: 1 where this rank packed a gradient, summed over the ranks by the same collective, so a count of
     0 means that no rank produced a gradient for that param. `seen[k]`: this rank packed one for param k into
-    the current accumulator (its count is then known to be > 0 without reading it back)."""
+    the current accumulator (its count is then known to be > 0 without reading it back).
+
+    A split bucket (ZeRO-2, one split param, `bounds` its ranges): `staging` holds world blocks of (chunk + 1)
+    elements, chunk the longest range; block r holds range r of the gradient and a count in its last slot.
+    It is reduce-scattered into `recv` (chunk + 1 elements: this rank's range, padded, and the count summed
+    over the ranks), which is added into `acc`; `numel` is chunk, so `acc[numel:]` is the count as above."""
 
     __slots__ = ("params", "gidx", "offsets", "numel", "size", "owner", "device", "dtype",
-                 "staging", "filled", "pending", "acc", "seen", "work")
+                 "staging", "filled", "pending", "acc", "seen", "work", "bounds", "recv")
 
-    def __init__(self, gidx: list[int], params: list[Tensor], owner: int | None):
+    def __init__(self, gidx: list[int], params: list[Tensor], owner: int | None, bounds: tuple | None = None):
         self.params = params
         self.gidx = gidx
         self.owner = owner
+        self.bounds = bounds
+        self.recv = None
         self.offsets = []
         n = 0
         for p in params:
@@ -108,6 +186,10 @@ class _Bucket:
             n += p.numel()
         self.numel = n
         self.size = n + len(params)
+        if bounds is not None:
+            chunk = max(b - a for a, b in zip(bounds, bounds[1:]))
+            self.numel = chunk
+            self.size = (len(bounds) - 1) * (chunk + 1)
         self.device = params[0].device
         self.dtype = params[0].dtype
         self.staging: Tensor | None = None
@@ -127,6 +209,7 @@ class _Bucket:
 
     def reset_round(self) -> None:
         self.staging = None
+        self.recv = None
         self.filled = [False] * len(self.params)
         self.pending = len(self.params)
         self.work = None
@@ -154,7 +237,7 @@ class _SharedGroup:
 # What a pickle or a deepcopy of the wrapper carries; the rest (buckets, hooks) is rebuilt, with ZeRO-2's
 # accumulators and the gradients exposed as views of them.
 _PICKLED = ("defaults", "optim", "partition_grad", "overlap_communication", "bucket_size_mb", "_cap", "rank",
-            "world_size", "_ranks", "_params", "_owner", "_loads", "_inv_world", "_synced")
+            "world_size", "_ranks", "_params", "_owner", "_loads", "_inv_world", "_synced", "_split", "_pieces")
 
 
 def _chunks(items: list[int], params: list[Tensor], cap_bytes: int) -> list[list[int]]:
@@ -215,7 +298,20 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
     Construction is collective: it checks that every rank passes the same params (count, shapes, dtypes and
     values) and raises the same `ValueError` on every rank when they differ.
+
+    Partition. A trainable param p is split when all of these hold: p.numel() > ceil(T / world), where T is the
+    trainable numel of all the wrapper's params; p.numel() >= world * 4096; p is contiguous; and the optimizer
+    is a fastopt optimizer or torch's SGD, Adam, AdamW, Adamax, NAdam, RAdam, Adagrad or RMSprop (exact type;
+    anything else never splits). Rank r then steps elements [b_r, b_{r+1}) of p.view(-1), where b_r is
+    r * numel / world rounded to the nearest multiple of 4096. That range is never empty and is within 4096
+    elements of an even share. Every other param is owned whole by one rank (greedy balance, largest first).
+    `self._split` maps the index of each split param to its boundaries. `self._owner[i]` is the owner of
+    whole param i, or -1 for a split param.
     """
+
+    # GradScaler then sets `grad_scale` / `found_inf` and calls step() on every rank, which refuses alike
+    # (without it, GradScaler would skip step() on the ranks that found an inf: the others would hang).
+    _step_supports_amp_scaling = True
 
     def __init__(self, optimizer: torch.optim.Optimizer, process_group=None, partition_grad: bool = False,
                  overlap_communication: bool = False, bucket_size_mb: float = 25):
@@ -245,7 +341,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._gidx: dict[int, int] = {}
         self._owner: list[int] = []
         self._loads = [0] * self.world_size
-        self._assign(params)
+        self._split: dict[int, tuple[int, ...]] = {}  # param index -> range boundaries (world + 1)
+        self._pieces: dict[int, Tensor] = {}  # param index -> this rank's piece of a split param
+        self._piece_gidx: dict[int, int] = {}  # id(piece) -> param index
+        self._assign(params, self.world_size > 1 and _can_split(optimizer))
 
         self.optim = optimizer
         self._initialized = False
@@ -256,6 +355,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         for gi in range(len(optimizer.param_groups)):
             self._restrict_inner_group(gi)
         owned = {id(p) for p, r in zip(self._params, self._owner) if r == self.rank}
+        owned |= set(self._piece_gidx)
         for p in [k for k in optimizer.state if isinstance(k, Tensor) and id(k) not in owned]:
             del optimizer.state[p]
 
@@ -346,8 +446,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                                  f"on rank {r} and rank 0 (params {b} differ): every rank must start from the "
                                  "same weights (seed the initialization, or broadcast from rank 0)")
 
-    def _assign(self, params: list[Tensor]) -> None:
-        """Append `params` and give each an owner: largest first, to the rank with the fewest elements."""
+    def _assign(self, params: list[Tensor], splittable: bool = False) -> None:
+        """Append `params`; split those that would unbalance memory (`splittable`: the wrapped optimizer steps
+        flat pieces exactly; the rule is in the class docstring), give each other one an owner: largest first,
+        to the rank with the fewest elements (split params' ranges counted)."""
+        split = self.__dict__.setdefault("_split", {})
         base = len(self._params)
         for k, p in enumerate(params):
             if id(p) in self._gidx:
@@ -357,8 +460,19 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             self._owner.append(-1)
         # A frozen param weighs nothing (it has no state): counting it could leave a rank without trainable ones.
         weight = lambda i: self._params[i].numel() if self._params[i].requires_grad else 0  # noqa: E731
-        for i in sorted(range(base, len(self._params)), key=lambda i: (-weight(i), i)):
-            r = min(range(self.world_size), key=lambda r: (self._loads[r], r))
+        world = self.world_size
+        fair = -(-sum(weight(i) for i in range(len(self._params))) // world)
+        rest = []
+        for i in range(base, len(self._params)):
+            p = self._params[i]
+            if splittable and weight(i) > fair and weight(i) >= world * _ALIGN and p.is_contiguous():
+                split[i] = _split_bounds(p.numel(), world)
+                for r in range(world):
+                    self._loads[r] += split[i][r + 1] - split[i][r]
+            else:
+                rest.append(i)
+        for i in sorted(rest, key=lambda i: (-weight(i), i)):
+            r = min(range(world), key=lambda r: (self._loads[r], r))
             self._owner[i] = r
             self._loads[r] += weight(i)
 
@@ -369,11 +483,112 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         return g
 
     def _restrict_inner_group(self, gi: int) -> None:
+        """The wrapped optimizer's group `gi` cut to this rank's params, each split param replaced (in place)
+        by this rank's piece; state it already holds for a split param is cut to the piece."""
         g = self.optim.param_groups[gi]
-        keep = [k for k, p in enumerate(g["params"]) if self._owner[self._gidx[id(p)]] == self.rank]
+        keep = [k for k, p in enumerate(g["params"]) if self._owner[self._gidx[id(p)]] == self.rank
+                or self._gidx[id(p)] in self._split]
         if "param_names" in g:
             g["param_names"] = [g["param_names"][k] for k in keep]
-        g["params"] = [g["params"][k] for k in keep]
+        params = []
+        for k in keep:
+            p = g["params"][k]
+            i = self._gidx[id(p)]
+            if i in self._split:
+                piece = self._make_piece(i)
+                st = self.optim.state.get(p)
+                if st:  # state made before wrapping (torch's Adagrad makes it in its constructor)
+                    self.optim.state[piece] = self._cut_state(i, st, g)
+                p = piece
+            params.append(p)
+        g["params"] = params
+
+    def _range(self, i: int) -> tuple[int, int]:
+        bounds = self._split[i]
+        return bounds[self.rank], bounds[self.rank + 1]
+
+    def _make_piece(self, i: int) -> Tensor:
+        """This rank's piece of split param i: a leaf viewing the param's storage (the step writes into the
+        param), declared a flat shard over the process group for a FastOptimizer."""
+        p = self._params[i]
+        a, b = self._range(i)
+        piece = torch.nn.Parameter(p.detach().view(-1)[a:b], requires_grad=p.requires_grad)
+        self._declare(piece, i)
+        self._pieces[i] = piece
+        self._piece_gidx[id(piece)] = i
+        return piece
+
+    def _declare(self, piece: Tensor, i: int) -> None:
+        from ..optim.base import FastOptimizer
+        if isinstance(self.optim, FastOptimizer):
+            from .layout import declare_shard
+            declare_shard(piece, tuple(self._params[i].shape), self._pg, flat_offset=self._range(i)[0])
+
+    # ---- a split param's state: cut from the whole one, merged from the pieces -------------------------
+    def _state_kinds(self, group: dict):
+        """(element-wise keys, {absmax key: block size} of element-wise 8-bit codes) of a FastOptimizer's
+        group; None for torch's element-wise optimizers (a state with the piece's numel is element-wise)."""
+        from ..optim.base import FastOptimizer
+        if not isinstance(self.optim, FastOptimizer):
+            return None
+        elem = set(self.optim._elementwise_keys(group))
+        absmax = {akey: block for key, (akey, _signed, block) in self.optim._quantized_keys(group).items()
+                  if key in elem}
+        return elem, absmax
+
+    def _cut_state(self, i: int, st: dict, group: dict, where: str = "state") -> dict:
+        """The state of this rank's piece of split param i, from the whole param's state `st` (copies: the
+        whole state is not kept alive). Element-wise states (and the absmax of element-wise 8-bit codes,
+        whose blocks the 4096-aligned ranges cut exactly) are cut; the others are the same on every piece."""
+        p = self._params[i]
+        a, b = self._range(i)
+        kinds = self._state_kinds(group)
+        out = {}
+        for k, v in st.items():
+            if not isinstance(v, Tensor):
+                out[k] = v
+                continue
+            if kinds is None:
+                elem, block = v.dim() > 0 and v.numel() == p.numel(), None
+            else:
+                elem, block = k in kinds[0], kinds[1].get(k)
+            if block is not None:
+                nb = -(-p.numel() // block)
+                if v.numel() != nb:
+                    raise ValueError(f"{_NAME}.load_state_dict: {where}[{k!r}] has {v.numel()} blocks, expected "
+                                     f"{nb} (blocks of {block} of the whole param of shape {tuple(p.shape)})")
+                out[k] = v.reshape(-1)[a // block:-(-b // block)].clone()
+            elif elem:
+                if v.numel() != p.numel():
+                    raise ValueError(f"{_NAME}.load_state_dict: {where}[{k!r}] has shape {tuple(v.shape)}, expected "
+                                     f"{tuple(p.shape)} (the whole param, which is split over the ranks)")
+                out[k] = v.reshape(-1)[a:b].clone()
+            else:
+                out[k] = v
+        return out
+
+    def _merge_states(self, i: int, states: list[dict], group: dict) -> dict:
+        """The whole param's state from its pieces' states, in rank order: element-wise states (and their
+        absmax) concatenated, the others (the same on every piece) taken once."""
+        p = self._params[i]
+        bounds = self._split[i]
+        kinds = self._state_kinds(group)
+        out = {}
+        for k, v in states[0].items():
+            if not isinstance(v, Tensor):
+                out[k] = v
+                continue
+            if kinds is None:
+                elem, block = v.dim() > 0 and v.numel() == bounds[1] - bounds[0], None
+            else:
+                elem, block = k in kinds[0], kinds[1].get(k)
+            if block is not None:
+                out[k] = torch.cat([s[k].reshape(-1) for s in states])
+            elif elem:
+                out[k] = torch.cat([s[k].reshape(-1) for s in states]).view(p.shape)
+            else:
+                out[k] = v
+        return out
 
     def _build(self) -> None:
         """Buckets and hooks for the current params (called again by add_param_group)."""
@@ -381,21 +596,27 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             h.remove()
         self._handles = []
         P = self._params
+        self._requires = [p.requires_grad for p in P]
         managed = [i for i, p in enumerate(P) if p.requires_grad and p.numel() > 0]
         self._managed = managed
         self._owned = [i for i in managed if self._owner[i] == self.rank]
+        self._gathered = [i for i in managed if i in self._split]  # split params: all-gathered after the step
+        self._group_of = {self._gidx[id(p)]: gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
         self._views: dict[int, Tensor] = {}
         self._next = 0
         self._round = False
         self._inflight: deque = deque()
         by_key: dict = {}
+        red = []
         for i in managed:
+            if self.partition_grad and i in self._split:  # reduce-scattered: a bucket of its own
+                red.append(_Bucket([i], [P[i]], self.rank, self._split[i]))
+                continue
             key = (P[i].device, P[i].dtype)
             if self.partition_grad:
                 key = (self._owner[i],) + key
             by_key.setdefault(key, []).append(i)
         # Gradient buckets in the order backward fills them (roughly reverse registration order, as DDP).
-        red = []
         for key, idx in by_key.items():
             for chunk in _chunks(idx[::-1], P, self._cap):
                 red.append(_Bucket(chunk, [P[i] for i in chunk], key[0] if self.partition_grad else None))
@@ -404,7 +625,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._slot = {i: (b, k) for b in red for k, i in enumerate(b.gidx)}
         bc: dict = {}
         for i in managed:
-            bc.setdefault((self._owner[i], P[i].device, P[i].dtype), []).append(i)
+            if i not in self._split:
+                bc.setdefault((self._owner[i], P[i].device, P[i].dtype), []).append(i)
         self._bc = [_Bucket(chunk, [P[i] for i in chunk], key[0])
                     for key, idx in sorted(bc.items(), key=lambda kv: kv[1][0])
                     for chunk in _chunks(idx, P, self._cap)]
@@ -418,12 +640,22 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 self._handles.append(p.register_post_accumulate_grad_hook(_hook_post(ref, i)))
             else:
                 self._handles.append(p.register_post_accumulate_grad_hook(_hook_mark(ref)))
-            if self.partition_grad and self._owner[i] == self.rank:
+            if self.partition_grad and self._owner[i] == self.rank and i not in self._split:
                 self._handles.append(p.register_hook(_hook_pre(ref, i)))
 
     def __del__(self):
         for h in getattr(self, "_handles", ()):
             h.remove()
+
+    def __deepcopy__(self, memo):
+        # The process group is shared, not copied (it cannot be): the wrapper's own (see _SharedGroup) and the
+        # one in the layouts a FastOptimizer keeps of the pieces of split params.
+        if self._pg is not None:
+            memo[id(self._pg)] = self._pg
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        return new
 
     def __getstate__(self) -> dict:
         state = {k: self.__dict__[k] for k in _PICKLED}
@@ -446,6 +678,16 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             self.defaults.pop("differentiable", None)
         self._pg = pg
         self._gidx = {id(p): i for i, p in enumerate(self._params)}
+        self._piece_gidx = {id(q): i for i, q in self._pieces.items()}
+        # A copied piece has storage of its own (Parameter's deepcopy clones): view the copied param again.
+        for i, q in self._pieces.items():
+            a, b = self._range(i)
+            q.data = self._params[i].detach().view(-1)[a:b]
+            self._declare(q, i)
+        cache = self.optim.__dict__.get("_layout_cache")
+        if cache:  # entries keyed by the ids of the original's tensors
+            for key in [key for key, (t, _lay) in cache.items() if key != id(t)]:
+                del cache[key]
         self.param_groups = [self._wrap_group(g, i) for i, g in enumerate(self.param_groups)]
         self._initialized = True
         self._handles = []
@@ -453,9 +695,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         for b, (acc, seen) in zip(self._red, accs):
             b.acc, b.seen = acc, seen
         for gidx in exposed:  # the owner's .grad: a view of the accumulator again, not a copy of one
-            b, k = self._slot[gidx]
-            p = self._params[gidx]
-            self._views[gidx] = p.grad = b.slot(b.acc, k).view(p.shape)
+            self._expose(gidx)
 
     # ---- torch.optim.Optimizer surface -------------------------------------------------------------
     @property
@@ -484,7 +724,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._check_params(params)
         if self.world_size > 1:
             self._check_replicas(params, self.optim, [len(params)])
-        self._assign(params)
+        self._assign(params, self.world_size > 1 and _can_split(self.optim))
         super().add_param_group({**param_group, "params": params})
         gi = len(self.param_groups) - 1
         full = self.param_groups[gi]
@@ -511,17 +751,36 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.__dict__.get("grad_scale") is not None or self.__dict__.get("found_inf") is not None:
+            # GradScaler.step set them (on every rank, before any collective here): refuse on every rank alike,
+            # where skipping the step on the ranks that found an inf would leave the others waiting.
+            self.__dict__.pop("grad_scale", None)
+            self.__dict__.pop("found_inf", None)
+            raise RuntimeError(f"{_NAME} does not support torch.amp.GradScaler: its inf check and step skip "
+                               "would be per rank; train in bfloat16 (torch.autocast(dtype=torch.bfloat16) needs "
+                               "no scaler), or call scaler.unscale_ and check for infs yourself over all ranks")
         self._reduce_grads()
         self._synced = False
+        if not self.partition_grad:  # ZeRO-2 exposed the pieces' gradients already
+            for i, piece in self._pieces.items():
+                g = self._params[i].grad
+                a, b = self._range(i)
+                piece.grad = None if g is None else g.detach().reshape(-1)[a:b]
         self._push_hyper()
         self.optim.step()
         self._pull_hyper()
         self._broadcast_params()
+        self._gather_split()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of every param (and ZeRO-2's accumulators)."""
         self._synced = False
+        for piece in self._pieces.values():
+            if set_to_none:
+                piece.grad = None
+            elif piece.grad is not None and not self.partition_grad:
+                piece.grad = None  # ZeRO-1: a view of the param's gradient, zeroed below; set again by step()
         for b in self._red:
             if set_to_none:
                 b.acc = None
@@ -572,7 +831,14 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         if b.staging is None:
             b.staging = torch.zeros(b.size, dtype=b.dtype, device=b.device)
         g = p.grad
-        if g is not None and not (self.partition_grad and g is self._views.get(b.gidx[k])):
+        if g is not None and b.bounds is not None:  # block r: range r of the gradient, then its count
+            flat, blocks = g.reshape(-1), b.staging.view(len(b.bounds) - 1, b.numel + 1)
+            for r, (lo, hi) in enumerate(zip(b.bounds, b.bounds[1:])):
+                blocks[r, :hi - lo].add_(flat[lo:hi], alpha=self._inv_world)
+            blocks[:, b.numel] = 1
+            b.seen[k] = True
+            p.grad = None
+        elif g is not None and not (self.partition_grad and g is self._views.get(b.gidx[k])):
             b.staging[b.offsets[k]:b.offsets[k] + p.numel()].add_(g.reshape(-1), alpha=self._inv_world)
             b.staging[b.numel + k] = 1  # this rank has a gradient for param k
             b.seen[k] = True
@@ -585,7 +851,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     def _launch(self, b: _Bucket) -> None:
         if b.staging is None:
             b.staging = torch.zeros(b.size, dtype=b.dtype, device=b.device)
-        if self.partition_grad:
+        if b.bounds is not None:
+            b.recv = torch.empty(b.numel + 1, dtype=b.dtype, device=b.device)
+            b.work = _collective("reduce_scatter_single", "reduce_scatter_tensor")(
+                b.recv, b.staging, group=self._pg, async_op=True)
+        elif self.partition_grad:
             b.work = dist.reduce(b.staging, dst=self._ranks[b.owner], group=self._pg, async_op=True)
         else:
             b.work = dist.all_reduce(b.staging, group=self._pg, async_op=True)
@@ -599,7 +869,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def _complete(self, b: _Bucket) -> None:
         b.work.wait()
-        if self.partition_grad:
+        if b.bounds is not None:
+            b.acc = b.recv if b.acc is None else b.acc.add_(b.recv)
+            b.recv = None
+        elif self.partition_grad:
             if b.owner == self.rank:
                 if b.acc is None:
                     b.acc = b.staging
@@ -649,16 +922,24 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             for b in mine:
                 has = has_of.get(id(b), b.seen)
                 for k, p in enumerate(b.params):
-                    if not has[k]:
-                        continue
                     gidx = b.gidx[k]
-                    v = self._views.get(gidx)
-                    if v is None or p.grad is not v:
-                        v = b.slot(b.acc, k).view(p.shape)
-                        self._views[gidx] = v
-                        p.grad = v
+                    holder = p if b.bounds is None else self._pieces[gidx]
+                    if has[k] and (gidx not in self._views or holder.grad is not self._views[gidx]):
+                        self._expose(gidx)
         else:
             self._synced = True
+
+    def _expose(self, gidx: int) -> None:
+        """ZeRO-2: the gradient of a param this rank owns (of its piece, for a split param): a view of its
+        bucket's accumulator."""
+        b, k = self._slot[gidx]
+        if b.bounds is None:
+            p = self._params[gidx]
+            v = p.grad = b.slot(b.acc, k).view(p.shape)
+        else:
+            a, c = self._range(gidx)
+            v = self._pieces[gidx].grad = b.acc[:c - a]
+        self._views[gidx] = v
 
     def _reduce_grads(self) -> None:
         """Make the gradients averaged (ZeRO-1) / owned and averaged (ZeRO-2), whatever produced them."""
@@ -666,12 +947,74 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             return
         if self._round:
             self._flush()
+        if any(p.requires_grad != r for p, r in zip(self._params, self._requires)):
+            self._rebuild()
         if self.partition_grad:
             P, views = self._params, self._views
             if any(P[i].grad is not None and P[i].grad is not views.get(i) for i in self._managed):
                 self._flush()
         elif not self._synced:
             self._flush()
+
+    @torch.no_grad()
+    def _rebuild(self) -> None:
+        """A param was frozen or unfrozen since the buckets were built: build them and the hooks again for the
+        params that require a gradient now (every rank alike, as they must all run the same backward). ZeRO-2's
+        accumulated gradients move into the new accumulators; a newly unfrozen param's gradient, which no hook
+        saw, is reduced now like a gradient set by hand. Owners and splits stay as they were."""
+        carry = {}
+        if self.partition_grad:
+            for b in self._red:
+                if b.acc is None:
+                    continue
+                has = b.counts(b.acc) if not all(b.seen) else b.seen
+                for k, gidx in enumerate(b.gidx):
+                    if has[k] and self._params[gidx].requires_grad:
+                        carry[gidx] = self._views.get(gidx)
+                        if carry[gidx] is None:  # summed, not exposed (zero_grad(set_to_none=False) zeroed it)
+                            a, c = self._range(gidx) if b.bounds is not None else (0, self._params[gidx].numel())
+                            carry[gidx] = b.slot(b.acc, k) if b.bounds is None else b.acc[:c - a]
+        self._build()
+        self._synced = False  # ZeRO-1: reduce again (averaged gradients, the same on every rank, stay as they are)
+        for gidx, v in carry.items():
+            b, k = self._slot[gidx]
+            if b.acc is None:
+                b.acc = torch.zeros(b.size if b.bounds is None else b.numel + 1, dtype=b.dtype, device=b.device)
+            dst = b.acc[:v.numel()] if b.bounds is not None else b.slot(b.acc, k)
+            dst.copy_(v.reshape(-1))
+            b.acc[b.numel + (k if b.bounds is None else 0)] = 1
+            b.seen[k] = True
+            self._expose(gidx)
+
+    @torch.no_grad()
+    def _gather_split(self) -> None:
+        """Every rank sends its updated piece of each split param and receives the others': one all-gather
+        per split param (ranges padded to the longest), one on the wire while the next is packed."""
+        q: deque = deque()
+        for i in self._gathered:
+            p, bounds = self._params[i], self._split[i]
+            chunk = max(b - a for a, b in zip(bounds, bounds[1:]))
+            piece = self._pieces[i].detach()
+            if piece.numel() == chunk:
+                send = piece
+            else:
+                send = torch.zeros(chunk, dtype=p.dtype, device=p.device)
+                send[:piece.numel()] = piece
+            out = torch.empty(chunk * self.world_size, dtype=p.dtype, device=p.device)
+            work = _collective("all_gather_single", "all_gather_into_tensor")(out, send, group=self._pg,
+                                                                              async_op=True)
+            q.append((p, bounds, chunk, out, work))
+            while len(q) > 1:
+                self._finish_gather(*q.popleft())
+        while q:
+            self._finish_gather(*q.popleft())
+
+    def _finish_gather(self, p, bounds, chunk, out, work) -> None:
+        work.wait()
+        flat = p.detach().view(-1)
+        for r, (a, b) in enumerate(zip(bounds, bounds[1:])):
+            if r != self.rank:
+                flat[a:b].copy_(out[r * chunk:r * chunk + b - a])
 
     @torch.no_grad()
     def _broadcast_params(self) -> None:
@@ -711,6 +1054,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         norm_type = float(norm_type)
         self._reduce_grads()
         grads = [self._params[i].grad for i in self._owned if self._params[i].grad is not None]
+        grads += [g for g in map(self._piece_grad, self._gathered) if g is not None]  # each range counted once
         dev = self._params[self._managed[0]].device if self._managed else torch.device("cpu")
         # From every managed param, not the grads this rank owns: all ranks must reduce the same dtype (a rank
         # owning no grad would otherwise send 4 bytes where the others send 8).
@@ -736,6 +1080,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                                "pass error_if_nonfinite=False to clip anyway")
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         present = [p.grad for p in self._params if p.grad is not None]  # ZeRO-1: every rank scales its copy
+        if self.partition_grad:
+            present += [q.grad for q in self._pieces.values() if q.grad is not None]
         by = {}
         for g in present:
             by.setdefault((g.device, g.dtype), []).append(g)
@@ -743,9 +1089,18 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             torch._foreach_mul_(gs, coef.to(device=device, dtype=dtype))
         return total
 
+    def _piece_grad(self, i: int) -> Tensor | None:
+        """This rank's range of split param i's averaged gradient."""
+        if self.partition_grad:
+            return self._pieces[i].grad
+        g = self._params[i].grad
+        a, b = self._range(i)
+        return None if g is None else g.reshape(-1)[a:b]
+
     # ---- state_dict --------------------------------------------------------------------------------
     def _local_to_global(self) -> list[int]:
-        return [self._gidx[id(p)] for g in self.optim.param_groups for p in g["params"]]
+        return [self._gidx[id(p)] if id(p) in self._gidx else self._piece_gidx[id(p)]
+                for g in self.optim.param_groups for p in g["params"]]
 
     def state_dict(self, consolidated: bool = False, to: int | None = 0) -> dict | None:
         """This rank's shard (default), or with `consolidated=True` the whole state in the unwrapped optimizer's
@@ -781,7 +1136,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         out = {k: v for k, v in inner.items() if k not in ("state", "param_groups")}
         out["state"] = {l2g[lid]: st for lid, st in inner["state"].items()}
         out["param_groups"] = groups
-        out["zero"] = {"world_size": self.world_size, "rank": self.rank, "owners": list(self._owner)}
+        out["zero"] = {"world_size": self.world_size, "rank": self.rank, "owners": list(self._owner),
+                       "split": {i: list(b) for i, b in sorted(self._split.items())}}
         return out
 
     def consolidate_state_dict(self, to: int | None = 0) -> dict | None:
@@ -806,7 +1162,12 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 return None
         merged = {}
         for part in parts:
-            merged.update(part)
+            merged.update({gid: st for gid, st in part.items() if gid not in self._split})
+        for i in self._split:
+            pieces = [part[i] for part in parts if i in part]
+            if pieces:  # every rank has its piece's state, or none has (a gradient is seen by all or none)
+                group = self.optim.param_groups[self._group_of[i]]
+                merged[i] = self._merge_states(i, pieces, group)
         shard["state"] = dict(sorted(merged.items()))
         return shard
 
@@ -833,10 +1194,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         saved_ids = [pid for sg in saved for pid in sg["params"]]
         state = state_dict["state"]
         zero = state_dict.get("zero")
-        owned_saved = {saved_ids[i] for i, r in enumerate(self._owner) if r == self.rank}
+        owned_saved = {saved_ids[i] for i, r in enumerate(self._owner) if r == self.rank or i in self._split}
         if zero is not None:
-            if (zero.get("world_size"), zero.get("rank"), list(zero.get("owners", ()))) != \
-                    (self.world_size, self.rank, self._owner):
+            split = {int(i): list(b) for i, b in zero.get("split", {}).items()}
+            if (zero.get("world_size"), zero.get("rank"), list(zero.get("owners", ())), split) != \
+                    (self.world_size, self.rank, self._owner, {i: list(b) for i, b in self._split.items()}):
                 raise ValueError(f"{_NAME}.load_state_dict: this shard was saved by rank {zero.get('rank')} of "
                                  f"{zero.get('world_size')} with another partition than rank {self.rank} of "
                                  f"{self.world_size} here; save with state_dict(consolidated=True) to change the "
@@ -856,13 +1218,16 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             g["params"] = []
             names = []
             for p in ig["params"]:
-                gidx = self._gidx[id(p)]
+                gidx = self._gidx[id(p)] if id(p) in self._gidx else self._piece_gidx[id(p)]
                 sid = saved_ids[gidx]
-                if sid in state:
+                if sid in state and gidx in self._split and zero is None:  # the whole param's: cut this piece
+                    inner_state[lid] = self._cut_state(gidx, state[sid], {**ig, **g}, f"state[{sid!r}]")
+                elif sid in state:
                     inner_state[lid] = state[sid]
                 g["params"].append(lid)
                 if "param_names" in sg:
-                    pos = [k for k, q in enumerate(self.param_groups[gi]["params"]) if q is p][0]
+                    whole = self._params[gidx]
+                    pos = [k for k, q in enumerate(self.param_groups[gi]["params"]) if q is whole][0]
                     names.append(sg["param_names"][pos])
                 lid += 1
             if "param_names" in sg:
