@@ -96,7 +96,6 @@ hooks run in different threads.
 """
 from __future__ import annotations
 
-import copy
 import math
 import sys
 import weakref
@@ -647,16 +646,6 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         for h in getattr(self, "_handles", ()):
             h.remove()
 
-    def __deepcopy__(self, memo):
-        # The process group is shared, not copied (it cannot be): the wrapper's own (see _SharedGroup) and the
-        # one in the layouts a FastOptimizer keeps of the pieces of split params.
-        if self._pg is not None:
-            memo[id(self._pg)] = self._pg
-        new = type(self).__new__(type(self))
-        memo[id(self)] = new
-        new.__setstate__(copy.deepcopy(self.__getstate__(), memo))
-        return new
-
     def __getstate__(self) -> dict:
         state = {k: self.__dict__[k] for k in _PICKLED}
         state["param_groups"] = [dict(g) for g in self.param_groups]
@@ -679,15 +668,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._pg = pg
         self._gidx = {id(p): i for i, p in enumerate(self._params)}
         self._piece_gidx = {id(q): i for i, q in self._pieces.items()}
-        # A copied piece has storage of its own (Parameter's deepcopy clones): view the copied param again.
+        # A copied piece has storage of its own (Parameter's deepcopy clones): view the copied param again. Its
+        # declaration came along with the wrapped optimizer's copy (FastOptimizer.__getstate__).
         for i, q in self._pieces.items():
             a, b = self._range(i)
             q.data = self._params[i].detach().view(-1)[a:b]
-            self._declare(q, i)
-        cache = self.optim.__dict__.get("_layout_cache")
-        if cache:  # entries keyed by the ids of the original's tensors
-            for key in [key for key, (t, _lay) in cache.items() if key != id(t)]:
-                del cache[key]
         self.param_groups = [self._wrap_group(g, i) for i, g in enumerate(self.param_groups)]
         self._initialized = True
         self._handles = []
