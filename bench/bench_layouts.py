@@ -11,6 +11,17 @@ collectives per step, buffer bytes per step (what each rank contributes), the by
 per rank (2 (n - 1) / n of the buffer), and the two naive alternatives: one collective per param and phase,
 and gathering each whole gradient matrix (what an exact factored statistic costs without row/column sums).
 
+GaLore-AdamW (computed, one row per rank of bench/bench_galore.py): the params of `get_galore_param_groups`,
+every nn.Linear weight projected (`proj_type` "std"; the LM head too, the embedding and the norms stay plain
+AdamW, element-wise, without communication). Per step, the projected params (one bucket over the world) write
+their partial projected gradients R into one flat fp32 buffer, reduce-scattered along R's dim 0 (each param's
+rows cut over the 64 ranks as DTensor cuts them, padded to the longest share) and all-gathered back as N:
+two collectives, the bytes of one all-reduce of the buffer (`MomentExchange`). Every `update_proj_gap` steps
+each projected gradient is assembled whole first (one all-reduce of the matrix: `full_tensor`), reported per
+refresh step and spread over the gap. State per rank (the largest rank's): whole bases, this rank's rows of
+the moments, the plain params' moments of the local piece; against the moments whole on every rank, and
+AdamW's two moments of the local pieces.
+
 Overhead (timed): one single-process `step()` of each optimizer on the usual parameter sets, against the
 time the layout machinery alone takes per step (`_buckets`, which looks up every param's layout and groups
 the params); the issue's bound is 5% of the step on a GPU.
@@ -32,10 +43,13 @@ import fastopt
 from fastopt.reference import adafactor as ref_adafactor
 from fastopt.reference import came as ref_came
 from fastopt.reference import lamb as ref_lamb
+from fastopt.reference.galore import basis_shapes, projected_shape, projection_side
 
 STEM = "layouts"
 TP, DP = 8, 8
 OPTIMIZERS = ("Adafactor", "CAME", "Lamb", "AdamW8bit")
+GALORE_RANKS = (128, 1024)  # bench/bench_galore.py's RANKS
+GALORE_GAP = 200  # get_galore_param_groups' update_proj_gap: the steps between two refreshes of the bases
 
 
 def reduction_sizes(opt: str, shapes, dtype) -> list[tuple[int, torch.dtype]]:
@@ -54,6 +68,72 @@ def buckets_tp_fsdp(shapes) -> dict[str, tuple[int, list]]:
     world = [s for _, s in shapes if len(s) >= 2]
     dp = [s for _, s in shapes if len(s) < 2]
     return {"world": (TP * DP, world), "dp": (DP, dp)}
+
+
+def shares(n: int, widths) -> list[int]:
+    """Sizes of the pieces of a dim of `n` cut with `Shard` over mesh dims of these `widths`, torch.chunk's
+    rule per mesh dim nested in mesh-dim order (`Layout.shard_ranges`' sizes), in rank order."""
+    out = [n]
+    for w in widths:
+        full = [-(-size // w) for size in out]
+        out = [min((k + 1) * f, size) - min(k * f, size) for f, size in zip(full, out) for k in range(w)]
+    return out
+
+
+def _pieces(shape) -> list[int]:
+    """Elements of a param's local piece on each rank (rank = dp * TP + tp) under FSDP2 + TP: matrices cut
+    along dim 0 over both mesh dims (TP may cut dim 1 instead: the counts differ only where a dim does not
+    split evenly, which no Llama-7B dim does), vectors over dp only, replicated over tp."""
+    rest = math.prod(shape[1:])
+    if len(shape) >= 2:
+        return [c * rest for c in shares(shape[0], (DP, TP))]
+    return [c * rest for c in shares(shape[0], (DP,)) for _ in range(TP)]
+
+
+def galore_comm(shapes, rank: int, dtype=torch.float32, gap: int = GALORE_GAP) -> dict:
+    """GaLore-AdamW's communication per step and per refresh, and its state per rank, for the named global
+    `shapes` under FSDP2 + TP (see the module docstring). Projected: what `get_galore_param_groups` projects
+    (every 2-D weight but the embedding's, both dims >= rank)."""
+    world = TP * DP
+    acc = 8 if dtype == torch.float64 else 4  # R, N, bases and moments: fp64 for fp64 params, else fp32
+    g_bytes = common.elem_bytes(dtype)
+    projected = [len(s) == 2 and name != "embed_tokens" and min(s) >= rank for name, s in shapes]
+    proj = [s for (_, s), p in zip(shapes, projected) if p]
+    padded = real = 0
+    state = {k: [0] * world for k in ("galore", "whole_moments", "adamw")}
+    for (_, s), p in zip(shapes, projected):
+        pieces = _pieces(s)
+        for k in range(world):
+            state["adamw"][k] += 2 * acc * pieces[k]
+        if not p:  # plain AdamW: the moments of the local piece, in every variant
+            for k in range(world):
+                state["galore"][k] += 2 * acc * pieces[k]
+                state["whole_moments"][k] += 2 * acc * pieces[k]
+            continue
+        side = projection_side(s, "std")
+        whole = projected_shape(s, rank, side)
+        rest = math.prod(whole[1:])
+        rows = shares(whole[0], (DP, TP))  # each rank's rows of R and of the moments
+        padded += world * max(rows) * rest
+        real += math.prod(whole)
+        bases = sum(math.prod(b) for b in basis_shapes(s, rank, side).values())
+        for k in range(world):
+            state["galore"][k] += acc * (bases + 2 * rows[k] * rest)
+            state["whole_moments"][k] += acc * (bases + 2 * math.prod(whole))
+    nbytes = padded * acc
+    refresh = sum(math.prod(s) for s in proj) * g_bytes  # one all-reduce of each whole gradient, its dtype
+    ring = 2 * (world - 1) / world
+    return dict(mesh=f"TP {TP} x FSDP {DP}", collectives=2 if proj else 0, buffer_bytes=nbytes,
+                ring_bytes_per_rank=ring * nbytes, per_param_collectives=2 * len(proj), gather_matrix_bytes=0,
+                groups={"world": dict(ranks=world, params=len(proj), collectives=2 if proj else 0,
+                                      buffer_elements=[padded], buffer_bytes=nbytes,
+                                      padding_elements=padded - real)},
+                rank=rank, projected=len(proj), plain=len(shapes) - len(proj), refresh_every=gap,
+                refresh_collectives=len(proj), refresh_bytes=refresh, refresh_ring_bytes_per_rank=ring * refresh,
+                refresh_ring_bytes_per_rank_per_step=ring * refresh / gap,
+                state_bytes_per_rank=max(state["galore"]),
+                state_bytes_per_rank_whole_moments=max(state["whole_moments"]),
+                adamw_state_bytes_per_rank=max(state["adamw"]))
 
 
 def _size(b: float) -> str:
@@ -119,6 +199,22 @@ def run(args) -> list[dict]:
         print(f"  layouts    7b  {name:10s} {summary}", flush=True)
         rows.append(common._result(args, STEM, f"fastopt.{name} communication", full, torch.float32, ours=True,
                                    status="computed", reason=summary, comm=c))
+    for rank in GALORE_RANKS:
+        c = galore_comm(full.shapes, rank)
+        summary = (f"{c['collectives']} collectives/step ({c['per_param_collectives']} if one per param and "
+                   f"phase), {_size(c['buffer_bytes'])} reduced/step, {_size(c['ring_bytes_per_rank'])} sent per "
+                   f"rank (ring); every {c['refresh_every']} steps {c['refresh_collectives']} all-reduces of the "
+                   f"whole gradients, {_size(c['refresh_ring_bytes_per_rank'])} sent per rank "
+                   f"({_size(c['refresh_ring_bytes_per_rank_per_step'])}/step over the gap); state per rank "
+                   f"{_size(c['state_bytes_per_rank'])} (moments whole: "
+                   f"{_size(c['state_bytes_per_rank_whole_moments'])}; AdamW: "
+                   f"{_size(c['adamw_state_bytes_per_rank'])})")
+        print(f"  layouts    7b  GaLore-r{rank:<4d} {summary}", flush=True)
+        rows.append(common._result(args, STEM, f"fastopt.GaLoreAdamW communication (rank {rank})", full,
+                                   torch.float32, ours=True, status="computed", reason=summary, comm=c,
+                                   notes=f"rank {rank}, proj_type std, update_proj_gap {GALORE_GAP}: "
+                                         f"{c['projected']} nn.Linear weights projected (LM head included), "
+                                         "embedding and norms plain AdamW"))
     for pset in common.param_sets(args):
         for dtype in common.dtypes(args)[:1]:
             for name in OPTIMIZERS:

@@ -11,8 +11,12 @@ A param's state, in memory and in a state_dict:
   share storage), so DCP saves each element once and reloads it under any other layout. On load, a plain
   tensor of the param's global shape is cut to this rank's piece, and a DTensor with other placements is
   redistributed.
-- Whole states (Adafactor's and CAME's row and column statistics, GaLore's bases and projected moments):
-  plain tensors, identical on every rank, so they load under any layout as they are.
+- Sharded states that are not shaped like the param (GaLore's projected moments of a DTensor param): DTensors
+  of their own global shape on the param's mesh, cut along their dim 0 over the ranks that shard the param
+  (`FastOptimizer._dtensor_forms`); DCP and `load_state_dict` treat them as the element-wise ones.
+- Whole states (Adafactor's and CAME's row and column statistics, GaLore's bases; GaLore's projected moments
+  of plain params, declared shards included): plain tensors, identical on every rank, so they load under any
+  layout as they are.
 - 8-bit states (codes + one fp32 absmax per block) come in two forms, under different keys, so that DCP
   (which fills the template's keys from the checkpoint's keys of the same name, casting dtypes silently)
   never copies one form into the other:
@@ -109,14 +113,23 @@ def like_param(t: Tensor, p: Tensor) -> Tensor:
     return DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
 
 
-def zero_state(spec: dict, p: Tensor, elementwise: set) -> dict:
-    """The state a param starts from: step 0 and zeros of `spec` (key -> (local shape, dtype)); the
-    `elementwise` keys of a DTensor param are DTensors like it."""
+def as_dtensor(t: Tensor, p: Tensor, form: tuple) -> Tensor:
+    """`t`, this rank's piece of a state of DTensor param `p` whose `form` is (global shape, placements) on
+    p's mesh (`FastOptimizer._dtensor_forms`), as a DTensor (sharing t's storage)."""
+    from torch.distributed.tensor import DTensor
+    shape, placements = form
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(t, p.device_mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride)
+
+
+def zero_state(spec: dict, p: Tensor, forms: dict) -> dict:
+    """The state a param starts from: step 0 and zeros of `spec` (key -> (local shape, dtype)); the keys of
+    `forms` (a DTensor param's sharded states: key -> (global shape, placements)) are DTensors."""
     dev = local(p).device
     st = {"step": torch.zeros((), dtype=torch.float32, device=dev)}
     for key, (shape, dtype) in spec.items():
         t = torch.zeros(shape, dtype=dtype, device=dev)
-        st[key] = like_param(t, p) if key in elementwise and is_dtensor(p) else t
+        st[key] = as_dtensor(t, p, forms[key]) if key in forms else t
     return st
 
 
@@ -196,25 +209,26 @@ def requantize(x: Tensor, block_size: int, signed: bool) -> tuple[Tensor, Tensor
     return flat_codes.view(x.shape), absmax
 
 
-def _local_of(v: Tensor, p: Tensor, key: str, where: str) -> Tensor:
-    """This rank's piece of element-wise state `v` of param `p` (a DTensor, or a plain full/local tensor)."""
+def _local_of(v: Tensor, p: Tensor, form: tuple, key: str, where: str) -> Tensor:
+    """This rank's piece of sharded state `v` of DTensor param `p`, whose `form` is (global shape, placements)
+    on p's mesh: `v` a DTensor (redistributed), or a plain tensor of the global shape (cut), or a plain local
+    piece (as it is; its shape is checked by the caller)."""
     from torch.distributed.tensor import distribute_tensor
+    shape, placements = form
     if is_dtensor(v):
-        if is_dtensor(p):
-            if tuple(v.shape) != tuple(p.shape):
-                raise ValueError(f"{where}[{key!r}] has shape {tuple(v.shape)}, expected {tuple(p.shape)}")
-            if v.device_mesh != p.device_mesh:
-                raise ValueError(f"{where}[{key!r}] is a DTensor on another device mesh than its param")
-            if tuple(v.placements) != tuple(p.placements):
-                v = v.redistribute(p.device_mesh, p.placements)
-            return v.to_local()
-        return v.full_tensor()
-    if is_dtensor(p) and tuple(v.shape) == tuple(p.shape):
-        return distribute_tensor(v.to(local(p).device), p.device_mesh, p.placements, src_data_rank=None).to_local()
+        if tuple(v.shape) != tuple(shape):
+            raise ValueError(f"{where}[{key!r}] has shape {tuple(v.shape)}, expected {tuple(shape)}")
+        if v.device_mesh != p.device_mesh:
+            raise ValueError(f"{where}[{key!r}] is a DTensor on another device mesh than its param")
+        if tuple(v.placements) != tuple(placements):
+            v = v.redistribute(p.device_mesh, placements)
+        return v.to_local()
+    if tuple(v.shape) == tuple(shape):
+        return distribute_tensor(v.to(local(p).device), p.device_mesh, placements, src_data_rank=None).to_local()
     return v
 
 
-def import_state(st, p: Tensor, spec: dict, quantized: dict, elementwise: set, where: str,
+def import_state(st, p: Tensor, spec: dict, quantized: dict, forms: dict, where: str,
                  device) -> tuple[dict, str | None]:
     """The state to install for param `p` from saved state `st`, as (state, problem with its values or None).
 
@@ -223,7 +237,7 @@ def import_state(st, p: Tensor, spec: dict, quantized: dict, elementwise: set, w
     across ranks before raising."""
     if not isinstance(st, dict):
         raise ValueError(f"{where} is a {type(st).__name__}, expected a dict of tensors")
-    st = _dequantized_forms(st, p, spec, quantized, elementwise, where)
+    st = _dequantized_forms(st, p, spec, quantized, forms, where)
     akeys = {akey: key for key, (akey, _s, _b) in quantized.items() if akey in spec}
     dequantized = {key for akey, key in akeys.items()
                    if akey not in st and isinstance(st.get(key), Tensor) and st[key].is_floating_point()}
@@ -249,10 +263,10 @@ def import_state(st, p: Tensor, spec: dict, quantized: dict, elementwise: set, w
         v = st[key]
         if not isinstance(v, Tensor):
             raise ValueError(f"{where}[{key!r}] is a {type(v).__name__}, expected a tensor")
-        elem = key in elementwise and is_dtensor(p)
+        elem = key in forms
         if is_dtensor(v) and not elem:
             raise ValueError(f"{where}[{key!r}] is a DTensor; this state is a plain tensor, the same on every rank")
-        here = _local_of(v, p, key, where) if elem else v
+        here = _local_of(v, p, forms[key], key, where) if elem else v
         if key in dequantized:
             absmax_shape, _ = spec[quantized[key][0]]
             if tuple(here.shape) != tuple(shape):
@@ -264,7 +278,7 @@ def import_state(st, p: Tensor, spec: dict, quantized: dict, elementwise: set, w
             codes, absmax = requantize(here.to(device), block, signed)
             if tuple(absmax.shape) != tuple(absmax_shape):
                 raise ValueError(f"{where}[{key!r}]: {absmax.numel()} blocks, expected {absmax_shape}")
-            out[key] = like_param(codes, p) if elem else codes
+            out[key] = as_dtensor(codes, p, forms[key]) if elem else codes
             out[quantized[key][0]] = absmax
             continue
         if tuple(here.shape) != tuple(shape):
@@ -281,11 +295,11 @@ def import_state(st, p: Tensor, spec: dict, quantized: dict, elementwise: set, w
         if t.is_floating_point() and not torch.isfinite(t).all():
             cast = f" as {dtype}" if t.dtype != here.dtype else ""
             problem = problem or f"{where}[{key!r}] holds non-finite values{cast}"
-        out[key] = like_param(t, p) if elem else t
+        out[key] = as_dtensor(t, p, forms[key]) if elem else t
     return out, problem
 
 
-def _dequantized_forms(st: dict, p: Tensor, spec: dict, quantized: dict, elementwise: set, where: str) -> dict:
+def _dequantized_forms(st: dict, p: Tensor, spec: dict, quantized: dict, forms: dict, where: str) -> dict:
     """`st` with every 8-bit state in the one form `import_state` reads for it: the codes with their absmax,
     or the dequantized values under the codes' key without the absmax (the form of older fastopt state_dicts
     and of libraries that keep fp32 state under that name, e.g. came-pytorch).
@@ -308,20 +322,21 @@ def _dequantized_forms(st: dict, p: Tensor, spec: dict, quantized: dict, element
             out[key] = out.pop(dkey)
             continue
         codes, absmax = st.get(key), st.get(akey)
-        if not (key in elementwise and is_dtensor(p) and isinstance(codes, Tensor) and isinstance(absmax, Tensor)
+        if not (key in forms and isinstance(codes, Tensor) and isinstance(absmax, Tensor)
                 and codes.dtype == torch.uint8):
             continue
-        if is_dtensor(codes) or is_dtensor(absmax) or tuple(codes.shape) != tuple(p.shape) or \
-                absmax.numel() != q.num_blocks(p.numel(), block):
+        whole = tuple(forms[key][0])
+        if is_dtensor(codes) or is_dtensor(absmax) or tuple(codes.shape) != whole or \
+                absmax.numel() != q.num_blocks(codes.numel(), block):
             raise ValueError(f"{where}[{key!r}] holds 8-bit codes of shape {tuple(codes.shape)} with "
-                             f"{absmax.numel()} blocks in {akey!r}; for a DTensor param of shape {tuple(p.shape)} "
-                             f"the state_dict holds the dequantized form {dkey!r} (save under "
-                             "fastopt.checkpoint.dequantized_8bit), or the codes of the whole tensor as plain "
-                             "params save them")
+                             f"{absmax.numel()} blocks in {akey!r}; for a DTensor param this state (of shape "
+                             f"{whole}) is in the state_dict in its dequantized form {dkey!r} (save under "
+                             "fastopt.checkpoint.dequantized_8bit), or as the codes of the whole tensor that plain "
+                             "params save")
         out = dict(st) if out is None else out
         vals = ops.dequantize_blockwise(codes.to(local(p).device).contiguous(), absmax.to(local(p).device),
                                         block, signed, torch.float32)
-        out[key] = vals.view(tuple(p.shape))
+        out[key] = vals.view(whole)
         del out[akey]
     return st if out is None else out
 

@@ -15,7 +15,9 @@ Params with more than two dims are batches of matrices: the batch is the grid's 
 param's piece is one rectangle of its matrices (dim layouts) or a few (a flat ZeRO range: partial first row,
 whole rows, partial last row); each takes the same launches on its local elements, with the bases' rows or
 columns it needs gathered by torch (rank-sized), and its partial R is added into the bucket's flat buffer,
-which the caller's `reduce` sums over the ranks once per step.
+which the caller's `reduce` sums over the ranks once per step (params with whole moments), or which is
+reduce-scattered onto the rows of the moments each rank keeps, N all-gathered back after the Adam kernel
+(DTensor params: fastopt/reference/galore.py's `MomentExchange`).
 
 The matmul kernel is one tiled `tl.dot` loop over K with arbitrary strides (a transposed operand is a stride
 swap, nothing is copied), int64 offsets, an fp32 accumulator. The products are compute-bound (2 m n rank
@@ -264,11 +266,12 @@ def galore_step(params, grads, states, *, lr, betas, eps, weight_decay, scale=1.
                 found_inf=None, cache=None, layouts=None, reduce=None):
     """One step over a bucket (same device and dtype) whose bases are already refreshed; `step` advanced.
     Sharded params as in the reference: each rank's partial R (the sum over the rectangles of the matrices it
-    holds: one for a dim layout, a few for a flat range) goes into one flat buffer for the bucket,
-    `reduce(buf)` sums it, and the back-projection writes each rectangle of the local piece. The bases' rows
-    or columns and N's block of a rectangle are gathered with torch (rank-sized); the kernels see local
-    tensors only."""
-    from fastopt.reference.galore import local_rects, state_views
+    holds: one for a dim layout, a few for a flat range) goes into one flat buffer for the bucket; the part of
+    the params with whole moments is summed by `reduce(buf)`, that of the params with sharded moments
+    (DTensors) reduce-scattered onto the rows kept here, N all-gathered after Adam (`MomentExchange`); the
+    back-projection writes each rectangle of the local piece. The bases' rows or columns and N's block of a
+    rectangle are gathered with torch (rank-sized); the kernels see local tensors only."""
+    from fastopt.reference.galore import BucketPlan, local_rects, state_views
     device = params[0].device
     acc = torch.float64 if params[0].dtype == torch.float64 else torch.float32
     hyper = _hyper(cache, float(lr), tuple(float(b) for b in betas), float(eps), float(weight_decay),
@@ -279,17 +282,16 @@ def galore_step(params, grads, states, *, lr, betas, eps, weight_decay, scale=1.
         if lowp and params[0].dtype in (torch.bfloat16, torch.float16) else None
     layouts = layouts if layouts is not None else [None] * len(params)
     works = [p if p.is_contiguous() else p.contiguous() for p in params]
-    proj = [i for i, s in enumerate(states) if LEFT in s or RIGHT in s]
-    buf = _scratch(sum(states[i]["exp_avg"].numel() for i in proj), acc, device)
-    rs, shapes, rects, bases, off = {}, {}, {}, {}, 0
+    plan = BucketPlan(params, states, layouts)  # whole moments first: `reduce` sums a prefix of the buffer
+    shapes, proj = plan.shapes, plan.proj
+    buf = _scratch(plan.size, acc, device)
+    rs, rects, bases, off = {}, {}, {}, 0
     # Phase 1: every projected param's (partial) R into one flat buffer.
     for i in proj:
         s = states[i]
         run = _Launch(s["step"], hyper, inv_scale, found_inf, weight_decay, acc == torch.float64, dummy, op_dummy,
                       precision)
-        lay = layouts[i]
-        shapes[i] = lay.global_shape if lay is not None else tuple(params[i].shape)
-        rects[i] = local_rects(lay, shapes[i], tuple(params[i].shape), device)
+        rects[i] = local_rects(layouts[i], shapes[i], tuple(params[i].shape), device)
         left_all, right_all, shape3 = state_views(s, shapes[i])
         rs[i] = buf[off:off + math.prod(shape3)].view(shape3)
         off += math.prod(shape3)
@@ -318,28 +320,36 @@ def galore_step(params, grads, states, *, lr, betas, eps, weight_decay, scale=1.
                 run.matmul(g3, right.transpose(1, 2), part, scale_input=True)
             if not whole:
                 rect.place(rs[i], part, rows=left is None, cols=right is None)
-    if reduce is not None and proj:
-        reduce(buf)
-    # Phase 2: Adam (N over R, in place), then the back-projection fused with the update of each rectangle.
+    mine = plan.reduce(buf, rs, reduce)
+    # Phase 2: Adam (N over R, in place: over the rows kept here for sharded moments); plain AdamW, with the
+    # update, for the params without a projection.
     for i, (p, g, s, work) in enumerate(zip(params, grads, states, works)):
         run = _Launch(s["step"], hyper, inv_scale, found_inf, weight_decay, acc == torch.float64, dummy, op_dummy,
                       precision)
         if i not in rs:
             run.adam(g.contiguous(), s, work, apply=True, block_size=block_size, scale_input=True)
+            if work is not p:
+                p.copy_(work)
         else:
-            r = rs[i]
+            r = mine.get(i, rs[i])
             run.adam(r, s, r, apply=False, block_size=block_size, scale_input=False)
-            for rect, (left, right) in zip(rects[i], bases[i]):
-                nloc = rect.pick(r, rows=left is None, cols=right is None)
-                nloc = nloc if nloc.is_contiguous() else nloc.contiguous()
-                p3 = rect.view(work)
-                if left is not None and right is not None:
-                    w = _scratch((nloc.shape[0], nloc.shape[1], right.shape[2]), acc, device)
-                    run.matmul(nloc, right, w)
-                    run.matmul(left, w, p3, update=True)
-                elif left is not None:
-                    run.matmul(left, nloc, p3, update=True)
-                else:
-                    run.matmul(nloc, right, p3, update=True)
+    plan.gather()
+    # Phase 3: the back-projection fused with the update of each rectangle.
+    for i in proj:
+        s, p, work, r = states[i], params[i], works[i], rs[i]
+        run = _Launch(s["step"], hyper, inv_scale, found_inf, weight_decay, acc == torch.float64, dummy, op_dummy,
+                      precision)
+        for rect, (left, right) in zip(rects[i], bases[i]):
+            nloc = rect.pick(r, rows=left is None, cols=right is None)
+            nloc = nloc if nloc.is_contiguous() else nloc.contiguous()
+            p3 = rect.view(work)
+            if left is not None and right is not None:
+                w = _scratch((nloc.shape[0], nloc.shape[1], right.shape[2]), acc, device)
+                run.matmul(nloc, right, w)
+                run.matmul(left, w, p3, update=True)
+            elif left is not None:
+                run.matmul(left, nloc, p3, update=True)
+            else:
+                run.matmul(nloc, right, p3, update=True)
         if work is not p:
             p.copy_(work)

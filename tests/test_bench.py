@@ -157,9 +157,70 @@ def test_layouts_bench_counts_collectives_and_bytes(tmp_path, monkeypatch):
         over = [x for x in doc["results"] if x["impl"] == f"fastopt.{name} layout machinery"]
         assert len(step) == len(over) == 2 and all(x["status"] == "ok" for x in step)
         assert all(x["status"] == "computed" and 0 < x["overhead_frac"] < 1 for x in over)
+    # GaLore-AdamW: every nn.Linear weight projected (the LM head too), the embedding and the norms plain AdamW.
+    # The projected gradients R of the bucket: one fp32 buffer reduce-scattered and all-gathered; every dim 0
+    # of R (4096, 11008, 32000, rank) splits evenly over 64 ranks: no padding.
+    proj = [s for name, s in common.model_shapes(common.LLAMA_7B, 32) if len(s) == 2 and name != "embed_tokens"]
+    n_mats, n_vecs = sum(a * b for a, b in mats), sum(n for n, in vecs)
+    plain = 8 * (n_mats - sum(a * b for a, b in proj)) // 64 + 8 * n_vecs // 8  # fp32 m, v of the local pieces
+    for rank in (128, 1024):
+        r = rows[f"fastopt.GaLoreAdamW communication (rank {rank})"]
+        c = r["comm"]
+        R = sum(rank * (b if a < b else a) for a, b in proj)  # (m, r) when m >= n, else (r, n)
+        bases = sum(rank * min(a, b) for a, b in proj)
+        assert r["status"] == "computed" and c["collectives"] == 2 and c["projected"] == len(proj) == 32 * 7 + 1
+        assert c["buffer_bytes"] == 4 * R and c["groups"]["world"]["padding_elements"] == 0, c
+        assert c["ring_bytes_per_rank"] == pytest.approx(2 * 63 / 64 * 4 * R)
+        assert c["refresh_collectives"] == len(proj) and c["refresh_bytes"] == 4 * sum(a * b for a, b in proj)
+        assert c["refresh_ring_bytes_per_rank_per_step"] == pytest.approx(2 * 63 / 64 * c["refresh_bytes"] / 200)
+        assert c["state_bytes_per_rank"] == 4 * (bases + 2 * R // 64) + plain
+        assert c["state_bytes_per_rank_whole_moments"] == 4 * (bases + 2 * R) + plain
+        assert c["adamw_state_bytes_per_rank"] == 8 * n_mats // 64 + 8 * n_vecs // 8
     md = (tmp_path / "layouts-cpu.md").read_text()
-    computed = sum(r["status"] == "computed" for r in doc["results"])  # 4 communication + 4 x 2 machinery rows
-    assert computed == 12 and md.count("| computed: ") == computed and "computed: computed" not in md
+    computed = sum(r["status"] == "computed" for r in doc["results"])  # 4 + 2 GaLore communication, 4 x 2 machinery
+    assert computed == 14 and md.count("| computed: ") == computed and "computed: computed" not in md
+
+
+def test_layouts_bench_galore_buffer_is_moment_exchange():
+    """bench_layouts' GaLore buffer is the one `MomentExchange` builds for the same params sharded over both
+    dims of an 8 x 8 mesh (64 ranks of a fake process group in this process: nothing is sent, the R's are meta
+    tensors), for the Llama-7B shapes and for uneven ones whose rows pad; its cut is `Layout.shard_ranges`'."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from fastopt.distributed.layout import Layout, _groups_key
+    from fastopt.reference.galore import MomentExchange, projected_shape, projection_side
+    run = fbench.load_suite()
+    common = importlib.import_module(run.__package__ + ".common")
+    bl = importlib.import_module(run.__package__ + ".bench_layouts")
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    uneven = [("a", (100, 30)), ("b", (30, 1000)), ("c", (37, 37)), ("d", (3, 70)), ("embed_tokens", (50, 40)),
+              ("norm", (30,))]  # d: a dim below the rank, plain
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=64)
+    try:
+        mesh = init_device_mesh("cpu", (8, 8), mesh_dim_names=("dp", "tp"))
+        world = dist.group.WORLD
+        padding = []
+        for shapes, rank in [(common.model_shapes(common.LLAMA_7B, 32), r) for r in bl.GALORE_RANKS] + [(uneven, 5)]:
+            c = bl.galore_comm(shapes, rank)
+            lays, wholes = [], []
+            for name, s in shapes:
+                if len(s) != 2 or name == "embed_tokens" or min(s) < rank:
+                    continue
+                lay = Layout(s, (None, None), world, _groups_key((world,)), mesh=mesh, mesh_dims=(0, 1))
+                whole = projected_shape(s, rank, projection_side(s, "std"))
+                assert bl.shares(whole[0], (8, 8)) == [n for _, n in lay.shard_ranges(whole[0])], (s, whole)
+                lays.append(lay)
+                wholes.append(torch.empty(whole, device="meta"))
+            assert c["projected"] == len(lays)
+            chunk = MomentExchange(lays, wholes).chunk  # each rank's share of the flat buffer
+            assert c["groups"]["world"]["buffer_elements"] == [64 * chunk] and c["buffer_bytes"] == 4 * 64 * chunk
+            padding.append(c["groups"]["world"]["padding_elements"])
+        assert padding[:2] == [0, 0] and padding[2] > 0  # e.g. (30, 1000): R (5, 1000), 5 rows over 64 ranks
+    finally:
+        dist.destroy_process_group()
 
 
 def test_gpu_check_configurations(suite, monkeypatch, capsys):

@@ -521,8 +521,12 @@ def _dtensor_galore(rank, world, init, grads, backends, proj_types):
         opt = fastopt.GaLoreAdamW([{"params": params[:DIST_PROJ], "proj_type": proj_type, **GROUP},
                                    {"params": params[DIST_PROJ:]}], lr=LR, weight_decay=WD)
         calls = []
-        real = dist.all_reduce
-        dist.all_reduce = lambda *a, **k: calls.append(1) or real(*a, **k)
+        names = [c for c in ("all_reduce", "reduce_scatter_tensor", "reduce_scatter_single", "all_gather_into_tensor",
+                             "all_gather_single", "all_gather", "broadcast") if hasattr(dist, c)]
+        real = {c: getattr(dist, c) for c in names}
+        for c in names:
+            setattr(dist, c, lambda *a, _c=c, **k: calls.append(_c.split("_")[0] + "_" + _c.split("_")[1])
+                    or real[_c](*a, **k))
         per_step = []
         try:
             for step_grads in grads:
@@ -530,22 +534,26 @@ def _dtensor_galore(rank, world, init, grads, backends, proj_types):
                     p.grad = distribute_tensor(g.clone(), m, pl, src_data_rank=None)
                 calls.clear()
                 opt.step()
-                per_step.append(len(calls))
+                per_step.append(sorted(calls))
         finally:
-            dist.all_reduce = real
+            for c in names:
+                setattr(dist, c, real[c])
         full = [p.detach().full_tensor() for p in params]
-        states = [{k: v.clone() for k, v in opt.state[p].items()} for p in params[:DIST_PROJ]]
-        out[backend, proj_type] = (full, states, per_step)
+        states = [{k: v.full_tensor() if hasattr(v, "full_tensor") else v.clone() for k, v in opt.state[p].items()}
+                  for p in params[:DIST_PROJ]]
+        rows = [tuple(opt.state[p]["exp_avg"].to_local().shape) for p in params[:DIST_PROJ]]
+        out[backend, proj_type] = (full, states, per_step, rows)
     return out
 
 
 @pytest.mark.dist
 def test_dtensor_shards_match_single_process():
     """4 gloo ranks: every layout gives galore-torch's single-process result; the bases are the same SVD of
-    the whole gradient (bit for bit) and the moments are whole and equal on every rank. Collectives: one
-    all-reduce of the projected gradients per sharded bucket per step,
-    plus one per sharded projected param on refresh steps (its whole gradient for the SVD); none for the sharded
-    vector of the plain group."""
+    the whole gradient (bit for bit) on every rank, and the moments of a sharded param are cut along their dim 0
+    over its ranks (each row on exactly one rank of its group; a replicated param's are whole). Collectives: one
+    reduce-scatter of the projected gradients and one all-gather of N per sharded bucket per step, plus one
+    all-reduce per sharded projected param on refresh steps (its whole gradient for the SVD); none for the
+    sharded vector of the plain group."""
     from dist_utils import run as dist_run
     from fastopt import ops
     backends = ["torch"] + (["triton"] if ops.triton_available() and ops.interpreting() else [])
@@ -561,11 +569,13 @@ def test_dtensor_shards_match_single_process():
     for backend, proj_type in [(b, t) for b in backends for t in proj_types]:
         ref_flat, ref_opt, plist = galore_torch_run(ref_init, ref_grads, proj_type, sum(n_split))
         for r, res in enumerate(results):
-            full, states, per_step = res[backend, proj_type]
+            full, states, per_step, _rows = res[backend, proj_type]
             assert full[0].shape == init[0].shape
-            for t, n in enumerate(per_step, start=1):
+            for t, calls in enumerate(per_step, start=1):
                 refresh = (t - 1) % GAP == 0
-                assert n == buckets + (len(sharded) if refresh else 0), (backend, r, t, n)
+                want = ["all_gather"] * buckets + ["all_reduce"] * (len(sharded) if refresh else 0) + \
+                    ["reduce_scatter"] * buckets
+                assert calls == sorted(want), (backend, r, t, calls)
             k = 0
             for i, x in enumerate(init):
                 mats = n_split[i] if i < DIST_PROJ else 1
@@ -586,3 +596,14 @@ def test_dtensor_shards_match_single_process():
                 k += mats
             for a, b in zip(states, results[0][backend, proj_type][1]):
                 assert all(torch.equal(a[key], b[key]) for key in a), "ranks hold different states"
+        # The moments' rows: a sharded param's over the 4 ranks of its group add up to the whole (each rank
+        # holds about a quarter), a replicated param's are whole on every rank.
+        for i in range(DIST_PROJ):
+            whole = results[0][backend, proj_type][1][i]["exp_avg"].shape
+            rows = [res[backend, proj_type][3][i] for res in results]
+            assert all(tuple(x[1:]) == tuple(whole[1:]) for x in rows), (i, rows, whole)
+            if i in sharded:
+                assert sum(x[0] for x in rows) == whole[0], (i, rows, whole)
+                assert max(x[0] for x in rows) == -(-whole[0] // 4), (i, rows, whole)
+            else:
+                assert all(tuple(x) == tuple(whole) for x in rows), (i, rows, whole)

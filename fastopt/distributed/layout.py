@@ -19,7 +19,8 @@ DDP, whose gradients are already averaged).
 
 Stable API (the optimizers and the GaLore layout support use it): `Layout` with `global_shape`, `index`,
 `group`, `groups`, `group_key`, `flat`, `base`, `numel`, `count`, `is_flat`, `dim_index`, `batch_index`,
-`flat_index`, `factor_index`, `local_view`, `reduce`; `layout_of`, `local`, `declare_shard`, `make_layout`,
+`flat_index`, `factor_index`, `local_view`, `reduce`, `mesh`, `mesh_dims`, `shard_ranges`, `shard_placements`;
+`layout_of`, `local`, `collective`, `declare_shard`, `make_layout`,
 `full_tensor`, `real_elements`, `check_cover`.
 
 A declaration is checked once, at the first step that uses it (`check_cover`): the real elements of the pieces
@@ -39,8 +40,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["Layout", "layout_of", "local", "declare_shard", "make_layout", "full_tensor", "real_elements",
-           "check_cover"]
+__all__ = ["Layout", "layout_of", "local", "collective", "declare_shard", "make_layout", "full_tensor",
+           "real_elements", "check_cover"]
 
 _ATTR = "_fastopt_layout"  # where declare_shard keeps a plain tensor's declared layout
 
@@ -54,6 +55,8 @@ class Layout:
     flat: tuple[int, int] | None = None  # flat layouts: (offset, count) in the flattened `base` (or global)
     base: "Layout | None" = None  # flat layouts: the layout of the tensor that was flattened (None: global)
     groups: tuple = ()  # every group to sum over, in order (empty: (group,)); orthogonal groups, e.g. (tp, dp)
+    mesh: object = None  # DTensor layouts: the param's DeviceMesh; `group` spans its dims `mesh_dims`
+    mesh_dims: tuple[int, ...] = ()  # DTensor layouts: the mesh dims that shard the param
     _cache: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
@@ -143,6 +146,50 @@ class Layout:
         for g in self.groups:
             dist.all_reduce(buf, group=g)
 
+    def shard_ranges(self, n: int) -> list[tuple[int, int]]:
+        """DTensor layouts: how a dim of size `n` of another tensor on this param's mesh, sharded with `Shard`
+        on each of the mesh dims that shard this param (`shard_placements`), splits over the ranks of `group`:
+        (start, size) for every rank of `group`, in group-rank order. torch.chunk's rule per mesh dim, nested
+        in mesh-dim order, as DTensor cuts it (checked against DTensor for this rank). Cached per n."""
+        key = ("ranges", n)
+        if key not in self._cache:
+            if self.mesh is None:
+                raise ValueError("Layout.shard_ranges: only DTensor layouts have a mesh")
+            coords = self.mesh.mesh
+            out = []
+            for gr in dist.get_process_group_ranks(self.group):
+                at = (coords == gr).nonzero()[0].tolist()
+                start, size = 0, n
+                for md in self.mesh_dims:
+                    k, w = at[md], coords.shape[md]
+                    full = -(-size // w)
+                    lo, hi = min(k * full, size), min((k + 1) * full, size)
+                    start, size = start + lo, hi - lo
+                out.append((start, size))
+            _check_own_range(self, n, out[dist.get_rank(self.group)])
+            self._cache[key] = out
+        return self._cache[key]
+
+    def shard_placements(self) -> tuple:
+        """DTensor layouts: `Shard(0)` on every mesh dim that shards the param, `Replicate()` on the others:
+        the placements of a tensor on this mesh cut along its dim 0 over `group` (`shard_ranges`)."""
+        from torch.distributed.tensor.placement_types import Replicate, Shard
+        return tuple(Shard(0) if d in self.mesh_dims else Replicate() for d in range(self.mesh.ndim))
+
+
+def _check_own_range(lay: Layout, n: int, own: tuple[int, int]) -> None:
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    shape, offset = compute_local_shape_and_global_offset((n,), lay.mesh, lay.shard_placements())
+    if shape[0] != own[1] or (own[1] and offset[0] != own[0]):  # an empty share's start means nothing
+        raise AssertionError(f"fastopt: DTensor cuts a dim of {n} into ({offset[0]}, {shape[0]}) here, fastopt "
+                             f"computed {own}: report this with your torch version")
+
+
+def collective(new: str, old: str):
+    """torch >= 2.13 names the flat collectives `*_single` and warns on the older names, which torch 2.11 has
+    alone: the new name where it exists (looked up at each call, so a patched `dist` is seen)."""
+    return getattr(dist, new, None) or getattr(dist, old)
+
 
 def local(t: Tensor) -> Tensor:
     """The local piece of a DTensor (sharing its storage), or `t` itself."""
@@ -203,7 +250,8 @@ def _dtensor_layout(p) -> Layout | None:
         idx = distribute_tensor(probe, mesh, acting, src_data_rank=None).to_local()
         index.append(idx.clone())
     group = _group_for(mesh, sharded_mesh_dims)
-    return Layout(tuple(p.shape), tuple(index), group, _groups_key((group,)))
+    return Layout(tuple(p.shape), tuple(index), group, _groups_key((group,)), mesh=mesh,
+                  mesh_dims=sharded_mesh_dims)
 
 
 def layout_of(p: Tensor) -> Layout | None:

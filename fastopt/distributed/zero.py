@@ -106,6 +106,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .layout import collective
+
 __all__ = ["ZeroRedundancyOptimizer"]
 
 _NAME = "ZeroRedundancyOptimizer"
@@ -136,10 +138,6 @@ def _can_split(optimizer) -> bool:
     return any(type(optimizer) is getattr(torch.optim, n, None) for n in _ELEMENTWISE_TORCH)
 
 
-def _collective(new: str, old: str):
-    """torch >= 2.13 names the flat collectives `*_single` and warns on the older names, which torch 2.11 has
-    alone: the new name where it exists (looked up at each call, so a patched `dist` is seen)."""
-    return getattr(dist, new, None) or getattr(dist, old)
 
 
 class _Group(dict):
@@ -838,7 +836,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             b.staging = torch.zeros(b.size, dtype=b.dtype, device=b.device)
         if b.bounds is not None:
             b.recv = torch.empty(b.numel + 1, dtype=b.dtype, device=b.device)
-            b.work = _collective("reduce_scatter_single", "reduce_scatter_tensor")(
+            b.work = collective("reduce_scatter_single", "reduce_scatter_tensor")(
                 b.recv, b.staging, group=self._pg, async_op=True)
         elif self.partition_grad:
             b.work = dist.reduce(b.staging, dst=self._ranks[b.owner], group=self._pg, async_op=True)
@@ -986,7 +984,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 send = torch.zeros(chunk, dtype=p.dtype, device=p.device)
                 send[:piece.numel()] = piece
             out = torch.empty(chunk * self.world_size, dtype=p.dtype, device=p.device)
-            work = _collective("all_gather_single", "all_gather_into_tensor")(out, send, group=self._pg,
+            work = collective("all_gather_single", "all_gather_into_tensor")(out, send, group=self._pg,
                                                                               async_op=True)
             q.append((p, bounds, chunk, out, work))
             while len(q) > 1:

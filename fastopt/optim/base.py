@@ -192,6 +192,14 @@ class FastOptimizer(torch.optim.Optimizer):
         """The element-wise state keys of the params of `group` (`_elementwise_state` unless overridden)."""
         return frozenset(self._elementwise_state)
 
+    def _dtensor_forms(self, p: Tensor, group: dict) -> dict:
+        """The states of DTensor param `p` that are DTensors themselves (sharded, so DCP reshards them), each
+        as (global shape, placements) on p's mesh: the element-wise keys, like p. Empty for a plain param."""
+        if not ckpt.is_dtensor(p):
+            return {}
+        form = (tuple(p.shape), tuple(p.placements))
+        return {k: form for k in self._elementwise_keys(group)}
+
     # The group keys that `_state_spec` reads: changing one between steps is refused where the state of a
     # param no longer fits (`_check_state_layouts`).
     _layout_keys: tuple[str, ...] = ()
@@ -201,7 +209,7 @@ class FastOptimizer(torch.optim.Optimizer):
         (fastopt/checkpoint.py: DCP reshards them), whose local tensors `step()` hands to `_step_group`."""
         state = self.state[p]
         if not state:
-            state.update(ckpt.zero_state(self._state_spec(p, group), p, self._elementwise_keys(group)))
+            state.update(ckpt.zero_state(self._state_spec(p, group), p, self._dtensor_forms(p, group)))
         return state
 
     # key -> rule (see NONNEG etc. above): what `_check_hyper` checks. Subclasses declare theirs.
@@ -505,7 +513,7 @@ class FastOptimizer(torch.optim.Optimizer):
                 if p in self.state and self.state[p]:
                     state[index] = ckpt.export_state(self.state[p], quantized, force)
                 elif p.requires_grad and p.numel() > 0:
-                    zero = ckpt.zero_state(self._state_spec(p, group), p, self._elementwise_keys(group))
+                    zero = ckpt.zero_state(self._state_spec(p, group), p, self._dtensor_forms(p, group))
                     state[index] = ckpt.export_state(zero, quantized, force)
                 index += 1
         sd = {"state": state, "param_groups": groups}
@@ -594,7 +602,7 @@ class FastOptimizer(torch.optim.Optimizer):
             spec = self._state_spec(p, group)
             try:
                 out, bad = ckpt.import_state(st, p, spec, self._quantized_keys(group),
-                                             self._elementwise_keys(group),
+                                             self._dtensor_forms(p, group),
                                              f"{where}: state[{pid!r}]", local(p).device)
             except ValueError as e:  # raised below on every rank of the groups, not on this one alone
                 problem = str(e)

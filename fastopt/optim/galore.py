@@ -6,9 +6,10 @@ import math
 import torch
 from torch import Tensor
 
+from .. import checkpoint as ckpt
 from .. import ops
 from ..distributed.layout import local
-from ..reference.galore import PROJ_TYPES, basis_shapes, projected_shape, projection_side
+from ..reference.galore import PROJ_TYPES, basis_shapes, moment_rows, projected_shape, projection_side
 from ..reference.quant import num_blocks
 from .base import (BLOCK_SIZE, MIN_8BIT_SIZE, NBITS, NONNEG, FastOptimizer, betas_rule, check, host_value, is_int,
                    is_number, lr_rule)
@@ -35,7 +36,12 @@ class GaLoreAdamW(FastOptimizer):
     `fastopt.distributed.declare_shard`; flat ZeRO ranges, also through `setup_distributed`) give the
     single-process result: on refresh steps the whole gradient is assembled (one all-reduce per param) and
     every rank computes the same SVD; on every step each rank projects its piece and the projected gradients
-    of a bucket are summed in one all-reduce, after which each rank back-projects onto its own piece.
+    of a bucket are summed over the ranks, after which each rank back-projects onto its own piece. For
+    DTensor params the projected moments are sharded too: the sum is a reduce-scatter that leaves each rank
+    the rows of the projected gradient whose moments it keeps (1/world of them), Adam runs on those, and one
+    all-gather gives every rank the whole normalized update N for its back-projection (the same bytes as one
+    all-reduce; one reduce-scatter and one all-gather per step for the bucket). Declared shards and flat
+    ZeRO ranges keep whole moments on every rank (one all-reduce per step). The bases are whole on every rank.
 
     Args:
         params: iterable of params or param-group dicts (see `get_galore_param_groups`).
@@ -52,9 +58,11 @@ class GaLoreAdamW(FastOptimizer):
     param's device), `exp_avg`, `exp_avg_sq` (fp32, fp64 for fp64 params, or uint8 codes plus
     `exp_avg_absmax`, `exp_avg_sq_absmax`, fp32, one per block; the param's shape without a projection), and
     for projected params the bases `proj_left` (..., m, rank) and/or `proj_right` (..., rank, n), in the
-    moments' float dtype. A projected param's states are whole (rank-sized, the same on every rank of a
-    sharded param): `exp_avg` and `exp_avg_sq` have the projected shape (..., rank, n), (..., m, rank) or
-    (..., rank, rank). Works with `torch.amp.GradScaler` without host sync on the steps without an SVD: a
+    moments' float dtype, whole on every rank. A projected param's `exp_avg` and `exp_avg_sq` have the
+    projected shape (..., rank, n), (..., m, rank) or (..., rank, rank): for a DTensor param they are DTensors
+    of that shape on its mesh, cut along dim 0 over the ranks that shard the param (`Shard(0)` on those mesh
+    dims, uneven like the params' shards), so DCP reshards them; otherwise whole, the same on every rank.
+    Works with `torch.amp.GradScaler` without host sync on the steps without an SVD: a
     step with an inf gradient changes nothing, step counter and bases included. The refresh schedule is
     decided on the host from a mirror of the step counter; a skipped step is known there from GradScaler's
     found_inf of the previous steps, copied asynchronously (on CUDA: to pinned memory, waited for by event
@@ -64,7 +72,8 @@ class GaLoreAdamW(FastOptimizer):
     _name = "GaLoreAdamW"
     # Sharded params (DTensor Shard(0) / Shard(1), FSDP2, 2-D meshes, declared shards, flat ZeRO ranges): the
     # whole gradient is assembled for the SVD on refresh steps only, and the projected gradient is summed over
-    # the ranks that share a param, one collective per step for the bucket.
+    # the ranks that share a param (DTensors: reduce-scattered onto sharded moments, N all-gathered; others:
+    # all-reduced), one collective per phase per step for the bucket.
     _supports_layouts = True
     _elementwise_state = ("exp_avg", "exp_avg_sq")  # groups without `rank` only: see _elementwise_keys
     # `rank` and `proj_type` give the bases' and moments' shapes (a group without `rank`: None).
@@ -134,18 +143,22 @@ class GaLoreAdamW(FastOptimizer):
 
     # ---- state ------------------------------------------------------------------------------------------
     def _state_spec(self, p, group):
-        """Projected params: whole bases and moments (rank-sized), the same on every rank that holds a piece
-        of a sharded param, so a checkpoint reloads under any layout (`_elementwise_keys`). Others:
-        element-wise, shaped like the local piece."""
+        """Projected params: whole bases, the same on every rank that holds a piece of a sharded param; moments
+        of the projected shape, this rank's rows of them for a DTensor param (`_dtensor_forms`), whole
+        otherwise. Others: element-wise, shaped like the local piece."""
         shape = self._global_shape(p)
         dt = self.state_dtype(p)
         spec = {}
-        mshape = tuple(local(p).shape)
+        mshape = whole = tuple(local(p).shape)
         if "rank" in group:
             side = projection_side(shape, group["proj_type"])
-            mshape = projected_shape(shape, group["rank"], side)
+            mshape = whole = projected_shape(shape, group["rank"], side)
             spec = {k: (s, dt) for k, s in basis_shapes(shape, group["rank"], side).items()}
-        if group["nbits"] == 8 and math.prod(mshape) >= group["min_8bit_size"]:
+            rows = moment_rows(self._layout(p), whole) if ckpt.is_dtensor(p) else None
+            if rows is not None:
+                mshape = (rows[1],) + tuple(whole[1:])
+        # The 8-bit decision looks at the whole moments: the same on every rank and in every layout.
+        if group["nbits"] == 8 and math.prod(whole) >= group["min_8bit_size"]:
             blocks = (num_blocks(math.prod(mshape), group["block_size"]),)
             spec.update({"exp_avg": (mshape, torch.uint8), "exp_avg_absmax": (blocks, torch.float32),
                          "exp_avg_sq": (mshape, torch.uint8), "exp_avg_sq_absmax": (blocks, torch.float32)})
@@ -158,8 +171,26 @@ class GaLoreAdamW(FastOptimizer):
         return {"exp_avg": ("exp_avg_absmax", True, bs), "exp_avg_sq": ("exp_avg_sq_absmax", False, bs)}
 
     def _elementwise_keys(self, group):
-        # A projected param's moments and bases are whole (rank-sized), the same on every rank (issue 8).
+        # A projected param's moments are not shaped like the param (`_dtensor_forms`), its bases are whole.
         return frozenset() if "rank" in group else super()._elementwise_keys(group)
+
+    def _dtensor_forms(self, p, group):
+        """A projected DTensor param's moments: DTensors of the projected shape on its mesh, cut along dim 0
+        over the mesh dims that shard the param (replicated over the others; all replicated for a replicated
+        param). The bases stay plain and whole."""
+        if "rank" not in group or not ckpt.is_dtensor(p):
+            return super()._dtensor_forms(p, group)
+        from torch.distributed.tensor.placement_types import Replicate
+        shape = self._global_shape(p)
+        whole = projected_shape(shape, group["rank"], projection_side(shape, group["proj_type"]))
+        lay = self._layout(p)
+        if lay is None:
+            placements = (Replicate(),) * p.device_mesh.ndim
+        elif lay.mesh is None:
+            return {}
+        else:
+            placements = lay.shard_placements()
+        return {k: (whole, placements) for k in ("exp_avg", "exp_avg_sq")}
 
     def _init_state(self, p, group):
         fresh = not self.state[p]

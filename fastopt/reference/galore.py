@@ -27,19 +27,25 @@ else fp32, where galore-torch rounds them to the param's dtype); with 8-bit stat
 uint8 codes in the block-wise format of fastopt/reference/quant.py, signed map for m, unsigned for v) m_{t-1}
 and v_{t-1} are the dequantized states, N uses the exact m_t, v_t, and those are requantized after the update.
 
-Sharded params (fastopt/distributed/layout.py): the bases and moments are whole on every rank. A rank's
-piece is a set of rectangles of the matrices (one for a dim layout, a few for a flat range); the SVD takes the
-whole gradient (assembled on refresh steps only), R is the sum over the ranks of each rank's rectangles'
-products (P_r^T G_r placed at the rectangle's columns, G_r Q_r^T at its rows, P_r^T G_r Q_r^T added whole),
-and each rank writes the back-projection's entries of its own rectangles.
+Sharded params (fastopt/distributed/layout.py): the bases are whole on every rank. A rank's piece is a set
+of rectangles of the matrices (one for a dim layout, a few for a flat range); the SVD takes the whole gradient
+(assembled on refresh steps only), R is the sum over the ranks of each rank's rectangles' products (P_r^T G_r
+placed at the rectangle's columns, G_r Q_r^T at its rows, P_r^T G_r Q_r^T added whole), and each rank writes
+the back-projection's entries of its own rectangles. The moments of a DTensor param are sharded along the
+dim 0 of their (projected) shape over the ranks of its layout's group (`moment_rows`, DTensor's cut of
+`Layout.shard_ranges`): the sum of R is a reduce-scatter that leaves each rank its rows, Adam runs on them, and
+an all-gather assembles the whole N (`MomentExchange`); the moments of other sharded params are whole on
+every rank (R all-reduced).
 """
 from __future__ import annotations
 
 import math
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
+from ..distributed.layout import collective
 from .lamb import _commit, load_moments, step_size, store_moments
 
 PROJ_TYPES = ("std", "reverse_std", "left", "right", "full")
@@ -273,40 +279,144 @@ def local_back_projection(n: Tensor, state: dict, shape, rect: Rect) -> Tensor:
     return u
 
 
+def moment_rows(lay, whole) -> tuple[int, int] | None:
+    """(start, count) of the rows (dim 0 of the projected shape `whole`) of a projected param's moments that
+    this rank keeps, for a DTensor layout `lay`; None where the moments are whole (plain params, declared
+    shards, flat ranges)."""
+    if lay is None or lay.mesh is None:
+        return None
+    return lay.shard_ranges(whole[0])[dist.get_rank(lay.group)]
+
+
+class MomentExchange:
+    """The collectives of a bucket's projected params whose moments are sharded (`moment_rows`): `scatter`
+    reduce-scatters their partial R's (each a whole (D0, ...) tensor, D0 the rows that `shard_ranges` cuts) so
+    that each rank gets the sum of its rows, `gather` all-gathers every rank's rows (N, written over them)
+    back into the whole tensors. One collective each for the bucket. The send buffer holds, for each rank k
+    of the group, the rows of rank k of every param one after the other, each param padded to its longest
+    share (padding rows are summed and never read). The params' layouts (`layouts`, one per tensor of
+    `wholes`) share one group (a bucket), not necessarily one mesh."""
+
+    def __init__(self, layouts: list, wholes: list[Tensor]):
+        self.group = layouts[0].group
+        self.world = dist.get_world_size(self.group)
+        me = dist.get_rank(self.group)
+        self.wholes, self.entries, col = wholes, [], 0
+        for lay, r in zip(layouts, wholes):
+            d0 = r.shape[0]
+            rest = r.numel() // d0 if d0 else 0
+            ranges = lay.shard_ranges(d0)
+            c = max(size for _, size in ranges)
+            key = ("galore_rows", d0, str(r.device))
+            if key not in lay._cache:
+                pick, pos = [], torch.empty(d0, dtype=torch.long)
+                for k, (start, size) in enumerate(ranges):
+                    pick += list(range(start, start + size)) + [0] * (c - size)
+                    pos[start:start + size] = torch.arange(k * c, k * c + size)
+                lay._cache[key] = (torch.tensor(pick, dtype=torch.long, device=r.device), pos.to(r.device))
+            pick, pos = lay._cache[key]
+            self.entries.append((col, c, rest, ranges[me][1], pick, pos))
+            col += c * rest
+        self.chunk = col
+
+    def scatter(self) -> list[Tensor]:
+        """Reduce-scatter: this rank's rows of each summed R (as (rows, ...) views of one receive buffer)."""
+        r0 = self.wholes[0]
+        send = torch.empty(self.world, self.chunk, dtype=r0.dtype, device=r0.device)
+        for r, (col, c, rest, _n, pick, _pos) in zip(self.wholes, self.entries):
+            if c * rest:
+                send[:, col:col + c * rest].view(self.world, c, rest).copy_(
+                    r.reshape(r.shape[0], rest).index_select(0, pick).view(self.world, c, rest))
+        self.recv = torch.empty(self.chunk, dtype=r0.dtype, device=r0.device)
+        collective("reduce_scatter_single", "reduce_scatter_tensor")(self.recv, send.view(-1), group=self.group)
+        return [self.recv[col:col + n * rest].view(n, *r.shape[1:])
+                for r, (col, _c, rest, n, _p, _q) in zip(self.wholes, self.entries)]
+
+    def gather(self) -> None:
+        """All-gather the rows in the receive buffer (overwritten since `scatter`) into the whole tensors."""
+        r0 = self.wholes[0]
+        out = torch.empty(self.world, self.chunk, dtype=r0.dtype, device=r0.device)
+        collective("all_gather_single", "all_gather_into_tensor")(out.view(-1), self.recv, group=self.group)
+        for r, (col, c, rest, _n, _pick, pos) in zip(self.wholes, self.entries):
+            if c * rest:
+                r.reshape(r.shape[0], rest).copy_(
+                    out[:, col:col + c * rest].reshape(self.world * c, rest).index_select(0, pos))
+
+
+class BucketPlan:
+    """The projected params of a bucket, for both back ends: `shapes[i]` (global), `shape3s[i]` (R as (B, a, b)),
+    `rows[i]` (`moment_rows`), and `proj`, their indices with the whole-moment params first, the order of their
+    R's in the bucket's flat buffer of `size` elements (so that `reduce` sums a prefix of it)."""
+
+    def __init__(self, params: list[Tensor], states: list[dict], layouts: list):
+        self.layouts = layouts
+        self.shapes, self.shape3s, self.rows = {}, {}, {}
+        for i, s in enumerate(states):
+            if is_projected(s):
+                lay = layouts[i]
+                self.shapes[i] = lay.global_shape if lay is not None else tuple(params[i].shape)
+                self.shape3s[i] = state_views(s, self.shapes[i])[2]
+                self.rows[i] = moment_rows(lay, self.natural(i))
+        self.proj = sorted(self.shapes, key=lambda i: self.rows[i] is not None)
+        self.size = sum(math.prod(self.shape3s[i]) for i in self.proj)
+        self.exchange = None
+
+    def natural(self, i: int) -> tuple:
+        """R's shape with the param's leading dims (the moments' global shape)."""
+        return self.shapes[i][:-2] + self.shape3s[i][1:]
+
+    def reduce(self, buf: Tensor, rs: dict, reduce) -> dict:
+        """Sum the partial R's in `buf` (views `rs`): the whole-moment params' prefix with `reduce`, the others
+        reduce-scattered; returns {i: this rank's rows of R} for the latter (`gather` sends N back)."""
+        whole_end = sum(rs[i].numel() for i in self.proj if self.rows[i] is None)
+        if reduce is not None and whole_end:
+            reduce(buf[:whole_end])
+        sharded = [i for i in self.proj if self.rows[i] is not None]
+        if not sharded:
+            return {}
+        self.exchange = MomentExchange([self.layouts[i] for i in sharded],
+                                       [rs[i].view(self.natural(i)) for i in sharded])
+        return dict(zip(sharded, self.exchange.scatter()))
+
+    def gather(self) -> None:
+        if self.exchange is not None:
+            self.exchange.gather()
+
+
 def galore_step(params: list[Tensor], grads: list[Tensor], states: list[dict], *, lr, betas, eps, weight_decay,
                 scale=1.0, block_size: int = 256, inv_scale: Tensor | None = None,
                 found_inf: Tensor | None = None, layouts: list | None = None, reduce=None) -> None:
     """One step over a bucket (same device and dtype) whose bases are already refreshed (`refresh_bases`);
     each state's `step` is already advanced. Math in fp64 for fp64 params, else fp32.
 
-    Sharded params (`layouts[i]`, dim layouts): the moments and bases are whole on every rank; each rank
-    projects its piece of the gradient into a flat buffer of every projected param's R, `reduce(buf)` sums
-    it over the ranks (one collective for the bucket), and each rank back-projects onto its piece."""
+    Sharded params (`layouts[i]`): each rank projects its piece of the gradient into a flat buffer of every
+    projected param's whole R; the part of the params with whole moments is summed by `reduce` (one
+    all-reduce for the bucket), that of the params with sharded moments (DTensors) is reduce-scattered
+    (`MomentExchange`); Adam runs on the rows whose moments this rank keeps, N is all-gathered, and each rank
+    back-projects onto its piece."""
     beta1, beta2 = betas
     layouts = layouts if layouts is not None else [None] * len(params)
     acc = torch.float64 if params[0].dtype == torch.float64 else torch.float32
     device = params[0].device
-    # Phase 1: the projected gradients of the whole bucket, in one flat buffer.
-    proj = [i for i, s in enumerate(states) if is_projected(s)]
-    buf = torch.empty(sum(states[i]["exp_avg"].numel() for i in proj), dtype=acc, device=device)
-    rs, shapes, rects, off = {}, {}, {}, 0
+    # Phase 1: the projected gradients of the whole bucket in one flat buffer, those with whole moments first.
+    plan = BucketPlan(params, states, layouts)
+    shapes, proj = plan.shapes, plan.proj
+    buf = torch.empty(plan.size, dtype=acc, device=device)
+    rs, rects, off = {}, {}, 0
     for i in proj:
-        lay = layouts[i]
-        shapes[i] = lay.global_shape if lay is not None else tuple(params[i].shape)
-        rects[i] = local_rects(lay, shapes[i], tuple(params[i].shape), device)
-        shape3 = state_views(states[i], shapes[i])[2]
-        rs[i] = buf[off:off + math.prod(shape3)].view(shape3)
+        rects[i] = local_rects(layouts[i], shapes[i], tuple(params[i].shape), device)
+        rs[i] = buf[off:off + math.prod(plan.shape3s[i])].view(plan.shape3s[i])
         off += rs[i].numel()
         g = grads[i].to(acc)
         if inv_scale is not None:
             g = g * inv_scale.to(acc)
         partial_projection(g.contiguous(), states[i], shapes[i], rects[i], rs[i])
-    if reduce is not None and proj:
-        reduce(buf)
-    # Phase 2: Adam on the (whole) projected gradients, back-projection onto the local pieces.
+    mine = plan.reduce(buf, rs, reduce)
+    # Phase 2: Adam on the projected gradients (the rows kept here), N written over them; plain AdamW for the
+    # params without a projection.
     for i, (p, g, s) in enumerate(zip(params, grads, states)):
         if i in rs:
-            r = rs[i]
+            r = mine.get(i, rs[i])
         else:
             r = g.to(acc)
             if inv_scale is not None:
@@ -315,18 +425,24 @@ def galore_step(params: list[Tensor], grads: list[Tensor], states: list[dict], *
         m = beta1 * m_old.reshape(r.shape) + (1 - beta1) * r
         v = beta2 * v_old.reshape(r.shape) + (1 - beta2) * r * r
         n = m / (v.sqrt() + eps)
-        eta = step_size(s["step"], lr=lr, betas=betas, bias_correction=True).to(acc)
         store_moments(s, m.view(s["exp_avg"].shape), v.view(s["exp_avg"].shape), block_size, found_inf)
-        if i not in rs:
-            p_new = p.to(acc) - eta * n
-            if weight_decay > 0:
-                p_new = p_new - (lr * weight_decay) * p_new
-            _commit(p, p_new, found_inf)
+        if i in rs:
+            r.copy_(n)
             continue
+        eta = step_size(s["step"], lr=lr, betas=betas, bias_correction=True).to(acc)
+        p_new = p.to(acc) - eta * n
+        if weight_decay > 0:
+            p_new = p_new - (lr * weight_decay) * p_new
+        _commit(p, p_new, found_inf)
+    plan.gather()
+    # Phase 3: the back-projection of the whole N onto the local piece, then the decoupled decay.
+    for i in proj:
+        p, s = params[i], states[i]
+        eta = step_size(s["step"], lr=lr, betas=betas, bias_correction=True).to(acc)
         work = p.detach().clone().to(acc).contiguous()
         for rect in rects[i]:
             piece = rect.view(work)
-            piece -= eta * (scale * local_back_projection(n, s, shapes[i], rect))
+            piece -= eta * (scale * local_back_projection(rs[i], s, shapes[i], rect))
             if weight_decay > 0:
                 piece -= (lr * weight_decay) * piece
         _commit(p, work.view(p.shape), found_inf)
