@@ -43,7 +43,7 @@ import fastopt
 from fastopt.reference import adafactor as ref_adafactor
 from fastopt.reference import came as ref_came
 from fastopt.reference import lamb as ref_lamb
-from fastopt.reference.galore import basis_shapes, projected_shape, projection_side
+from fastopt.reference.galore import basis_shapes, moment_dim, projected_shape, projection_side
 
 STEM = "layouts"
 TP, DP = 8, 8
@@ -112,8 +112,9 @@ def galore_comm(shapes, rank: int, dtype=torch.float32, gap: int = GALORE_GAP) -
             continue
         side = projection_side(s, "std")
         whole = projected_shape(s, rank, side)
-        rest = math.prod(whole[1:])
-        rows = shares(whole[0], (DP, TP))  # each rank's rows of R and of the moments
+        cut = moment_dim(whole, world)  # the dim of R (and of the moments) cut over the ranks
+        rest = math.prod(whole) // whole[cut]
+        rows = shares(whole[cut], (DP, TP))  # each rank's share of that dim
         padded += world * max(rows) * rest
         real += math.prod(whole)
         bases = sum(math.prod(b) for b in basis_shapes(s, rank, side).values())

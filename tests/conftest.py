@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -40,13 +41,24 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
-    # The sm_90 compile check (minutes with a cold Triton cache, one core) starts now, beside the rest of the
-    # suite, and its test runs last to collect the report (tests/test_compile.py).
-    compile_items = [it for it in items if it.nodeid.endswith(COMPILE_TEST)]
-    if compile_items and len(items) > 1 and ops.triton_available():
+    # The sm_90 compile check (minutes with a cold Triton cache, one core) runs last; its process starts when
+    # the tests do (`pytest_runtestloop`), beside the rest of the suite (tests/test_compile.py).
+    last = [it for it in items if it.nodeid.endswith(COMPILE_TEST)]
+    if last:
+        items[:] = [it for it in items if it not in last] + last
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtestloop(session):
+    # After every filter and reordering (-k, -m, --lf, --ff ...): only if the compile test is still to run,
+    # with other tests to overlap, in one process (not a pytest-xdist worker, each of which would compile).
+    config = session.config
+    if config.option.collectonly or os.environ.get("PYTEST_XDIST_WORKER") or not ops.triton_available():
+        return
+    items = session.items
+    if len(items) > 1 and items[-1].nodeid.endswith(COMPILE_TEST):
         import test_compile
         if test_compile.runs_here():
-            items[:] = [it for it in items if it not in compile_items] + compile_items
             config._fastopt_compile = test_compile.Compile()
 
 

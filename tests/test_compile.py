@@ -3,13 +3,14 @@ interpreter that runs the kernels in the rest of the suite accepts programs the 
 tests/compile_check.py for how (a compile-only driver, every optimizer's Triton path on CPU tensors).
 
 The compile takes minutes with a cold Triton cache, in a process of its own on one core: when this test is
-collected with others, tests/conftest.py starts that process right after collection (`start`) and runs this
-test last, so the compile runs beside the rest of the suite (which mostly keeps one core busy) and this test
-only collects its report."""
+collected with others, tests/conftest.py runs this test last and starts that process (`Compile`) when the tests
+start, so the compile runs beside the rest of the suite (which mostly keeps one core busy) and this test only
+collects its report."""
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -48,23 +49,30 @@ class Compile:
         env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FASTOPT_BACKEND")}
         env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
         with open(self.log, "w") as log:
+            # A session of its own: `close` kills the compilers it starts (ptxas) with it.
             self.proc = subprocess.Popen([sys.executable, str(HERE / "compile_check.py"), "--quick", "--arch", "90",
-                                          "--json", str(self.out)], stdout=log, stderr=subprocess.STDOUT, env=env)
+                                          "--json", str(self.out)], stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True)
 
     def result(self, timeout: float = 1800) -> tuple[int, str]:
         """(exit code, the log's tail) once it has finished; kills it after `timeout` seconds."""
         try:
             code = self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+            self._kill()
             code = "timed out"
         return code, self.log.read_text()[-8000:]
 
+    def _kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:  # the group is gone already
+            pass
+        self.proc.wait()
+
     def close(self) -> None:
         if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+            self._kill()
         self.dir.cleanup()
 
 

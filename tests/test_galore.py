@@ -541,8 +541,8 @@ def _dtensor_galore(rank, world, init, grads, backends, proj_types):
         full = [p.detach().full_tensor() for p in params]
         states = [{k: v.full_tensor() if hasattr(v, "full_tensor") else v.clone() for k, v in opt.state[p].items()}
                   for p in params[:DIST_PROJ]]
-        rows = [tuple(opt.state[p]["exp_avg"].to_local().shape) for p in params[:DIST_PROJ]]
-        out[backend, proj_type] = (full, states, per_step, rows)
+        cuts = [tuple(opt.state[p]["exp_avg"].to_local().shape) for p in params[:DIST_PROJ]]
+        out[backend, proj_type] = (full, states, per_step, cuts)
     return out
 
 
@@ -596,14 +596,16 @@ def test_dtensor_shards_match_single_process():
                 k += mats
             for a, b in zip(states, results[0][backend, proj_type][1]):
                 assert all(torch.equal(a[key], b[key]) for key in a), "ranks hold different states"
-        # The moments' rows: a sharded param's over the 4 ranks of its group add up to the whole (each rank
-        # holds about a quarter), a replicated param's are whole on every rank.
+        # The moments' local pieces: a sharded param's are cut along one dim (the first with >= 4 entries) over the
+        # 4 ranks of its group, adding up to the whole (each rank holds about a quarter); a replicated param's
+        # are whole on every rank.
         for i in range(DIST_PROJ):
-            whole = results[0][backend, proj_type][1][i]["exp_avg"].shape
-            rows = [res[backend, proj_type][3][i] for res in results]
-            assert all(tuple(x[1:]) == tuple(whole[1:]) for x in rows), (i, rows, whole)
-            if i in sharded:
-                assert sum(x[0] for x in rows) == whole[0], (i, rows, whole)
-                assert max(x[0] for x in rows) == -(-whole[0] // 4), (i, rows, whole)
-            else:
-                assert all(tuple(x) == tuple(whole) for x in rows), (i, rows, whole)
+            whole = tuple(results[0][backend, proj_type][1][i]["exp_avg"].shape)
+            local = [res[backend, proj_type][3][i] for res in results]
+            if i not in sharded:
+                assert all(x == whole for x in local), (i, local, whole)
+                continue
+            d = next(d for d, n in enumerate(whole) if n >= 4)
+            assert all(x[:d] + x[d + 1:] == whole[:d] + whole[d + 1:] for x in local), (i, local, whole)
+            assert sum(x[d] for x in local) == whole[d], (i, local, whole)
+            assert max(x[d] for x in local) == -(-whole[d] // 4), (i, local, whole)

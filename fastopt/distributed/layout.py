@@ -166,23 +166,34 @@ class Layout:
                     lo, hi = min(k * full, size), min((k + 1) * full, size)
                     start, size = start + lo, hi - lo
                 out.append((start, size))
-            _check_own_range(self, n, out[dist.get_rank(self.group)])
+            _check_ranges(self, n, out)
             self._cache[key] = out
         return self._cache[key]
 
-    def shard_placements(self) -> tuple:
-        """DTensor layouts: `Shard(0)` on every mesh dim that shards the param, `Replicate()` on the others:
-        the placements of a tensor on this mesh cut along its dim 0 over `group` (`shard_ranges`)."""
+    def shard_placements(self, dim: int = 0) -> tuple:
+        """DTensor layouts: `Shard(dim)` on every mesh dim that shards the param, `Replicate()` on the others:
+        the placements of a tensor on this mesh cut along its `dim` over `group` (`shard_ranges`)."""
         from torch.distributed.tensor.placement_types import Replicate, Shard
-        return tuple(Shard(0) if d in self.mesh_dims else Replicate() for d in range(self.mesh.ndim))
+        return tuple(Shard(dim) if d in self.mesh_dims else Replicate() for d in range(self.mesh.ndim))
 
 
-def _check_own_range(lay: Layout, n: int, own: tuple[int, int]) -> None:
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    shape, offset = compute_local_shape_and_global_offset((n,), lay.mesh, lay.shard_placements())
-    if shape[0] != own[1] or (own[1] and offset[0] != own[0]):  # an empty share's start means nothing
-        raise AssertionError(f"fastopt: DTensor cuts a dim of {n} into ({offset[0]}, {shape[0]}) here, fastopt "
-                             f"computed {own}: report this with your torch version")
+def _check_ranges(lay: Layout, n: int, ranges: list[tuple[int, int]]) -> None:
+    """Every rank's (start, size) of `shard_ranges` against DTensor's own cut for that rank's coordinate, on
+    every rank alike (no rank raises alone and leaves the others in a collective). Skipped where this torch
+    lacks the coordinate form of the function."""
+    import inspect
+
+    from torch.distributed.tensor import _utils
+    fn = getattr(_utils, "_compute_local_shape_and_global_offset", None)
+    if fn is None or "my_coordinate" not in inspect.signature(fn).parameters:
+        return
+    coords, placements = lay.mesh.mesh, lay.shard_placements()
+    for gr, (start, size) in zip(dist.get_process_group_ranks(lay.group), ranges):
+        at = (coords == gr).nonzero()[0].tolist()
+        shape, offset = fn((n,), tuple(coords.shape), at, placements)
+        if shape[0] != size or (size and offset[0] != start):  # an empty share's start means nothing
+            raise ValueError(f"fastopt: DTensor cuts a dim of {n} into ({offset[0]}, {shape[0]}) on rank {gr}, "
+                             f"fastopt computed ({start}, {size}): report this with your torch version")
 
 
 def collective(new: str, old: str):

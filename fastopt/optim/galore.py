@@ -4,12 +4,13 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from .. import checkpoint as ckpt
 from .. import ops
 from ..distributed.layout import local
-from ..reference.galore import PROJ_TYPES, basis_shapes, moment_rows, projected_shape, projection_side
+from ..reference.galore import PROJ_TYPES, basis_shapes, moment_cut, moment_dim, projected_shape, projection_side
 from ..reference.quant import num_blocks
 from .base import (BLOCK_SIZE, MIN_8BIT_SIZE, NBITS, NONNEG, FastOptimizer, betas_rule, check, host_value, is_int,
                    is_number, lr_rule)
@@ -38,10 +39,12 @@ class GaLoreAdamW(FastOptimizer):
     every rank computes the same SVD; on every step each rank projects its piece and the projected gradients
     of a bucket are summed over the ranks, after which each rank back-projects onto its own piece. For
     DTensor params the projected moments are sharded too: the sum is a reduce-scatter that leaves each rank
-    the rows of the projected gradient whose moments it keeps (1/world of them), Adam runs on those, and one
+    the slice of the projected gradient whose moments it keeps (1/world of them), Adam runs on it, and one
     all-gather gives every rank the whole normalized update N for its back-projection (the same bytes as one
     all-reduce; one reduce-scatter and one all-gather per step for the bucket). Declared shards and flat
     ZeRO ranges keep whole moments on every rank (one all-reduce per step). The bases are whole on every rank.
+    With nbits=8 a DTensor param's moments are quantized in blocks of this rank's rows, not of the whole
+    moments: the result then agrees with one process to the quantization error, as AdamW8bit's does.
 
     Args:
         params: iterable of params or param-group dicts (see `get_galore_param_groups`).
@@ -60,8 +63,9 @@ class GaLoreAdamW(FastOptimizer):
     for projected params the bases `proj_left` (..., m, rank) and/or `proj_right` (..., rank, n), in the
     moments' float dtype, whole on every rank. A projected param's `exp_avg` and `exp_avg_sq` have the
     projected shape (..., rank, n), (..., m, rank) or (..., rank, rank): for a DTensor param they are DTensors
-    of that shape on its mesh, cut along dim 0 over the ranks that shard the param (`Shard(0)` on those mesh
-    dims, uneven like the params' shards), so DCP reshards them; otherwise whole, the same on every rank.
+    of that shape on its mesh, cut along one dim over the ranks that shard the param (`Shard(d)` on those mesh
+    dims, uneven like the params' shards; d the first dim with at least as many entries as those ranks, else
+    the largest), so DCP reshards them; otherwise whole, the same on every rank.
     Works with `torch.amp.GradScaler` without host sync on the steps without an SVD: a
     step with an inf gradient changes nothing, step counter and bases included. The refresh schedule is
     decided on the host from a mirror of the step counter; a skipped step is known there from GradScaler's
@@ -149,15 +153,16 @@ class GaLoreAdamW(FastOptimizer):
         shape = self._global_shape(p)
         dt = self.state_dtype(p)
         spec = {}
-        mshape = whole = tuple(local(p).shape)
+        mshape, whole = tuple(local(p).shape), shape
         if "rank" in group:
             side = projection_side(shape, group["proj_type"])
             mshape = whole = projected_shape(shape, group["rank"], side)
             spec = {k: (s, dt) for k, s in basis_shapes(shape, group["rank"], side).items()}
-            rows = moment_rows(self._layout(p), whole) if ckpt.is_dtensor(p) else None
-            if rows is not None:
-                mshape = (rows[1],) + tuple(whole[1:])
-        # The 8-bit decision looks at the whole moments: the same on every rank and in every layout.
+            cut = moment_cut(self._layout(p), whole) if ckpt.is_dtensor(p) else None
+            if cut is not None:
+                d, _start, count = cut
+                mshape = tuple(whole[:d]) + (count,) + tuple(whole[d + 1:])
+        # The 8-bit decision looks at the whole moments (or param): the same on every rank and in every layout.
         if group["nbits"] == 8 and math.prod(whole) >= group["min_8bit_size"]:
             blocks = (num_blocks(math.prod(mshape), group["block_size"]),)
             spec.update({"exp_avg": (mshape, torch.uint8), "exp_avg_absmax": (blocks, torch.float32),
@@ -175,8 +180,8 @@ class GaLoreAdamW(FastOptimizer):
         return frozenset() if "rank" in group else super()._elementwise_keys(group)
 
     def _dtensor_forms(self, p, group):
-        """A projected DTensor param's moments: DTensors of the projected shape on its mesh, cut along dim 0
-        over the mesh dims that shard the param (replicated over the others; all replicated for a replicated
+        """A projected DTensor param's moments: DTensors of the projected shape on its mesh, cut along one dim
+        (`moment_cut`) over the mesh dims that shard the param (replicated over the others; all replicated for a replicated
         param). The bases stay plain and whole."""
         if "rank" not in group or not ckpt.is_dtensor(p):
             return super()._dtensor_forms(p, group)
@@ -189,7 +194,7 @@ class GaLoreAdamW(FastOptimizer):
         elif lay.mesh is None:
             return {}
         else:
-            placements = lay.shard_placements()
+            placements = lay.shard_placements(moment_dim(whole, dist.get_world_size(lay.group)))
         return {k: (whole, placements) for k in ("exp_avg", "exp_avg_sq")}
 
     def _init_state(self, p, group):

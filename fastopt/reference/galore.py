@@ -31,11 +31,11 @@ Sharded params (fastopt/distributed/layout.py): the bases are whole on every ran
 of rectangles of the matrices (one for a dim layout, a few for a flat range); the SVD takes the whole gradient
 (assembled on refresh steps only), R is the sum over the ranks of each rank's rectangles' products (P_r^T G_r
 placed at the rectangle's columns, G_r Q_r^T at its rows, P_r^T G_r Q_r^T added whole), and each rank writes
-the back-projection's entries of its own rectangles. The moments of a DTensor param are sharded along the
-dim 0 of their (projected) shape over the ranks of its layout's group (`moment_rows`, DTensor's cut of
-`Layout.shard_ranges`): the sum of R is a reduce-scatter that leaves each rank its rows, Adam runs on them, and
-an all-gather assembles the whole N (`MomentExchange`); the moments of other sharded params are whole on
-every rank (R all-reduced).
+the back-projection's entries of its own rectangles. The moments of a DTensor param are sharded along one
+dim of their (projected) shape over the ranks of its layout's group (`moment_cut`: the first dim with at least
+as many entries as ranks, cut as DTensor's `Shard` cuts it, `Layout.shard_ranges`): the sum of R is a
+reduce-scatter that leaves each rank its slice, Adam runs on it, and an all-gather assembles the whole N
+(`MomentExchange`); the moments of other sharded params are whole on every rank (R all-reduced).
 """
 from __future__ import annotations
 
@@ -279,23 +279,31 @@ def local_back_projection(n: Tensor, state: dict, shape, rect: Rect) -> Tensor:
     return u
 
 
-def moment_rows(lay, whole) -> tuple[int, int] | None:
-    """(start, count) of the rows (dim 0 of the projected shape `whole`) of a projected param's moments that
-    this rank keeps, for a DTensor layout `lay`; None where the moments are whole (plain params, declared
-    shards, flat ranges)."""
+def moment_cut(lay, whole) -> tuple[int, int, int] | None:
+    """(dim, start, count): the slice of the moments (projected shape `whole`) that this rank keeps, for a
+    DTensor layout `lay`; None where the moments are whole (plain params, declared shards, flat ranges). The
+    dim is the first of `whole` with at least as many entries as the group has ranks (so every rank keeps some),
+    else the largest: the same on every rank. Its cut is `Layout.shard_ranges` (DTensor's `Shard(dim)`)."""
     if lay is None or lay.mesh is None:
         return None
-    return lay.shard_ranges(whole[0])[dist.get_rank(lay.group)]
+    d = moment_dim(whole, dist.get_world_size(lay.group))
+    start, count = lay.shard_ranges(whole[d])[dist.get_rank(lay.group)]
+    return d, start, count
+
+
+def moment_dim(whole, world: int) -> int:
+    """The dim of the moments (projected shape `whole`) cut over `world` ranks (`moment_cut`)."""
+    return next((d for d, n in enumerate(whole) if n >= world), max(range(len(whole)), key=lambda d: whole[d]))
 
 
 class MomentExchange:
-    """The collectives of a bucket's projected params whose moments are sharded (`moment_rows`): `scatter`
-    reduce-scatters their partial R's (each a whole (D0, ...) tensor, D0 the rows that `shard_ranges` cuts) so
-    that each rank gets the sum of its rows, `gather` all-gathers every rank's rows (N, written over them)
-    back into the whole tensors. One collective each for the bucket. The send buffer holds, for each rank k
-    of the group, the rows of rank k of every param one after the other, each param padded to its longest
-    share (padding rows are summed and never read). The params' layouts (`layouts`, one per tensor of
-    `wholes`) share one group (a bucket), not necessarily one mesh."""
+    """The collectives of a bucket's projected params whose moments are sharded (`moment_cut`): `scatter`
+    reduce-scatters their partial R's (each whole, viewed as (pre, D, post) around the cut dim D) so that each
+    rank gets the sum of its slice, `gather` all-gathers every rank's slice (N, written over it) back into the
+    whole tensors. One collective each for the bucket. The send buffer holds, for each rank k of the group,
+    the slice of rank k of every param one after the other, each padded to the param's longest share
+    (padding is summed and never read). The params' layouts (`layouts`, one per tensor of `wholes`) share one
+    group (a bucket), not necessarily one mesh."""
 
     def __init__(self, layouts: list, wholes: list[Tensor]):
         self.group = layouts[0].group
@@ -303,49 +311,61 @@ class MomentExchange:
         me = dist.get_rank(self.group)
         self.wholes, self.entries, col = wholes, [], 0
         for lay, r in zip(layouts, wholes):
-            d0 = r.shape[0]
-            rest = r.numel() // d0 if d0 else 0
-            ranges = lay.shard_ranges(d0)
+            d = moment_dim(tuple(r.shape), self.world)
+            n = r.shape[d]
+            pre, post = math.prod(r.shape[:d]), math.prod(r.shape[d + 1:])
+            ranges = lay.shard_ranges(n)
             c = max(size for _, size in ranges)
-            key = ("galore_rows", d0, str(r.device))
+            key = ("galore_cut", n, str(r.device))
             if key not in lay._cache:
-                pick, pos = [], torch.empty(d0, dtype=torch.long)
+                pick, pos = [], torch.empty(n, dtype=torch.long)
                 for k, (start, size) in enumerate(ranges):
                     pick += list(range(start, start + size)) + [0] * (c - size)
                     pos[start:start + size] = torch.arange(k * c, k * c + size)
                 lay._cache[key] = (torch.tensor(pick, dtype=torch.long, device=r.device), pos.to(r.device))
             pick, pos = lay._cache[key]
-            self.entries.append((col, c, rest, ranges[me][1], pick, pos))
-            col += c * rest
+            mine = tuple(r.shape[:d]) + (ranges[me][1],) + tuple(r.shape[d + 1:])
+            self.entries.append((col, (pre, n, post), c, (mine, ranges[me][1]), pick, pos))
+            col += pre * c * post
         self.chunk = col
 
     def scatter(self) -> list[Tensor]:
-        """Reduce-scatter: this rank's rows of each summed R (as (rows, ...) views of one receive buffer)."""
-        r0 = self.wholes[0]
-        send = torch.empty(self.world, self.chunk, dtype=r0.dtype, device=r0.device)
-        for r, (col, c, rest, _n, pick, _pos) in zip(self.wholes, self.entries):
-            if c * rest:
-                send[:, col:col + c * rest].view(self.world, c, rest).copy_(
-                    r.reshape(r.shape[0], rest).index_select(0, pick).view(self.world, c, rest))
+        """Reduce-scatter: this rank's slice of each summed R (views of one receive buffer, shaped like the
+        local moments)."""
+        r0, w = self.wholes[0], self.world
+        send = torch.empty(w, self.chunk, dtype=r0.dtype, device=r0.device)
+        for r, (col, (pre, n, post), c, _mine, pick, _pos) in zip(self.wholes, self.entries):
+            if pre * c * post:
+                block = r.reshape(pre, n, post).index_select(1, pick).view(pre, w, c, post)
+                send[:, col:col + pre * c * post].view(w, pre, c, post).copy_(block.transpose(0, 1))
         self.recv = torch.empty(self.chunk, dtype=r0.dtype, device=r0.device)
         collective("reduce_scatter_single", "reduce_scatter_tensor")(self.recv, send.view(-1), group=self.group)
-        return [self.recv[col:col + n * rest].view(n, *r.shape[1:])
-                for r, (col, _c, rest, n, _p, _q) in zip(self.wholes, self.entries)]
+        # This rank's slice of a param sits in its padded block (pre, c, post): a contiguous piece of it where
+        # the cut dim is the outermost (pre == 1), else copied out (and back in `gather`).
+        self.pieces = []
+        for col, (pre, _n, post), c, (mine, count), _p, _q in self.entries:
+            block = self.recv[col:col + pre * c * post].view(pre, c, post)[:, :count]
+            self.pieces.append((block, block.contiguous().view(mine)))
+        return [piece for _b, piece in self.pieces]
 
     def gather(self) -> None:
-        """All-gather the rows in the receive buffer (overwritten since `scatter`) into the whole tensors."""
-        r0 = self.wholes[0]
-        out = torch.empty(self.world, self.chunk, dtype=r0.dtype, device=r0.device)
+        """All-gather the slices in the receive buffer (written over since `scatter`, or into the pieces it
+        returned) into the whole tensors."""
+        r0, w = self.wholes[0], self.world
+        for block, piece in self.pieces:
+            if not block.is_contiguous():  # `piece` is a copy
+                block.copy_(piece.view(block.shape))
+        out = torch.empty(w, self.chunk, dtype=r0.dtype, device=r0.device)
         collective("all_gather_single", "all_gather_into_tensor")(out.view(-1), self.recv, group=self.group)
-        for r, (col, c, rest, _n, _pick, pos) in zip(self.wholes, self.entries):
-            if c * rest:
-                r.reshape(r.shape[0], rest).copy_(
-                    out[:, col:col + c * rest].reshape(self.world * c, rest).index_select(0, pos))
+        for r, (col, (pre, n, post), c, _mine, _pick, pos) in zip(self.wholes, self.entries):
+            if pre * c * post:
+                block = out[:, col:col + pre * c * post].view(w, pre, c, post).transpose(0, 1)
+                r.reshape(pre, n, post).copy_(block.reshape(pre, w * c, post).index_select(1, pos))
 
 
 class BucketPlan:
     """The projected params of a bucket, for both back ends: `shapes[i]` (global), `shape3s[i]` (R as (B, a, b)),
-    `rows[i]` (`moment_rows`), and `proj`, their indices with the whole-moment params first, the order of their
+    `rows[i]` (`moment_cut`), and `proj`, their indices with the whole-moment params first, the order of their
     R's in the bucket's flat buffer of `size` elements (so that `reduce` sums a prefix of it)."""
 
     def __init__(self, params: list[Tensor], states: list[dict], layouts: list):
@@ -356,7 +376,7 @@ class BucketPlan:
                 lay = layouts[i]
                 self.shapes[i] = lay.global_shape if lay is not None else tuple(params[i].shape)
                 self.shape3s[i] = state_views(s, self.shapes[i])[2]
-                self.rows[i] = moment_rows(lay, self.natural(i))
+                self.rows[i] = moment_cut(lay, self.natural(i))
         self.proj = sorted(self.shapes, key=lambda i: self.rows[i] is not None)
         self.size = sum(math.prod(self.shape3s[i]) for i in self.proj)
         self.exchange = None
@@ -367,7 +387,7 @@ class BucketPlan:
 
     def reduce(self, buf: Tensor, rs: dict, reduce) -> dict:
         """Sum the partial R's in `buf` (views `rs`): the whole-moment params' prefix with `reduce`, the others
-        reduce-scattered; returns {i: this rank's rows of R} for the latter (`gather` sends N back)."""
+        reduce-scattered; returns {i: this rank's slice of R} for the latter (`gather` sends N back)."""
         whole_end = sum(rs[i].numel() for i in self.proj if self.rows[i] is None)
         if reduce is not None and whole_end:
             reduce(buf[:whole_end])
