@@ -14,12 +14,13 @@ and gathering each whole gradient matrix (what an exact factored statistic costs
 GaLore-AdamW (computed, one row per rank of bench/bench_galore.py): the params of `get_galore_param_groups`,
 every nn.Linear weight projected (`proj_type` "std"; the LM head too, the embedding and the norms stay plain
 AdamW, element-wise, without communication). Per step, the projected params (one bucket over the world) write
-their partial projected gradients R into one flat fp32 buffer, reduce-scattered along R's dim 0 (each param's
-rows cut over the 64 ranks as DTensor cuts them, padded to the longest share) and all-gathered back as N:
-two collectives, the bytes of one all-reduce of the buffer (`MomentExchange`). Every `update_proj_gap` steps
-each projected gradient is assembled whole first (one all-reduce of the matrix: `full_tensor`), reported per
-refresh step and spread over the gap. State per rank (the largest rank's): whole bases, this rank's rows of
-the moments, the plain params' moments of the local piece; against the moments whole on every rank, and
+their partial projected gradients R into one flat fp32 buffer, reduce-scattered along one dim of R (`moment_cut`:
+dim 0 for these shapes; each param's slice cut over the 64 ranks as DTensor cuts it, padded to the longest
+share) and all-gathered back as N: two collectives, the bytes of one all-reduce of the buffer
+(`MomentExchange`). Every `update_proj_gap` steps each projected gradient is assembled whole on one rank (one
+reduce of the matrix: the bucket's SVDs spread over the ranks), and one all-reduce shares the new bases
+(`refresh_bases`), reported per refresh step and spread over the gap. State per rank (the largest rank's):
+whole bases, this rank's slice of the moments, the plain params' moments of the local piece; against the moments whole on every rank, and
 AdamW's two moments of the local pieces.
 
 Overhead (timed): one single-process `step()` of each optimizer on the usual parameter sets, against the
@@ -43,7 +44,7 @@ import fastopt
 from fastopt.reference import adafactor as ref_adafactor
 from fastopt.reference import came as ref_came
 from fastopt.reference import lamb as ref_lamb
-from fastopt.reference.galore import basis_shapes, moment_dim, projected_shape, projection_side
+from fastopt.reference.galore import SHARE_ELEMENTS, basis_shapes, moment_dim, projected_shape, projection_side
 
 STEM = "layouts"
 TP, DP = 8, 8
@@ -122,16 +123,29 @@ def galore_comm(shapes, rank: int, dtype=torch.float32, gap: int = GALORE_GAP) -
             state["galore"][k] += acc * (bases + 2 * rows[k] * rest)
             state["whole_moments"][k] += acc * (bases + 2 * math.prod(whole))
     nbytes = padded * acc
-    refresh = sum(math.prod(s) for s in proj) * g_bytes  # one all-reduce of each whole gradient, its dtype
+    # Refresh: each whole gradient (its dtype) reduced onto the rank that computes its SVD (a ring reduce sends
+    # (n - 1) / n of it per rank), then the new bases (fp32) all-reduced in buffers of at most SHARE_ELEMENTS.
+    grads = sum(math.prod(s) for s in proj) * g_bytes
+    sizes = [math.prod(b) for s in proj for b in basis_shapes(s, rank, projection_side(s, "std")).values()]
+    bases_all = acc * sum(sizes)
+    share_collectives, fill = 0, None
+    for n in sizes:  # refresh_bases' greedy cut
+        if fill is None or fill + n > SHARE_ELEMENTS:
+            share_collectives, fill = share_collectives + 1, 0
+        fill += n
     ring = 2 * (world - 1) / world
+    refresh = grads + bases_all
+    refresh_ring = (world - 1) / world * grads + ring * bases_all
     return dict(mesh=f"TP {TP} x FSDP {DP}", collectives=2 if proj else 0, buffer_bytes=nbytes,
                 ring_bytes_per_rank=ring * nbytes, per_param_collectives=2 * len(proj), gather_matrix_bytes=0,
                 groups={"world": dict(ranks=world, params=len(proj), collectives=2 if proj else 0,
                                       buffer_elements=[padded], buffer_bytes=nbytes,
                                       padding_elements=padded - real)},
                 rank=rank, projected=len(proj), plain=len(shapes) - len(proj), refresh_every=gap,
-                refresh_collectives=len(proj), refresh_bytes=refresh, refresh_ring_bytes_per_rank=ring * refresh,
-                refresh_ring_bytes_per_rank_per_step=ring * refresh / gap,
+                refresh_collectives=len(proj) + share_collectives, refresh_share_collectives=share_collectives,
+                refresh_bytes=refresh,
+                refresh_ring_bytes_per_rank=refresh_ring, refresh_ring_bytes_per_rank_per_step=refresh_ring / gap,
+                refresh_svds_per_rank=-(-len(proj) // world),
                 state_bytes_per_rank=max(state["galore"]),
                 state_bytes_per_rank_whole_moments=max(state["whole_moments"]),
                 adamw_state_bytes_per_rank=max(state["adamw"]))
@@ -204,9 +218,11 @@ def run(args) -> list[dict]:
         c = galore_comm(full.shapes, rank)
         summary = (f"{c['collectives']} collectives/step ({c['per_param_collectives']} if one per param and "
                    f"phase), {_size(c['buffer_bytes'])} reduced/step, {_size(c['ring_bytes_per_rank'])} sent per "
-                   f"rank (ring); every {c['refresh_every']} steps {c['refresh_collectives']} all-reduces of the "
-                   f"whole gradients, {_size(c['refresh_ring_bytes_per_rank'])} sent per rank "
-                   f"({_size(c['refresh_ring_bytes_per_rank_per_step'])}/step over the gap); state per rank "
+                   f"rank (ring); every {c['refresh_every']} steps {c['projected']} reduces of the whole gradients "
+                   f"and {c['refresh_share_collectives']} all-reduces of the bases, "
+                   f"{_size(c['refresh_ring_bytes_per_rank'])} sent "
+                   f"per rank ({_size(c['refresh_ring_bytes_per_rank_per_step'])}/step over the gap), "
+                   f"{c['refresh_svds_per_rank']} SVDs per rank; state per rank "
                    f"{_size(c['state_bytes_per_rank'])} (moments whole: "
                    f"{_size(c['state_bytes_per_rank_whole_moments'])}; AdamW: "
                    f"{_size(c['adamw_state_bytes_per_rank'])})")

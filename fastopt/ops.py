@@ -249,8 +249,8 @@ __all__ += ["galore_refresh", "galore_step"]
 def galore_refresh(grads, states, refresh, *, rank, inv_scale=None, found_inf=None, layouts=None):
     """New projection bases (torch.linalg.svd of each flagged param's whole gradient, in fp32) for the params
     whose `refresh` flag is set; every back end runs the same SVD. A step GradScaler skips keeps the old
-    bases. Sharded params (`layouts`) assemble their whole gradient first (`full_tensor`: one all-reduce),
-    on these steps only."""
+    bases. Sharded params (`layouts`) assemble their whole gradient on these steps only, each on one rank of
+    its group, which computes its SVD; one all-reduce shares the bucket's new bases (`refresh_bases`)."""
     from .reference import galore as r
     r.refresh_bases(grads, states, refresh, rank=rank, inv_scale=inv_scale, found_inf=found_inf, layouts=layouts)
 

@@ -171,8 +171,15 @@ def test_layouts_bench_counts_collectives_and_bytes(tmp_path, monkeypatch):
         assert r["status"] == "computed" and c["collectives"] == 2 and c["projected"] == len(proj) == 32 * 7 + 1
         assert c["buffer_bytes"] == 4 * R and c["groups"]["world"]["padding_elements"] == 0, c
         assert c["ring_bytes_per_rank"] == pytest.approx(2 * 63 / 64 * 4 * R)
-        assert c["refresh_collectives"] == len(proj) and c["refresh_bytes"] == 4 * sum(a * b for a, b in proj)
-        assert c["refresh_ring_bytes_per_rank_per_step"] == pytest.approx(2 * 63 / 64 * c["refresh_bytes"] / 200)
+        # refresh: each whole gradient reduced onto one rank, which computes its SVD; one all-reduce of the bases
+        grads = 4 * sum(a * b for a, b in proj)
+        # bases shared in buffers of 2**26 elements: at rank 128, 2 of them; at 1024 every basis is 4096 x 1024
+        # (2**22 elements), 16 to a buffer
+        shares = -(-bases // (1 << 26)) if rank == 128 else -(-len(proj) // 16)
+        assert c["refresh_collectives"] == len(proj) + shares and c["refresh_bytes"] == grads + 4 * bases
+        assert c["refresh_ring_bytes_per_rank_per_step"] == pytest.approx((63 / 64 * grads + 2 * 63 / 64 * 4 * bases)
+                                                                          / 200)
+        assert c["refresh_svds_per_rank"] == 4  # 225 SVDs over 64 ranks
         assert c["state_bytes_per_rank"] == 4 * (bases + 2 * R // 64) + plain
         assert c["state_bytes_per_rank_whole_moments"] == 4 * (bases + 2 * R) + plain
         assert c["adamw_state_bytes_per_rank"] == 8 * n_mats // 64 + 8 * n_vecs // 8

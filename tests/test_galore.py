@@ -510,6 +510,8 @@ def _dtensor_galore(rank, world, init, grads, backends, proj_types):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import distribute_tensor
 
+    from fastopt.reference import galore as ref_galore
+
     meshes = {(4,): init_device_mesh("cpu", (4,), mesh_dim_names=("tp",)),
               (2, 2): init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))}
     plc = [(meshes[m], [placement(s) for s in pls]) for _, m, pls in DIST_CASES]
@@ -520,40 +522,48 @@ def _dtensor_galore(rank, world, init, grads, backends, proj_types):
                   for x, (m, pl) in zip(init, plc)]
         opt = fastopt.GaLoreAdamW([{"params": params[:DIST_PROJ], "proj_type": proj_type, **GROUP},
                                    {"params": params[DIST_PROJ:]}], lr=LR, weight_decay=WD)
-        calls = []
-        names = [c for c in ("all_reduce", "reduce_scatter_tensor", "reduce_scatter_single", "all_gather_into_tensor",
-                             "all_gather_single", "all_gather", "broadcast") if hasattr(dist, c)]
+        calls, svds = [], []
+        names = [c for c in ("all_reduce", "reduce", "reduce_scatter_tensor", "reduce_scatter_single",
+                             "all_gather_into_tensor", "all_gather_single", "all_gather", "broadcast")
+                 if hasattr(dist, c)]
         real = {c: getattr(dist, c) for c in names}
         for c in names:
-            setattr(dist, c, lambda *a, _c=c, **k: calls.append(_c.split("_")[0] + "_" + _c.split("_")[1])
-                    or real[_c](*a, **k))
-        per_step = []
+            setattr(dist, c, lambda *a, _c=c, **k: calls.append(_c.replace("_tensor", "").replace("_into", "")
+                                                                  .replace("_single", "")) or real[_c](*a, **k))
+        svd, share = ref_galore.orthogonal_bases, ref_galore.SHARE_ELEMENTS
+        ref_galore.orthogonal_bases = lambda *a, **k: svds.append(1) or svd(*a, **k)
+        ref_galore.SHARE_ELEMENTS = 1  # one all-reduce per shared basis: the bounded buffers are exercised
+        per_step, svd_steps = [], []
         try:
             for step_grads in grads:
                 for p, g, (m, pl) in zip(params, step_grads, plc):
                     p.grad = distribute_tensor(g.clone(), m, pl, src_data_rank=None)
                 calls.clear()
+                svds.clear()
                 opt.step()
                 per_step.append(sorted(calls))
+                svd_steps.append(len(svds))
         finally:
             for c in names:
                 setattr(dist, c, real[c])
+            ref_galore.orthogonal_bases, ref_galore.SHARE_ELEMENTS = svd, share
         full = [p.detach().full_tensor() for p in params]
         states = [{k: v.full_tensor() if hasattr(v, "full_tensor") else v.clone() for k, v in opt.state[p].items()}
                   for p in params[:DIST_PROJ]]
         cuts = [tuple(opt.state[p]["exp_avg"].to_local().shape) for p in params[:DIST_PROJ]]
-        out[backend, proj_type] = (full, states, per_step, cuts)
+        out[backend, proj_type] = (full, states, per_step, cuts, svd_steps)
     return out
 
 
 @pytest.mark.dist
 def test_dtensor_shards_match_single_process():
     """4 gloo ranks: every layout gives galore-torch's single-process result; the bases are the same SVD of
-    the whole gradient (bit for bit) on every rank, and the moments of a sharded param are cut along their dim 0
-    over its ranks (each row on exactly one rank of its group; a replicated param's are whole). Collectives: one
-    reduce-scatter of the projected gradients and one all-gather of N per sharded bucket per step, plus one
-    all-reduce per sharded projected param on refresh steps (its whole gradient for the SVD); none for the
-    sharded vector of the plain group."""
+    the whole gradient (bit for bit) on every rank, and the moments of a sharded param are cut along one dim
+    over its ranks (each entry on exactly one rank of its group; a replicated param's are whole). Collectives:
+    one reduce-scatter of the projected gradients and one all-gather of N per sharded bucket per step; on
+    refresh steps also one reduce per sharded projected param (its whole gradient, onto the rank that computes
+    its SVD: the k-th param's on rank k % 4) and the all-reduces of the bucket's new bases (one per basis here,
+    with the buffer bound set to 1 element); none for the sharded vector of the plain group. The replicated param's SVD runs on every rank."""
     from dist_utils import run as dist_run
     from fastopt import ops
     backends = ["torch"] + (["triton"] if ops.triton_available() and ops.interpreting() else [])
@@ -569,13 +579,16 @@ def test_dtensor_shards_match_single_process():
     for backend, proj_type in [(b, t) for b in backends for t in proj_types]:
         ref_flat, ref_opt, plist = galore_torch_run(ref_init, ref_grads, proj_type, sum(n_split))
         for r, res in enumerate(results):
-            full, states, per_step, _rows = res[backend, proj_type]
+            full, states, per_step, _cuts, svd_steps = res[backend, proj_type]
             assert full[0].shape == init[0].shape
-            for t, calls in enumerate(per_step, start=1):
+            for t, (calls, svds) in enumerate(zip(per_step, svd_steps), start=1):
                 refresh = (t - 1) % GAP == 0
-                want = ["all_gather"] * buckets + ["all_reduce"] * (len(sharded) if refresh else 0) + \
-                    ["reduce_scatter"] * buckets
+                bases = len(sharded) * (2 if proj_type == "full" else 1)  # SHARE_ELEMENTS = 1: one each
+                want = ["all_gather", "reduce_scatter"] * buckets + \
+                    (["reduce"] * len(sharded) + ["all_reduce"] * bases if refresh else [])
                 assert calls == sorted(want), (backend, r, t, calls)
+                mine = sum(1 for k in range(len(sharded)) if k % 4 == r) + (DIST_PROJ - len(sharded))
+                assert svds == (mine if refresh else 0), (backend, r, t, svds)
             k = 0
             for i, x in enumerate(init):
                 mats = n_split[i] if i < DIST_PROJ else 1

@@ -29,8 +29,9 @@ and v_{t-1} are the dequantized states, N uses the exact m_t, v_t, and those are
 
 Sharded params (fastopt/distributed/layout.py): the bases are whole on every rank. A rank's piece is a set
 of rectangles of the matrices (one for a dim layout, a few for a flat range); the SVD takes the whole gradient
-(assembled on refresh steps only), R is the sum over the ranks of each rank's rectangles' products (P_r^T G_r
-placed at the rectangle's columns, G_r Q_r^T at its rows, P_r^T G_r Q_r^T added whole), and each rank writes
+(assembled on refresh steps only, on one rank per param: `refresh_bases` spreads a bucket's SVDs over its
+ranks), R is the sum over the ranks of each rank's rectangles' products (P_r^T G_r placed at the rectangle's
+columns, G_r Q_r^T at its rows, P_r^T G_r Q_r^T added whole), and each rank writes
 the back-projection's entries of its own rectangles. The moments of a DTensor param are sharded along one
 dim of their (projected) shape over the ranks of its layout's group (`moment_cut`: the first dim with at least
 as many entries as ranks, cut as DTensor's `Shard` cuts it, `Layout.shard_ranges`): the sum of R is a
@@ -119,19 +120,36 @@ def state_views(state: dict, shape) -> tuple[Tensor | None, Tensor | None, tuple
     return left, right, (nb, a, b)
 
 
+SHARE_ELEMENTS = 1 << 26  # refresh_bases: the largest buffer of new bases all-reduced at once (256 MiB fp32)
+
+
 def refresh_bases(grads: list[Tensor], states: list[dict], refresh: list[bool], *, rank: int,
                   inv_scale: Tensor | None = None, found_inf: Tensor | None = None,
                   layouts: list | None = None) -> None:
-    """New bases for the params flagged in `refresh`; the SVD runs on these steps only. Shared by both back
-    ends (the SVD is torch.linalg.svd on either). A step GradScaler skips keeps the old bases. A sharded
-    param's whole gradient is assembled on every rank first (one all-reduce of it, on these steps only),
-    and every rank computes the same SVD of it."""
+    """New bases for the params flagged in `refresh` (one bucket); the SVD runs on these steps only. Shared by
+    both back ends (the SVD is torch.linalg.svd on either). A step GradScaler skips keeps the old bases.
+
+    Sharded params whose layout has one group (DTensors, most declared shards) take turns over the ranks of
+    that group: the k-th one's whole gradient is assembled on group rank k % world (one reduce), which alone
+    computes its SVD, and all-reduces of the new bases of the bucket (zeros where a rank computed none: exact
+    sums), in buffers of at most `SHARE_ELEMENTS` (or one basis), hand every rank all of them, bit for bit the
+    bases of one process. So the SVDs of a bucket are spread over its ranks instead of repeated on each. Declared shards over several groups assemble their
+    whole gradient on every rank (one all-reduce per group), each rank computing the same SVD."""
     from ..distributed.layout import full_tensor
     layouts = layouts if layouts is not None else [None] * len(grads)
-    for g, s, r, lay in zip(grads, states, refresh, layouts):
-        if not r or not is_projected(s):
-            continue
-        if lay is not None:
+    todo = [i for i, s in enumerate(states) if refresh[i] and is_projected(s)]
+    spread = [i for i in todo if layouts[i] is not None and len(layouts[i].groups) == 1]
+    world = dist.get_world_size(layouts[spread[0]].group) if spread else 1
+    me = dist.get_rank(layouts[spread[0]].group) if spread else 0
+    owner = {i: k % world for k, i in enumerate(spread)}
+    new = {}
+    for i in todo:
+        g, s, lay = grads[i], states[i], layouts[i]
+        if i in owner:
+            g = full_tensor(g, lay, dst=owner[i])
+            if owner[i] != me:
+                continue
+        elif lay is not None:
             g = full_tensor(g, lay)
         side = "full" if LEFT in s and RIGHT in s else ("left" if LEFT in s else "right")
         dt = (s[LEFT] if LEFT in s else s[RIGHT]).dtype
@@ -140,8 +158,30 @@ def refresh_bases(grads: list[Tensor], states: list[dict], refresh: list[bool], 
             g = g * inv_scale.to(dt)
         if found_inf is not None:  # an inf gradient would make the SVD fail; the step is discarded anyway
             g = torch.nan_to_num(g, nan=0.0, posinf=0.0, neginf=0.0)
-        for key, basis in orthogonal_bases(g, rank, side, dt).items():
-            _commit(s[key], basis.reshape(s[key].shape), found_inf)
+        new[i] = orthogonal_bases(g, rank, side, dt)
+    slots = [(i, key) for i in spread for key in (LEFT, RIGHT) if key in states[i]]
+    while slots:  # the shared bases, a bounded buffer at a time
+        n, k = 0, 0
+        while k < len(slots) and (k == 0 or n + states[slots[k][0]][slots[k][1]].numel() <= SHARE_ELEMENTS):
+            n += states[slots[k][0]][slots[k][1]].numel()
+            k += 1
+        chunk, slots = slots[:k], slots[k:]
+        ref = states[chunk[0][0]][chunk[0][1]]
+        buf = torch.zeros(n, dtype=ref.dtype, device=ref.device)
+        off, views = 0, []
+        for i, key in chunk:
+            views.append(buf[off:off + states[i][key].numel()])
+            off += states[i][key].numel()
+            if i in new:
+                views[-1].copy_(new[i][key].reshape(-1))
+        dist.all_reduce(buf, group=layouts[spread[0]].group)
+        for (i, key), v in zip(chunk, views):
+            _commit(states[i][key], v.view(states[i][key].shape), found_inf)
+    for i in todo:
+        if i not in owner:
+            s = states[i]
+            for key, basis in new[i].items():
+                _commit(s[key], basis.reshape(s[key].shape), found_inf)
 
 
 class Rect:
