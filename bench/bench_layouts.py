@@ -124,7 +124,8 @@ def galore_comm(shapes, rank: int, dtype=torch.float32, gap: int = GALORE_GAP) -
             state["whole_moments"][k] += acc * (bases + 2 * math.prod(whole))
     nbytes = padded * acc
     # Refresh: each whole gradient (its dtype) reduced onto the rank that computes its SVD (a ring reduce sends
-    # (n - 1) / n of it per rank), then the new bases (fp32) all-reduced in buffers of at most SHARE_ELEMENTS.
+    # (n - 1) / n of it per rank), one all-reduce of a flag per rank (an SVD that failed), then the new bases
+    # (fp32) all-reduced in buffers of at most SHARE_ELEMENTS.
     grads = sum(math.prod(s) for s in proj) * g_bytes
     sizes = [math.prod(b) for s in proj for b in basis_shapes(s, rank, projection_side(s, "std")).values()]
     bases_all = acc * sum(sizes)
@@ -142,7 +143,7 @@ def galore_comm(shapes, rank: int, dtype=torch.float32, gap: int = GALORE_GAP) -
                                       buffer_elements=[padded], buffer_bytes=nbytes,
                                       padding_elements=padded - real)},
                 rank=rank, projected=len(proj), plain=len(shapes) - len(proj), refresh_every=gap,
-                refresh_collectives=len(proj) + share_collectives, refresh_share_collectives=share_collectives,
+                refresh_collectives=len(proj) + share_collectives + 1, refresh_share_collectives=share_collectives,
                 refresh_bytes=refresh,
                 refresh_ring_bytes_per_rank=refresh_ring, refresh_ring_bytes_per_rank_per_step=refresh_ring / gap,
                 refresh_svds_per_rank=-(-len(proj) // world),
@@ -219,7 +220,7 @@ def run(args) -> list[dict]:
         summary = (f"{c['collectives']} collectives/step ({c['per_param_collectives']} if one per param and "
                    f"phase), {_size(c['buffer_bytes'])} reduced/step, {_size(c['ring_bytes_per_rank'])} sent per "
                    f"rank (ring); every {c['refresh_every']} steps {c['projected']} reduces of the whole gradients "
-                   f"and {c['refresh_share_collectives']} all-reduces of the bases, "
+                   f"and {c['refresh_share_collectives'] + 1} all-reduces (the bases, failure flags), "
                    f"{_size(c['refresh_ring_bytes_per_rank'])} sent "
                    f"per rank ({_size(c['refresh_ring_bytes_per_rank_per_step'])}/step over the gap), "
                    f"{c['refresh_svds_per_rank']} SVDs per rank; state per rank "

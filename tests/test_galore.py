@@ -585,7 +585,7 @@ def test_dtensor_shards_match_single_process():
                 refresh = (t - 1) % GAP == 0
                 bases = len(sharded) * (2 if proj_type == "full" else 1)  # SHARE_ELEMENTS = 1: one each
                 want = ["all_gather", "reduce_scatter"] * buckets + \
-                    (["reduce"] * len(sharded) + ["all_reduce"] * bases if refresh else [])
+                    (["reduce"] * len(sharded) + ["all_reduce"] * (bases + 1) if refresh else [])  # + failure flags
                 assert calls == sorted(want), (backend, r, t, calls)
                 mine = sum(1 for k in range(len(sharded)) if k % 4 == r) + (DIST_PROJ - len(sharded))
                 assert svds == (mine if refresh else 0), (backend, r, t, svds)
@@ -622,3 +622,36 @@ def test_dtensor_shards_match_single_process():
             assert all(x[:d] + x[d + 1:] == whole[:d] + whole[d + 1:] for x in local), (i, local, whole)
             assert sum(x[d] for x in local) == whole[d], (i, local, whole)
             assert max(x[d] for x in local) == -(-whole[d] // 4), (i, local, whole)
+
+
+def _svd_failure(rank, world):
+    """Child: three sharded params, a NaN in one rank's piece of the second one's gradient on the first (refresh)
+    step, no GradScaler: only that param's SVD rank sees the NaN, and every rank must raise alike."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(distribute_tensor(torch.randn(12, 8, generator=g), mesh, [Shard(0)],
+                                                   src_data_rank=None)) for _ in range(3)]
+    opt = fastopt.GaLoreAdamW([{"params": params, "rank": 2}], lr=1e-2)
+    for i, p in enumerate(params):
+        grad = torch.randn(p.shape, generator=g)
+        if i == 1:
+            grad[11, 3] = float("nan")  # rank 3's rows
+        p.grad = distribute_tensor(grad, mesh, [Shard(0)], src_data_rank=None)
+    with pytest.raises(RuntimeError, match="SVD of a projected gradient failed on rank") as err:
+        opt.step()
+    dist.barrier()  # every rank is out of the step's collectives
+    return str(err.value)
+
+
+@pytest.mark.dist
+def test_failed_svd_raises_on_every_rank():
+    """The SVD of a sharded param runs on one rank of its group (the second param's on rank 1); when it fails,
+    every rank raises the same error instead of waiting for that rank in the next collective."""
+    from dist_utils import run as dist_run
+    msgs = dist_run(_svd_failure, 4, timeout=60.0)
+    assert all("rank(s) [1]" in m for m in msgs), msgs
+    assert "converge" in msgs[1] or "non-finite" in msgs[1], msgs[1]

@@ -130,27 +130,33 @@ def refresh_bases(grads: list[Tensor], states: list[dict], refresh: list[bool], 
     both back ends (the SVD is torch.linalg.svd on either). A step GradScaler skips keeps the old bases.
 
     Sharded params whose layout has one group (DTensors, most declared shards) take turns over the ranks of
-    that group: the k-th one's whole gradient is assembled on group rank k % world (one reduce), which alone
-    computes its SVD, and all-reduces of the new bases of the bucket (zeros where a rank computed none: exact
-    sums), in buffers of at most `SHARE_ELEMENTS` (or one basis), hand every rank all of them, bit for bit the
-    bases of one process. So the SVDs of a bucket are spread over its ranks instead of repeated on each. Declared shards over several groups assemble their
-    whole gradient on every rank (one all-reduce per group), each rank computing the same SVD."""
+    that group: the k-th one's whole gradient is assembled on group rank k % world (one reduce each, all of them
+    first, so that each rank then holds the gradients of its own params only), each rank computes the SVDs of
+    its params (at the same time as the others), and all-reduces of the new bases of the bucket (zeros where a
+    rank computed none: exact sums), in buffers of at most `SHARE_ELEMENTS` (or one basis), hand every rank
+    all of them, bit for bit the bases of one process. An SVD that fails on its rank (a non-finite gradient
+    without GradScaler) is known to every rank of the group by one all-reduce of a flag per rank, and all of
+    them raise. Declared shards over several groups assemble their whole gradient on every rank (one
+    all-reduce per group), each rank computing the same SVD."""
     from ..distributed.layout import full_tensor
     layouts = layouts if layouts is not None else [None] * len(grads)
     todo = [i for i, s in enumerate(states) if refresh[i] and is_projected(s)]
     spread = [i for i in todo if layouts[i] is not None and len(layouts[i].groups) == 1]
-    world = dist.get_world_size(layouts[spread[0]].group) if spread else 1
-    me = dist.get_rank(layouts[spread[0]].group) if spread else 0
+    group = layouts[spread[0]].group if spread else None
+    world = dist.get_world_size(group) if spread else 1
+    me = dist.get_rank(group) if spread else 0
     owner = {i: k % world for k, i in enumerate(spread)}
-    new = {}
+    whole = {}
+    for i in spread:  # every reduce first: the SVDs below then run on all the ranks at once
+        g = full_tensor(grads[i], layouts[i], dst=owner[i])
+        if owner[i] == me:
+            whole[i] = g
+    new, failed = {}, None
     for i in todo:
-        g, s, lay = grads[i], states[i], layouts[i]
-        if i in owner:
-            g = full_tensor(g, lay, dst=owner[i])
-            if owner[i] != me:
-                continue
-        elif lay is not None:
-            g = full_tensor(g, lay)
+        if i in owner and owner[i] != me:
+            continue
+        s, lay = states[i], layouts[i]
+        g = whole.pop(i) if i in owner else (full_tensor(grads[i], lay) if lay is not None else grads[i])
         side = "full" if LEFT in s and RIGHT in s else ("left" if LEFT in s else "right")
         dt = (s[LEFT] if LEFT in s else s[RIGHT]).dtype
         g = g.to(dt)
@@ -158,7 +164,22 @@ def refresh_bases(grads: list[Tensor], states: list[dict], refresh: list[bool], 
             g = g * inv_scale.to(dt)
         if found_inf is not None:  # an inf gradient would make the SVD fail; the step is discarded anyway
             g = torch.nan_to_num(g, nan=0.0, posinf=0.0, neginf=0.0)
-        new[i] = orthogonal_bases(g, rank, side, dt)
+        if i not in owner:
+            new[i] = orthogonal_bases(g, rank, side, dt)
+            continue
+        try:
+            new[i] = orthogonal_bases(g, rank, side, dt)
+        except RuntimeError as e:  # torch.linalg.LinAlgError, out of memory: raised below on every rank alike
+            failed = failed or e
+    if spread:
+        flags = torch.zeros(world, dtype=torch.float32, device=grads[spread[0]].device)
+        flags[me] = failed is not None
+        dist.all_reduce(flags, group=group)
+        bad = flags.nonzero().flatten().tolist()
+        if bad:
+            why = f": {failed}" if failed is not None else ""
+            raise RuntimeError(f"GaLoreAdamW: the SVD of a projected gradient failed on rank(s) {bad} of the "
+                               f"param's group (a non-finite gradient?){why}") from failed
     slots = [(i, key) for i in spread for key in (LEFT, RIGHT) if key in states[i]]
     while slots:  # the shared bases, a bounded buffer at a time
         n, k = 0, 0
@@ -322,8 +343,8 @@ def local_back_projection(n: Tensor, state: dict, shape, rect: Rect) -> Tensor:
 def moment_cut(lay, whole) -> tuple[int, int, int] | None:
     """(dim, start, count): the slice of the moments (projected shape `whole`) that this rank keeps, for a
     DTensor layout `lay`; None where the moments are whole (plain params, declared shards, flat ranges). The
-    dim is the first of `whole` with at least as many entries as the group has ranks (so every rank keeps some),
-    else the largest: the same on every rank. Its cut is `Layout.shard_ranges` (DTensor's `Shard(dim)`)."""
+    dim is the first of `whole` with at least as many entries as the group has ranks (so that few ranks, if
+    any, are left without a share: torch.chunk's rule can still leave the last ones empty), else the largest: the same on every rank. Its cut is `Layout.shard_ranges` (DTensor's `Shard(dim)`)."""
     if lay is None or lay.mesh is None:
         return None
     d = moment_dim(whole, dist.get_world_size(lay.group))
