@@ -679,6 +679,32 @@ def test_unfrozen_param_is_reduced_and_stepped(pool, partition_grad, overlap, ac
     _check_equal_across_ranks(results)
 
 
+def _freeze_with_grad(rank, world, partition_grad):
+    """w1 frozen after the backward of step 2, while it holds its gradient (no zero_grad in between)."""
+    os.environ["FASTOPT_BACKEND"] = "torch"
+    model = Net()
+    opt = ZeroRedundancyOptimizer(make_opt("AdamW", model), partition_grad=partition_grad, bucket_size_mb=BUCKET_MB)
+    before = None
+    for step in range(4):
+        x, y = batch(step, world)
+        opt.zero_grad()
+        _local_backward(model, x, y, rank, 1, False)
+        if step == 2:
+            model.w1.requires_grad_(False)
+            before = model.w1.detach().clone()
+        opt.step()
+    return dict(still=torch.equal(model.w1, before), params=[p.detach().clone() for p in model.parameters()])
+
+
+@pytest.mark.parametrize("partition_grad", [False, True])
+def test_param_frozen_with_a_gradient_is_not_stepped(pool, partition_grad):
+    """A param frozen while it still holds a gradient is left alone on every rank (torch's optimizers would
+    step it; under ZeRO only its owner could, and the replicas would drift apart)."""
+    results = pool.run(_freeze_with_grad, partition_grad)
+    assert all(res["still"] for res in results), [res["still"] for res in results]
+    _check_equal_across_ranks(results)
+
+
 # ---- torch.amp.GradScaler is refused on every rank alike ---------------------------------------------------
 def _grad_scaler(rank, world, partition_grad):
     ref_model, ref_opt, model, opt, init = _ref_and_zero("AdamW", partition_grad, False)

@@ -75,9 +75,9 @@ Freezing or unfreezing params after construction (`requires_grad_`) is noticed a
 `clip_grad_norm_()`. There the buckets and hooks are rebuilt for the params that now require a gradient, and
 ZeRO-2's accumulated gradients carry over. A newly unfrozen param's gradient, which no hook saw, is then reduced
 like a gradient set by hand, so it is averaged and stepped like the others from its first step on. The change
-must be made on every rank alike, before the backward passes of that step. Freeze a param after `zero_grad()`:
-one frozen while it still holds a gradient would be stepped by its owner (torch's optimizers step any param
-with a gradient) but, no longer managed, neither averaged nor broadcast.
+must be made on every rank alike, before the backward passes of that step. A frozen param is not stepped, even
+when it still holds a gradient from before it was frozen (torch's optimizers would step it; here only its owner
+could, and no longer managed, it would be neither averaged nor broadcast: the replicas would drift apart).
 
 State dicts: the shard (default) holds this rank's params' state and its pieces' state; its "zero" entry records
 the owners and the splits, and it reloads on the same partition only. The consolidated state is the unwrapped
@@ -748,13 +748,29 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             for i, piece in self._pieces.items():
                 g = self._params[i].grad
                 a, b = self._range(i)
-                piece.grad = None if g is None else g.detach().reshape(-1)[a:b]
+                piece.grad = None if g is None or not self._params[i].requires_grad else g.detach().reshape(-1)[a:b]
+        # A frozen param is not stepped, even with a gradient left from before it was frozen: it is neither
+        # averaged nor broadcast any more, so its owner alone would move it (torch's optimizers step any param
+        # with a gradient). Its gradient is hidden from the wrapped optimizer for the step.
+        hidden = [(p, p.grad) for g in self.optim.param_groups for p in g["params"]
+                  if p.grad is not None and self._frozen(p)]
+        for p, _g in hidden:
+            p.grad = None
         self._push_hyper()
-        self.optim.step()
+        try:
+            self.optim.step()
+        finally:
+            for p, g in hidden:
+                p.grad = g
         self._pull_hyper()
         self._broadcast_params()
         self._gather_split()
         return loss
+
+    def _frozen(self, p: Tensor) -> bool:
+        """Whether a param of the wrapped optimizer (a whole param, or a piece of a split one) is frozen now."""
+        i = self._piece_gidx.get(id(p))
+        return not (self._params[i] if i is not None else p).requires_grad
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of every param (and ZeRO-2's accumulators)."""
