@@ -20,8 +20,8 @@ share) and all-gathered back as N: two collectives, the bytes of one all-reduce 
 (`MomentExchange`). Every `update_proj_gap` steps each projected gradient is assembled whole on one rank (one
 reduce of the matrix: the bucket's SVDs spread over the ranks), and one all-reduce shares the new bases
 (`refresh_bases`), reported per refresh step and spread over the gap. State per rank (the largest rank's):
-whole bases, this rank's slice of the moments, the plain params' moments of the local piece; against the moments whole on every rank, and
-AdamW's two moments of the local pieces.
+whole bases, this rank's slice of the moments, the plain params' moments of the local piece; against the
+moments whole on every rank, and AdamW's two moments of the local pieces.
 
 Overhead (timed): one single-process `step()` of each optimizer on the usual parameter sets, against the
 time the layout machinery alone takes per step (`_buckets`, which looks up every param's layout and groups
@@ -44,7 +44,7 @@ import fastopt
 from fastopt.reference import adafactor as ref_adafactor
 from fastopt.reference import came as ref_came
 from fastopt.reference import lamb as ref_lamb
-from fastopt.reference.galore import SHARE_ELEMENTS, basis_shapes, moment_dim, projected_shape, projection_side
+from fastopt.reference.galore import basis_shapes, moment_dim, projected_shape, projection_side, share_chunks
 
 STEM = "layouts"
 TP, DP = 8, 8
@@ -129,11 +129,7 @@ def galore_comm(shapes, rank: int, dtype=torch.float32, gap: int = GALORE_GAP) -
     grads = sum(math.prod(s) for s in proj) * g_bytes
     sizes = [math.prod(b) for s in proj for b in basis_shapes(s, rank, projection_side(s, "std")).values()]
     bases_all = acc * sum(sizes)
-    share_collectives, fill = 0, None
-    for n in sizes:  # refresh_bases' greedy cut
-        if fill is None or fill + n > SHARE_ELEMENTS:
-            share_collectives, fill = share_collectives + 1, 0
-        fill += n
+    share_collectives = len(share_chunks(sizes))
     ring = 2 * (world - 1) / world
     refresh = grads + bases_all
     refresh_ring = (world - 1) / world * grads + ring * bases_all

@@ -12,7 +12,7 @@ A param's state, in memory and in a state_dict:
   tensor of the param's global shape is cut to this rank's piece, and a DTensor with other placements is
   redistributed.
 - Sharded states that are not shaped like the param (GaLore's projected moments of a DTensor param): DTensors
-  of their own global shape on the param's mesh, cut along their dim 0 over the ranks that shard the param
+  of their own global shape on the param's mesh, cut along one dim over the ranks that shard the param
   (`FastOptimizer._dtensor_forms`); DCP and `load_state_dict` treat them as the element-wise ones.
 - Whole states (Adafactor's and CAME's row and column statistics, GaLore's bases; GaLore's projected moments
   of plain params, declared shards included): plain tensors, identical on every rank, so they load under any

@@ -225,7 +225,7 @@ def test_layouts_bench_galore_buffer_is_moment_exchange():
             chunk = MomentExchange(lays, wholes).chunk  # each rank's share of the flat buffer
             assert c["groups"]["world"]["buffer_elements"] == [64 * chunk] and c["buffer_bytes"] == 4 * 64 * chunk
             padding.append(c["groups"]["world"]["padding_elements"])
-        assert padding[:2] == [0, 0] and padding[2] > 0  # e.g. (30, 1000): R (5, 1000), 5 rows over 64 ranks
+        assert padding[:2] == [0, 0] and padding[2] > 0  # e.g. (30, 1000): R (5, 1000), cut along its 1000 columns
     finally:
         dist.destroy_process_group()
 

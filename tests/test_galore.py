@@ -563,7 +563,8 @@ def test_dtensor_shards_match_single_process():
     one reduce-scatter of the projected gradients and one all-gather of N per sharded bucket per step; on
     refresh steps also one reduce per sharded projected param (its whole gradient, onto the rank that computes
     its SVD: the k-th param's on rank k % 4) and the all-reduces of the bucket's new bases (one per basis here,
-    with the buffer bound set to 1 element); none for the sharded vector of the plain group. The replicated param's SVD runs on every rank."""
+    with the buffer bound set to 1 element); none for the sharded vector of the plain group. The replicated
+    param's SVD runs on every rank."""
     from dist_utils import run as dist_run
     from fastopt import ops
     backends = ["torch"] + (["triton"] if ops.triton_available() and ops.interpreting() else [])

@@ -138,8 +138,6 @@ def _can_split(optimizer) -> bool:
     return any(type(optimizer) is getattr(torch.optim, n, None) for n in _ELEMENTWISE_TORCH)
 
 
-
-
 class _Group(dict):
     """One param group of the wrapper (all its params); `group[key] = value` also sets the wrapped
     optimizer's group of the same index, which holds this rank's params of the group."""
@@ -748,7 +746,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             for i, piece in self._pieces.items():
                 g = self._params[i].grad
                 a, b = self._range(i)
-                piece.grad = None if g is None or not self._params[i].requires_grad else g.detach().reshape(-1)[a:b]
+                piece.grad = None if g is None else g.detach().reshape(-1)[a:b]
         # A frozen param is not stepped, even with a gradient left from before it was frozen: it is neither
         # averaged nor broadcast any more, so its owner alone would move it (torch's optimizers step any param
         # with a gradient). Its gradient is hidden from the wrapped optimizer for the step.
@@ -1001,7 +999,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 send[:piece.numel()] = piece
             out = torch.empty(chunk * self.world_size, dtype=p.dtype, device=p.device)
             work = collective("all_gather_single", "all_gather_into_tensor")(out, send, group=self._pg,
-                                                                              async_op=True)
+                                                                             async_op=True)
             q.append((p, bounds, chunk, out, work))
             while len(q) > 1:
                 self._finish_gather(*q.popleft())

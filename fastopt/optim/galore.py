@@ -35,15 +35,15 @@ class GaLoreAdamW(FastOptimizer):
 
     Sharded params (DTensor Shard / _StridedShard placements: tensor parallelism, FSDP2, both on a 2-D mesh;
     `fastopt.distributed.declare_shard`; flat ZeRO ranges, also through `setup_distributed`) give the
-    single-process result: on refresh steps the whole gradient is assembled (one all-reduce per param) and
-    every rank computes the same SVD; on every step each rank projects its piece and the projected gradients
-    of a bucket are summed over the ranks, after which each rank back-projects onto its own piece. For
-    DTensor params the projected moments are sharded too: the sum is a reduce-scatter that leaves each rank
+    single-process result: on refresh steps each param's whole gradient is assembled on one rank of its group,
+    which computes its SVD, and the new bases are shared (`refresh_bases`); on every step each rank projects
+    its piece and the projected gradients of a bucket are summed over the ranks, after which each rank
+    back-projects onto its own piece. For DTensor params the projected moments are sharded too: the sum is a reduce-scatter that leaves each rank
     the slice of the projected gradient whose moments it keeps (1/world of them), Adam runs on it, and one
     all-gather gives every rank the whole normalized update N for its back-projection (the same bytes as one
     all-reduce; one reduce-scatter and one all-gather per step for the bucket). Declared shards and flat
     ZeRO ranges keep whole moments on every rank (one all-reduce per step). The bases are whole on every rank.
-    With nbits=8 a DTensor param's moments are quantized in blocks of this rank's rows, not of the whole
+    With nbits=8 a DTensor param's moments are quantized in blocks of this rank's slice, not of the whole
     moments: the result then agrees with one process to the quantization error, as AdamW8bit's does.
 
     Args:
@@ -148,7 +148,7 @@ class GaLoreAdamW(FastOptimizer):
     # ---- state ------------------------------------------------------------------------------------------
     def _state_spec(self, p, group):
         """Projected params: whole bases, the same on every rank that holds a piece of a sharded param; moments
-        of the projected shape, this rank's rows of them for a DTensor param (`_dtensor_forms`), whole
+        of the projected shape, this rank's slice of them for a DTensor param (`_dtensor_forms`), whole
         otherwise. Others: element-wise, shaped like the local piece."""
         shape = self._global_shape(p)
         dt = self.state_dtype(p)
@@ -181,8 +181,8 @@ class GaLoreAdamW(FastOptimizer):
 
     def _dtensor_forms(self, p, group):
         """A projected DTensor param's moments: DTensors of the projected shape on its mesh, cut along one dim
-        (`moment_cut`) over the mesh dims that shard the param (replicated over the others; all replicated for a replicated
-        param). The bases stay plain and whole."""
+        (`moment_cut`) over the mesh dims that shard the param (replicated over the others; all replicated for a
+        replicated param). The bases stay plain and whole."""
         if "rank" not in group or not ckpt.is_dtensor(p):
             return super()._dtensor_forms(p, group)
         from torch.distributed.tensor.placement_types import Replicate

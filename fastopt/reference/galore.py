@@ -123,6 +123,20 @@ def state_views(state: dict, shape) -> tuple[Tensor | None, Tensor | None, tuple
 SHARE_ELEMENTS = 1 << 26  # refresh_bases: the largest buffer of new bases all-reduced at once (256 MiB fp32)
 
 
+def share_chunks(sizes: list[int]) -> list[range]:
+    """The bases (of these numels, in order) that `refresh_bases` all-reduces together: consecutive runs of at
+    most SHARE_ELEMENTS elements, or one basis alone."""
+    out, start, fill = [], 0, 0
+    for j, n in enumerate(sizes):
+        if j > start and fill + n > SHARE_ELEMENTS:
+            out.append(range(start, j))
+            start, fill = j, 0
+        fill += n
+    if sizes:
+        out.append(range(start, len(sizes)))
+    return out
+
+
 def refresh_bases(grads: list[Tensor], states: list[dict], refresh: list[bool], *, rank: int,
                   inv_scale: Tensor | None = None, found_inf: Tensor | None = None,
                   layouts: list | None = None) -> None:
@@ -164,12 +178,11 @@ def refresh_bases(grads: list[Tensor], states: list[dict], refresh: list[bool], 
             g = g * inv_scale.to(dt)
         if found_inf is not None:  # an inf gradient would make the SVD fail; the step is discarded anyway
             g = torch.nan_to_num(g, nan=0.0, posinf=0.0, neginf=0.0)
-        if i not in owner:
-            new[i] = orthogonal_bases(g, rank, side, dt)
-            continue
         try:
             new[i] = orthogonal_bases(g, rank, side, dt)
         except RuntimeError as e:  # torch.linalg.LinAlgError, out of memory: raised below on every rank alike
+            if i not in owner:  # computed on every rank: it fails on every rank
+                raise
             failed = failed or e
     if spread:
         flags = torch.zeros(world, dtype=torch.float32, device=grads[spread[0]].device)
@@ -181,22 +194,18 @@ def refresh_bases(grads: list[Tensor], states: list[dict], refresh: list[bool], 
             raise RuntimeError(f"GaLoreAdamW: the SVD of a projected gradient failed on rank(s) {bad} of the "
                                f"param's group (a non-finite gradient?){why}") from failed
     slots = [(i, key) for i in spread for key in (LEFT, RIGHT) if key in states[i]]
-    while slots:  # the shared bases, a bounded buffer at a time
-        n, k = 0, 0
-        while k < len(slots) and (k == 0 or n + states[slots[k][0]][slots[k][1]].numel() <= SHARE_ELEMENTS):
-            n += states[slots[k][0]][slots[k][1]].numel()
-            k += 1
-        chunk, slots = slots[:k], slots[k:]
-        ref = states[chunk[0][0]][chunk[0][1]]
-        buf = torch.zeros(n, dtype=ref.dtype, device=ref.device)
+    for chunk in share_chunks([states[i][key].numel() for i, key in slots]):  # the shared bases, bounded
+        part = [slots[j] for j in chunk]
+        ref = states[part[0][0]][part[0][1]]
+        buf = torch.zeros(sum(states[i][key].numel() for i, key in part), dtype=ref.dtype, device=ref.device)
         off, views = 0, []
-        for i, key in chunk:
+        for i, key in part:
             views.append(buf[off:off + states[i][key].numel()])
             off += states[i][key].numel()
             if i in new:
                 views[-1].copy_(new[i][key].reshape(-1))
-        dist.all_reduce(buf, group=layouts[spread[0]].group)
-        for (i, key), v in zip(chunk, views):
+        dist.all_reduce(buf, group=group)
+        for (i, key), v in zip(part, views):
             _commit(states[i][key], v.view(states[i][key].shape), found_inf)
     for i in todo:
         if i not in owner:
@@ -344,7 +353,8 @@ def moment_cut(lay, whole) -> tuple[int, int, int] | None:
     """(dim, start, count): the slice of the moments (projected shape `whole`) that this rank keeps, for a
     DTensor layout `lay`; None where the moments are whole (plain params, declared shards, flat ranges). The
     dim is the first of `whole` with at least as many entries as the group has ranks (so that few ranks, if
-    any, are left without a share: torch.chunk's rule can still leave the last ones empty), else the largest: the same on every rank. Its cut is `Layout.shard_ranges` (DTensor's `Shard(dim)`)."""
+    any, are left without a share: torch.chunk's rule can still leave the last ones empty), else the largest:
+    the same on every rank. Its cut is `Layout.shard_ranges` (DTensor's `Shard(dim)`)."""
     if lay is None or lay.mesh is None:
         return None
     d = moment_dim(whole, dist.get_world_size(lay.group))
