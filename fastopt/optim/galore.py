@@ -38,11 +38,11 @@ class GaLoreAdamW(FastOptimizer):
     single-process result: on refresh steps each param's whole gradient is assembled on one rank of its group,
     which computes its SVD, and the new bases are shared (`refresh_bases`); on every step each rank projects
     its piece and the projected gradients of a bucket are summed over the ranks, after which each rank
-    back-projects onto its own piece. For DTensor params the projected moments are sharded too: the sum is a reduce-scatter that leaves each rank
-    the slice of the projected gradient whose moments it keeps (1/world of them), Adam runs on it, and one
-    all-gather gives every rank the whole normalized update N for its back-projection (the same bytes as one
-    all-reduce; one reduce-scatter and one all-gather per step for the bucket). Declared shards and flat
-    ZeRO ranges keep whole moments on every rank (one all-reduce per step). The bases are whole on every rank.
+    back-projects onto its own piece. For DTensor params the projected moments are sharded too: the sum is a
+    reduce-scatter that leaves each rank the slice of the projected gradient whose moments it keeps (1/world of
+    them), Adam runs on it, and one all-gather gives every rank the whole normalized update N for its
+    back-projection (the same bytes as one all-reduce; one reduce-scatter and one all-gather per step for the
+    bucket). Declared shards and flat ZeRO ranges keep whole moments on every rank (one all-reduce per step). The bases are whole on every rank.
     With nbits=8 a DTensor param's moments are quantized in blocks of this rank's slice, not of the whole
     moments: the result then agrees with one process to the quantization error, as AdamW8bit's does.
 
