@@ -17,11 +17,14 @@ AdamW, element-wise, without communication). Per step, the projected params (one
 their partial projected gradients R into one flat fp32 buffer, reduce-scattered along one dim of R (`moment_cut`:
 dim 0 for these shapes; each param's slice cut over the 64 ranks as DTensor cuts it, padded to the longest
 share) and all-gathered back as N: two collectives, the bytes of one all-reduce of the buffer
-(`MomentExchange`). Every `update_proj_gap` steps each projected gradient is assembled whole on one rank (one
-reduce of the matrix: the bucket's SVDs spread over the ranks), and one all-reduce shares the new bases
+(`MomentExchange`). Every `update_proj_gap` steps each projected gradient is assembled whole on one rank (the
+bucket's SVDs spread over the ranks; one all_to_all sends each owner the pieces of its gradients,
+`gather_to_owners`: reported against a reduce of each whole gradient), and all-reduces share the new bases
 (`refresh_bases`), reported per refresh step and spread over the gap. State per rank (the largest rank's):
-whole bases, this rank's slice of the moments, the plain params' moments of the local piece; against the
-moments whole on every rank, and AdamW's two moments of the local pieces.
+the bases of the local piece's rows (P) and columns (Q) (`keeps_local_bases`; torch's Llama TP plan: o_proj and
+down_proj cut along dim 1 by TP, the others along dim 0, FSDP along dim 0), this rank's slice of the moments,
+the plain params' moments of the local piece; against whole bases, whole bases and moments, and AdamW's two
+moments of the local pieces.
 
 Overhead (timed): one single-process `step()` of each optimizer on the usual parameter sets, against the
 time the layout machinery alone takes per step (`_buckets`, which looks up every param's layout and groups
@@ -91,6 +94,27 @@ def _pieces(shape) -> list[int]:
     return [c * rest for c in shares(shape[0], (DP,)) for _ in range(TP)]
 
 
+def tp_dim(name: str) -> int:
+    """The dim tensor parallelism cuts in torch's Llama plan: `RowwiseParallel` (dim 1) for o_proj and down_proj,
+    `ColwiseParallel` (dim 0) for the other projections and the LM head (the embedding's rowwise plan cuts its
+    dim 0 too)."""
+    return 1 if name.endswith(("o_proj", "down_proj")) else 0
+
+
+def _basis_pieces(name: str, shape, rank: int, side: str) -> list[int]:
+    """Elements of a projected param's bases that each rank keeps (`keeps_local_bases`): P (m x rank) at the
+    rows of its piece, Q (rank x n) at the columns. FSDP cuts dim 0 over dp; TP cuts `tp_dim`."""
+    m, n = shape
+    out = [0] * (TP * DP)
+    for k in range(TP * DP):
+        dp, tp = divmod(k, TP)
+        if side in ("left", "full"):
+            out[k] += rank * (shares(m, (DP, TP))[k] if tp_dim(name) == 0 else shares(m, (DP,))[dp])
+        if side in ("right", "full"):
+            out[k] += rank * (shares(n, (TP,))[tp] if tp_dim(name) == 1 else n)
+    return out
+
+
 def galore_comm(shapes, rank: int, dtype=torch.float32, gap: int = GALORE_GAP) -> dict:
     """GaLore-AdamW's communication per step and per refresh, and its state per rank, for the named global
     `shapes` under FSDP2 + TP (see the module docstring). Projected: what `get_galore_param_groups` projects
@@ -101,15 +125,17 @@ def galore_comm(shapes, rank: int, dtype=torch.float32, gap: int = GALORE_GAP) -
     projected = [len(s) == 2 and name != "embed_tokens" and min(s) >= rank for name, s in shapes]
     proj = [s for (_, s), p in zip(shapes, projected) if p]
     padded = real = 0
-    state = {k: [0] * world for k in ("galore", "whole_moments", "adamw")}
-    for (_, s), p in zip(shapes, projected):
+    state = {k: [0] * world for k in ("galore", "whole_bases", "whole_moments", "adamw")}
+    sent, received = [0] * world, [0] * world  # refresh: gradient pieces sent to / received by the SVD's owner
+    j = 0  # the projected params' order in the bucket: the j-th one's SVD runs on rank j % world
+    for (name, s), p in zip(shapes, projected):
         pieces = _pieces(s)
         for k in range(world):
             state["adamw"][k] += 2 * acc * pieces[k]
         if not p:  # plain AdamW: the moments of the local piece, in every variant
-            for k in range(world):
-                state["galore"][k] += 2 * acc * pieces[k]
-                state["whole_moments"][k] += 2 * acc * pieces[k]
+            for key in ("galore", "whole_bases", "whole_moments"):
+                for k in range(world):
+                    state[key][k] += 2 * acc * pieces[k]
             continue
         side = projection_side(s, "std")
         whole = projected_shape(s, rank, side)
@@ -119,31 +145,40 @@ def galore_comm(shapes, rank: int, dtype=torch.float32, gap: int = GALORE_GAP) -
         padded += world * max(rows) * rest
         real += math.prod(whole)
         bases = sum(math.prod(b) for b in basis_shapes(s, rank, side).values())
+        kept = _basis_pieces(name, s, rank, side)
         for k in range(world):
-            state["galore"][k] += acc * (bases + 2 * rows[k] * rest)
+            state["galore"][k] += acc * (kept[k] + 2 * rows[k] * rest)
+            state["whole_bases"][k] += acc * (bases + 2 * rows[k] * rest)
             state["whole_moments"][k] += acc * (bases + 2 * math.prod(whole))
+            if k == j % world:
+                received[k] += g_bytes * (math.prod(s) - pieces[k])
+            else:
+                sent[k] += g_bytes * pieces[k]
+        j += 1
     nbytes = padded * acc
-    # Refresh: each whole gradient (its dtype) reduced onto the rank that computes its SVD (a ring reduce sends
-    # (n - 1) / n of it per rank), one all-reduce of a flag per rank (an SVD that failed), then the new bases
-    # (fp32) all-reduced in buffers of at most SHARE_ELEMENTS.
+    # Refresh: two small all-gathers (where each rank's pieces lie), one all_to_all that sends each whole
+    # gradient's pieces (its dtype) to the rank that computes its SVD, one all-reduce of a flag per rank (an SVD
+    # that failed), then the new bases (fp32) all-reduced in buffers of at most SHARE_ELEMENTS.
     grads = sum(math.prod(s) for s in proj) * g_bytes
     sizes = [math.prod(b) for s in proj for b in basis_shapes(s, rank, projection_side(s, "std")).values()]
     bases_all = acc * sum(sizes)
     share_collectives = len(share_chunks(sizes))
     ring = 2 * (world - 1) / world
-    refresh = grads + bases_all
-    refresh_ring = (world - 1) / world * grads + ring * bases_all
+    refresh_sent = max(sent) + ring * bases_all
     return dict(mesh=f"TP {TP} x FSDP {DP}", collectives=2 if proj else 0, buffer_bytes=nbytes,
                 ring_bytes_per_rank=ring * nbytes, per_param_collectives=2 * len(proj), gather_matrix_bytes=0,
                 groups={"world": dict(ranks=world, params=len(proj), collectives=2 if proj else 0,
                                       buffer_elements=[padded], buffer_bytes=nbytes,
                                       padding_elements=padded - real)},
                 rank=rank, projected=len(proj), plain=len(shapes) - len(proj), refresh_every=gap,
-                refresh_collectives=len(proj) + share_collectives + 1, refresh_share_collectives=share_collectives,
-                refresh_bytes=refresh,
-                refresh_ring_bytes_per_rank=refresh_ring, refresh_ring_bytes_per_rank_per_step=refresh_ring / gap,
+                refresh_collectives=(3 + share_collectives + 1) if proj else 0,
+                refresh_share_collectives=share_collectives, refresh_bytes=grads + bases_all,
+                refresh_grad_sent_bytes_per_rank=max(sent), refresh_grad_received_bytes_per_rank=max(received),
+                refresh_grad_reduce_bytes_per_rank=(world - 1) / world * grads,
+                refresh_ring_bytes_per_rank=refresh_sent, refresh_ring_bytes_per_rank_per_step=refresh_sent / gap,
                 refresh_svds_per_rank=-(-len(proj) // world),
                 state_bytes_per_rank=max(state["galore"]),
+                state_bytes_per_rank_whole_bases=max(state["whole_bases"]),
                 state_bytes_per_rank_whole_moments=max(state["whole_moments"]),
                 adamw_state_bytes_per_rank=max(state["adamw"]))
 
@@ -215,13 +250,15 @@ def run(args) -> list[dict]:
         c = galore_comm(full.shapes, rank)
         summary = (f"{c['collectives']} collectives/step ({c['per_param_collectives']} if one per param and "
                    f"phase), {_size(c['buffer_bytes'])} reduced/step, {_size(c['ring_bytes_per_rank'])} sent per "
-                   f"rank (ring); every {c['refresh_every']} steps {c['projected']} reduces of the whole gradients "
-                   f"and {c['refresh_share_collectives'] + 1} all-reduces (the bases, failure flags), "
-                   f"{_size(c['refresh_ring_bytes_per_rank'])} sent "
-                   f"per rank ({_size(c['refresh_ring_bytes_per_rank_per_step'])}/step over the gap), "
+                   f"rank (ring); every {c['refresh_every']} steps one all_to_all of the gradients' pieces "
+                   f"({_size(c['refresh_grad_sent_bytes_per_rank'])} sent per rank, "
+                   f"{_size(c['refresh_grad_reduce_bytes_per_rank'])} "
+                   f"with a reduce of each whole gradient), {c['refresh_share_collectives'] + 1} all-reduces (the "
+                   f"bases, failure flags), {_size(c['refresh_ring_bytes_per_rank'])} sent per rank in all "
+                   f"({_size(c['refresh_ring_bytes_per_rank_per_step'])}/step over the gap), "
                    f"{c['refresh_svds_per_rank']} SVDs per rank; state per rank "
-                   f"{_size(c['state_bytes_per_rank'])} (moments whole: "
-                   f"{_size(c['state_bytes_per_rank_whole_moments'])}; AdamW: "
+                   f"{_size(c['state_bytes_per_rank'])} (bases whole: {_size(c['state_bytes_per_rank_whole_bases'])}"
+                   f"; moments whole too: {_size(c['state_bytes_per_rank_whole_moments'])}; AdamW: "
                    f"{_size(c['adamw_state_bytes_per_rank'])})")
         print(f"  layouts    7b  GaLore-r{rank:<4d} {summary}", flush=True)
         rows.append(common._result(args, STEM, f"fastopt.GaLoreAdamW communication (rank {rank})", full,

@@ -11,11 +11,12 @@ A param's state, in memory and in a state_dict:
   share storage), so DCP saves each element once and reloads it under any other layout. On load, a plain
   tensor of the param's global shape is cut to this rank's piece, and a DTensor with other placements is
   redistributed.
-- Sharded states that are not shaped like the param (GaLore's projected moments of a DTensor param): DTensors
-  of their own global shape on the param's mesh, cut along one dim over the ranks that shard the param
-  (`FastOptimizer._dtensor_forms`); DCP and `load_state_dict` treat them as the element-wise ones.
-- Whole states (Adafactor's and CAME's row and column statistics, GaLore's bases; GaLore's projected moments
-  of plain params, declared shards included): plain tensors, identical on every rank, so they load under any
+- Sharded states that are not shaped like the param (GaLore's projected moments and bases of a DTensor param):
+  DTensors of their own global shape on the param's mesh (the moments cut along one dim over the ranks that
+  shard the param, the bases like the param along the dims they share with it; `FastOptimizer._dtensor_forms`);
+  DCP and `load_state_dict` treat them as the element-wise ones (a whole plain tensor is cut on load).
+- Whole states (Adafactor's and CAME's row and column statistics; GaLore's bases and projected moments of
+  plain params, declared shards included): plain tensors, identical on every rank, so they load under any
   layout as they are.
 - 8-bit states (codes + one fp32 absmax per block) come in two forms, under different keys, so that DCP
   (which fills the template's keys from the checkpoint's keys of the same name, casting dtypes silently)
@@ -36,6 +37,21 @@ A param's state, in memory and in a state_dict:
   "Missing key in checkpoint ... state1_fp32" unless the DDP side saved within `dequantized_8bit(opt)` (do
   that whenever a checkpoint may be resumed under another layout); FSDP2/TP -> single process or DDP needs
   its template built within `dequantized_8bit(opt)`, or DCP misses `state1`.
+- 8-bit and 32-bit state of one optimizer (`nbits`; AdamW8bit's and others' `min_8bit_size`): a state_dict's
+  param_groups replace the optimizer's, these settings included (torch's rule; DCP fills the template's groups
+  from the checkpoint's alike), so a state_dict loads as the optimizer that saved it: a plain state_dict of
+  8-bit state into an optimizer built with 32-bit state (or the reverse) resumes bit for bit, and the
+  optimizer has the saved settings from then on. With DCP the template has the loading optimizer's own keys:
+  32-bit -> 8-bit stops at DCP's "Missing key in checkpoint ... absmax"; 8-bit codes -> 32-bit state find
+  the template's float state under their own key (`state1`, `exp_avg`), and DCP casts them into it, leaving
+  the absmax behind. `load_state_dict` refuses that with a ValueError naming the key: a state that is 8-bit
+  under the state_dict's settings and 32-bit under the optimizer's own, given as floats without its absmax,
+  every one a whole number from 0 to 255, is taken for cast codes. All zeros are read as zeros where codes
+  would mean zeros too (the unsigned map's code 0; a fresh state: zero codes, absmax and step), and refused
+  under the signed map after a step (its code 0 is its lowest value times the absmax). Build the loading
+  optimizer with the checkpoint's settings, so that its template asks for the codes and their absmax.
+  Dequantized values under the codes' key (older fastopt, came-pytorch) still load under any settings, as
+  real moments are not all whole numbers up to 255 (a zero momentum after a step excepted, as above).
 
 DCP's `get_optimizer_state_dict` runs a fake step (zero grads, lr=0) on an optimizer whose state is empty; a
 fastopt optimizer's state mapping is never empty in that sense (`StateDict`), and its `state_dict()` lists
@@ -228,13 +244,15 @@ def _local_of(v: Tensor, p: Tensor, form: tuple, key: str, where: str) -> Tensor
     return v
 
 
-def import_state(st, p: Tensor, spec: dict, quantized: dict, forms: dict, where: str,
-                 device) -> tuple[dict, str | None]:
+def import_state(st, p: Tensor, spec: dict, quantized: dict, forms: dict, where: str, device,
+                 cast_keys: frozenset = frozenset(), cast_note: str = "") -> tuple[dict, str | None]:
     """The state to install for param `p` from saved state `st`, as (state, problem with its values or None).
 
     Structural mismatches (keys, shapes, dtypes) raise ValueError at once: every rank sees the same ones.
-    Non-finite values may sit in one rank's piece only, so they are returned for the caller to agree on
-    across ranks before raising."""
+    Non-finite values, and 8-bit codes that DCP cast to floating point (`cast_keys`: the 8-bit states that the
+    loading optimizer itself keeps in 32 bits under the same key; `cast_note` says how the settings differ),
+    may sit in one rank's piece only, so they are returned for the caller to agree on across ranks before
+    raising."""
     if not isinstance(st, dict):
         raise ValueError(f"{where} is a {type(st).__name__}, expected a dict of tensors")
     st = _dequantized_forms(st, p, spec, quantized, forms, where)
@@ -268,18 +286,26 @@ def import_state(st, p: Tensor, spec: dict, quantized: dict, forms: dict, where:
             raise ValueError(f"{where}[{key!r}] is a DTensor; this state is a plain tensor, the same on every rank")
         here = _local_of(v, p, forms[key], key, where) if elem else v
         if key in dequantized:
-            absmax_shape, _ = spec[quantized[key][0]]
+            akey, signed, block = quantized[key]
+            absmax_shape, _ = spec[akey]
             if tuple(here.shape) != tuple(shape):
                 raise ValueError(f"{where}[{key!r}] has shape {tuple(here.shape)} here, expected {tuple(shape)}")
             if not torch.isfinite(here).all():
                 problem = problem or f"{where}[{key!r}] holds non-finite values"
                 continue
-            _akey, signed, block = quantized[key]
+            if key in cast_keys and _cast_codes(here, signed, step):
+                problem = problem or (
+                    f"{where}[{key!r}] holds whole numbers from 0 to 255 and no {akey!r}: 8-bit codes cast to "
+                    f"{here.dtype} without their absmax, what torch.distributed.checkpoint loads from a checkpoint "
+                    f"of 8-bit state into the template of an optimizer that keeps this state in 32 bits "
+                    f"({cast_note}); build the loading optimizer with the checkpoint's settings, so that its "
+                    f"template (get_optimizer_state_dict) asks for the codes and {akey!r}")
+                continue
             codes, absmax = requantize(here.to(device), block, signed)
             if tuple(absmax.shape) != tuple(absmax_shape):
                 raise ValueError(f"{where}[{key!r}]: {absmax.numel()} blocks, expected {absmax_shape}")
             out[key] = as_dtensor(codes, p, forms[key]) if elem else codes
-            out[quantized[key][0]] = absmax
+            out[akey] = absmax
             continue
         if tuple(here.shape) != tuple(shape):
             raise ValueError(f"{where}[{key!r}] has shape {tuple(here.shape)}"
@@ -297,6 +323,17 @@ def import_state(st, p: Tensor, spec: dict, quantized: dict, forms: dict, where:
             problem = problem or f"{where}[{key!r}] holds non-finite values{cast}"
         out[key] = as_dtensor(t, p, forms[key]) if elem else t
     return out, problem
+
+
+def _cast_codes(v: Tensor, signed: bool, step: Tensor) -> bool:
+    """Whether float values `v` under an 8-bit state's key without its absmax may be 8-bit codes cast to
+    floating point rather than dequantized values: every one a whole number from 0 to 255. All zeros are
+    codes only under the signed map after a step (its code 0 is its lowest value times the absmax, which the
+    first step sets; the unsigned map's code 0 and a fresh state's zero codes are the value 0, so zeros load
+    as what they are either way)."""
+    if v.numel() == 0 or not bool(((v >= 0) & (v <= 255) & (v == v.round())).all()):
+        return False
+    return bool(v.any()) or (signed and bool(step > 0))
 
 
 def _dequantized_forms(st: dict, p: Tensor, spec: dict, quantized: dict, forms: dict, where: str) -> dict:

@@ -14,7 +14,8 @@ without a projection takes one `_galore_adam_kernel` launch with the parameter u
 Params with more than two dims are batches of matrices: the batch is the grid's second axis. A sharded
 param's piece is one rectangle of its matrices (dim layouts) or a few (a flat ZeRO range: partial first row,
 whole rows, partial last row); each takes the same launches on its local elements, with the bases' rows or
-columns it needs gathered by torch (rank-sized), and its partial R is added into the bucket's flat buffer,
+columns it needs (a DTensor param's state keeps just those; otherwise gathered by torch, rank-sized), and its
+partial R is added into the bucket's flat buffer,
 which the caller's `reduce` sums over the ranks once per step (params with whole moments), or which is
 reduce-scattered onto the rows of the moments each rank keeps, N all-gathered back after the Adam kernel
 (DTensor params: fastopt/reference/galore.py's `MomentExchange`).
@@ -92,7 +93,8 @@ def _eta(step_ptr, hyper_ptr):
 def _galore_matmul_kernel(a_ptr, b_ptr, c_ptr, acc_ref, op_ref, M, N, K, sab, sam, sak, sbb, sbk, sbn, scb, scm, scn,
                           step_ptr, hyper_ptr, inv_scale_ptr, found_inf_ptr, UPDATE: tl.constexpr,
                           HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr, HAS_WD: tl.constexpr,
-                          FP64: tl.constexpr, LOWP: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, BM: tl.constexpr,
+                          FP64: tl.constexpr, LOWP: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                          BM: tl.constexpr,
                           BN: tl.constexpr, BK: tl.constexpr):
     """C = A @ B for one [BM, BN] tile of one matrix of the batch (program_id(1)).
 
@@ -234,7 +236,8 @@ class _Launch:
         bm, bn, bk = (BM64, BN64, BK64) if self.fp64 else (BM, BN, BK)
         grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), nb)
         _galore_matmul_kernel[grid](
-            a, b, c, self.dummy, self.op_dummy if self.op_dummy is not None else self.dummy, m, n, k, *a.stride(), *b.stride(), *c.stride(), self.step, self.hyper,
+            a, b, c, self.dummy, self.op_dummy if self.op_dummy is not None else self.dummy, m, n, k,
+            *a.stride(), *b.stride(), *c.stride(), self.step, self.hyper,
             self.inv_scale if self.inv_scale is not None else self.dummy,
             self.found_inf if self.found_inf is not None else self.dummy,
             UPDATE=update, HAS_SCALE=scale_input and self.inv_scale is not None,
@@ -269,9 +272,10 @@ def galore_step(params, grads, states, *, lr, betas, eps, weight_decay, scale=1.
     holds: one for a dim layout, a few for a flat range) goes into one flat buffer for the bucket; the part of
     the params with whole moments is summed by `reduce(buf)`, that of the params with sharded moments
     (DTensors) reduce-scattered onto the rows kept here, N all-gathered after Adam (`MomentExchange`); the
-    back-projection writes each rectangle of the local piece. The bases' rows or columns and N's block of a
-    rectangle are gathered with torch (rank-sized); the kernels see local tensors only."""
-    from fastopt.reference.galore import BucketPlan, local_rects, state_views
+    back-projection writes each rectangle of the local piece. The bases' rows or columns (unless the state keeps
+    just those: DTensor params) and N's block of a rectangle are gathered with torch (rank-sized); the kernels
+    see local tensors only."""
+    from fastopt.reference.galore import BucketPlan, local_bases, local_rects, state_views
     device = params[0].device
     acc = torch.float64 if params[0].dtype == torch.float64 else torch.float32
     hyper = _hyper(cache, float(lr), tuple(float(b) for b in betas), float(eps), float(weight_decay),
@@ -292,7 +296,7 @@ def galore_step(params, grads, states, *, lr, betas, eps, weight_decay, scale=1.
         run = _Launch(s["step"], hyper, inv_scale, found_inf, weight_decay, acc == torch.float64, dummy, op_dummy,
                       precision)
         rects[i] = local_rects(layouts[i], shapes[i], tuple(params[i].shape), device)
-        left_all, right_all, shape3 = state_views(s, shapes[i])
+        shape3 = state_views(s, shapes[i])[2]
         rs[i] = buf[off:off + math.prod(shape3)].view(shape3)
         off += math.prod(shape3)
         whole = len(rects[i]) == 1 and rects[i][0].batch is None and rects[i][0].rows is None and \
@@ -300,9 +304,9 @@ def galore_step(params, grads, states, *, lr, betas, eps, weight_decay, scale=1.
         if not whole:
             rs[i].zero_()
         g = grads[i] if grads[i].is_contiguous() else grads[i].contiguous()
-        # Each rectangle's rows of P and columns of Q, gathered once for both phases.
-        bases[i] = [(rect.pick(left_all, True, False).contiguous() if left_all is not None else None,
-                     rect.pick(right_all, False, True).contiguous() if right_all is not None else None)
+        # Each rectangle's rows of P and columns of Q, for both phases: the state's own (no copy) where it keeps
+        # the local piece's (DTensor params), else gathered once.
+        bases[i] = [tuple(b.contiguous() if b is not None else None for b in local_bases(s, shapes[i], rect))
                     for rect in rects[i]]
         for rect, (left, right) in zip(rects[i], bases[i]):
             g3 = rect.view(g)

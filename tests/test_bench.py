@@ -160,7 +160,9 @@ def test_layouts_bench_counts_collectives_and_bytes(tmp_path, monkeypatch):
     # GaLore-AdamW: every nn.Linear weight projected (the LM head too), the embedding and the norms plain AdamW.
     # The projected gradients R of the bucket: one fp32 buffer reduce-scattered and all-gathered; every dim 0
     # of R (4096, 11008, 32000, rank) splits evenly over 64 ranks: no padding.
-    proj = [s for name, s in common.model_shapes(common.LLAMA_7B, 32) if len(s) == 2 and name != "embed_tokens"]
+    proj_named = [(name, s) for name, s in common.model_shapes(common.LLAMA_7B, 32)
+                  if len(s) == 2 and name != "embed_tokens"]
+    proj = [s for _, s in proj_named]
     n_mats, n_vecs = sum(a * b for a, b in mats), sum(n for n, in vecs)
     plain = 8 * (n_mats - sum(a * b for a, b in proj)) // 64 + 8 * n_vecs // 8  # fp32 m, v of the local pieces
     for rank in (128, 1024):
@@ -171,16 +173,25 @@ def test_layouts_bench_counts_collectives_and_bytes(tmp_path, monkeypatch):
         assert r["status"] == "computed" and c["collectives"] == 2 and c["projected"] == len(proj) == 32 * 7 + 1
         assert c["buffer_bytes"] == 4 * R and c["groups"]["world"]["padding_elements"] == 0, c
         assert c["ring_bytes_per_rank"] == pytest.approx(2 * 63 / 64 * 4 * R)
-        # refresh: each whole gradient reduced onto one rank, which computes its SVD; one all-reduce of the bases
+        # refresh: each whole gradient sent in pieces (one all_to_all) to one rank, which computes its SVD (the
+        # j-th projected param's on rank j % 64); all-reduces of the bases
         grads = 4 * sum(a * b for a, b in proj)
+        sent = max(4 * sum(a * b for j, (a, b) in enumerate(proj) if j % 64 != k) // 64 for k in range(64))
         # bases shared in buffers of 2**26 elements: at rank 128, 2 of them; at 1024 every basis is 4096 x 1024
         # (2**22 elements), 16 to a buffer
         shares = -(-bases // (1 << 26)) if rank == 128 else -(-len(proj) // 16)
-        assert c["refresh_collectives"] == len(proj) + shares + 1 and c["refresh_bytes"] == grads + 4 * bases
-        assert c["refresh_ring_bytes_per_rank_per_step"] == pytest.approx((63 / 64 * grads + 2 * 63 / 64 * 4 * bases)
-                                                                          / 200)
+        assert c["refresh_collectives"] == 2 + 1 + shares + 1 and c["refresh_bytes"] == grads + 4 * bases
+        assert c["refresh_grad_sent_bytes_per_rank"] == sent and 60 * sent < grads
+        assert c["refresh_grad_reduce_bytes_per_rank"] == pytest.approx(63 / 64 * grads)
+        assert c["refresh_ring_bytes_per_rank_per_step"] == pytest.approx((sent + 2 * 63 / 64 * 4 * bases) / 200)
         assert c["refresh_svds_per_rank"] == 4  # 225 SVDs over 64 ranks
-        assert c["state_bytes_per_rank"] == 4 * (bases + 2 * R // 64) + plain
+        # each rank keeps the bases of its piece: P's rows (FSDP cuts dim 0 over 8, TP over 8 more unless the
+        # layer is rowwise: o_proj, down_proj), Q's columns (TP cuts them over 8 for the rowwise layers)
+        kept = sum(rank * ((a // 8 if name.endswith(("o_proj", "down_proj")) else a // 64) if a < b else
+                           (b // 8 if name.endswith(("o_proj", "down_proj")) else b))
+                   for name, (a, b) in proj_named)
+        assert c["state_bytes_per_rank"] == 4 * (kept + 2 * R // 64) + plain
+        assert c["state_bytes_per_rank_whole_bases"] == 4 * (bases + 2 * R // 64) + plain
         assert c["state_bytes_per_rank_whole_moments"] == 4 * (bases + 2 * R) + plain
         assert c["adamw_state_bytes_per_rank"] == 8 * n_mats // 64 + 8 * n_vecs // 8
     md = (tmp_path / "layouts-cpu.md").read_text()
@@ -226,6 +237,20 @@ def test_layouts_bench_galore_buffer_is_moment_exchange():
             assert c["groups"]["world"]["buffer_elements"] == [64 * chunk] and c["buffer_bytes"] == 4 * 64 * chunk
             padding.append(c["groups"]["world"]["padding_elements"])
         assert padding[:2] == [0, 0] and padding[2] > 0  # e.g. (30, 1000): R (5, 1000), cut along its 1000 columns
+        # The bases each rank keeps (this rank of the fake group: 0) under torch's Llama plan, FSDP2 over TP: the
+        # optimizer's own state shapes for DTensor params of each kind.
+        import fastopt
+        from torch.distributed.tensor import Shard, distribute_tensor
+        from torch.distributed.tensor.placement_types import _StridedShard
+        for name, s in [("q_proj", (4096, 4096)), ("o_proj", (4096, 4096)), ("down_proj", (4096, 11008)),
+                        ("lm_head", (32000, 4096)), ("x.o_proj", (40, 1000)), ("x.up_proj", (1000, 40)),
+                        ("x.gate_proj", (40, 1000))]:
+            pl = [Shard(0), Shard(1)] if bl.tp_dim(name) == 1 else [_StridedShard(0, split_factor=8), Shard(0)]
+            p = torch.nn.Parameter(distribute_tensor(torch.empty(s, device="meta"), mesh, pl, src_data_rank=None))
+            opt = fastopt.GaLoreAdamW([{"params": [p], "rank": 16}])
+            spec = opt._state_spec(p, opt.param_groups[0])
+            kept = sum(math.prod(shape) for key, (shape, _) in spec.items() if key.startswith("proj"))
+            assert kept == bl._basis_pieces(name, s, 16, projection_side(s, "std"))[0], (name, spec)
     finally:
         dist.destroy_process_group()
 

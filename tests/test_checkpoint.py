@@ -6,6 +6,8 @@
 - Plain state_dict: `torch.load(weights_only=True)`, bit-identical resume; every mismatch or corruption fails
   loudly and leaves the optimizer bit for bit as it was (DCP too).
 - DCP's state initialisation (a fake step) changes nothing.
+- 8-bit and 32-bit state of one optimizer: a plain state_dict loads either way with the saved settings; DCP's
+  cast of 8-bit codes into a 32-bit template is refused (one process and FSDP2), dequantized values are not.
 - States saved by transformers' Adafactor, came-pytorch's CAME and bitsandbytes' AdamW8bit load and continue.
 - The ZeRO wrapper's sharded and consolidated state_dicts, for every optimizer.
 Float64 params and fresh random (full-rank) gradients for every step. Everything runs the plain-torch back
@@ -543,6 +545,170 @@ def test_requantize_gives_back_the_dequantized_values(block, signed, monkeypatch
     assert ((back - shifted).abs() <= step * scale * (1 + 1e-5)).all()
 
 
+# ---- 8-bit and 32-bit state of the same optimizer (nbits, min_8bit_size) --------------------------------------
+def _nbits_side(case, bits):
+    """(model, optimizer) of the 8-bit `case` with 8-bit state, or with 32-bit state (`TWIN_32`)."""
+    name, over = (case, {}) if bits == 8 else TWIN_32[case]
+    model = MLP()
+    return model, make_opt(name, model, **over)
+
+
+def _straight(case, bits):
+    """The uninterrupted run: its params (by name) and its optimizer."""
+    model, opt = _nbits_side(case, bits)
+    _run(model, opt, range(STEPS))
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, opt
+
+
+def _settings(opt):
+    return [{k: g.get(k) for k in opt._layout_keys} for g in opt.param_groups]
+
+
+def _codes_keys(opt):
+    """The codes' keys of every 8-bit state of `opt`, with their absmax keys."""
+    return {key: akey for g in opt.param_groups for key, (akey, _s, _b) in opt._quantized_keys(g).items()
+            if any(akey in opt.state[p] for p in g["params"])}
+
+
+def _dcp_load_into(src_model, src_opt, model, opt, path):
+    """`src_opt` saved with DCP, loaded into `opt`'s template (one process): the filled template."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    dcp.save({"optim": get_optimizer_state_dict(src_model, src_opt)}, checkpoint_id=path, no_dist=True)
+    sd = {"optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(sd, checkpoint_id=path, no_dist=True)
+    return sd["optim"]
+
+
+@pytest.mark.parametrize("case", sorted(EIGHT_BIT))
+def test_dcp_between_8bit_and_32bit_state_refuses_or_resumes(case, tmp_path, monkeypatch):
+    """DCP from an optimizer with 8-bit state into the template of the same optimizer with 32-bit state: the
+    codes' key is the 32-bit state's, so DCP casts the codes into the float template, and it fills the groups
+    from the checkpoint's (nbits=8 ...), but the absmax is not in that template: load_state_dict refuses,
+    naming the key and the settings, and changes nothing (it used to requantize the codes 0..255 as moments,
+    with absmax 255). The other way DCP misses the absmax itself. Built with the checkpoint's settings, as the
+    error says, the loading optimizer resumes bit for bit. Zero codes are codes too once a step has set the
+    absmax (the signed map's code 0 is its lowest value); a fresh checkpoint (zero codes, absmax 0, step 0)
+    loads into the 32-bit template as the zero state it is."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+    monkeypatch.setenv("FASTOPT_BACKEND", "torch")
+    for saved, other in ((8, 32), (32, 8)):
+        final, _ = _straight(case, saved)
+        src_model, src_opt = _nbits_side(case, saved)
+        _run(src_model, src_opt, range(HALF))
+        mid = copy.deepcopy(src_model.state_dict())
+        model, opt = _nbits_side(case, other)
+        _run(model, opt, range(1))
+        before = _snapshot(opt)
+        path = str(tmp_path / f"from{saved}")
+        if saved == 8:
+            sd = _dcp_load_into(src_model, src_opt, model, opt, path)
+            with pytest.raises(ValueError, match=r"\['(state1|exp_avg)'\] holds whole numbers from 0 to 255 and no "
+                               r"'(absmax1|exp_avg_absmax)'.*param_groups have (nbits=8|min_8bit_size=0).*build the "
+                               "loading optimizer with the checkpoint's settings"):
+                set_optimizer_state_dict(model, opt, sd)
+        else:
+            with pytest.raises(CheckpointException, match="Missing key in checkpoint.*absmax"):
+                _dcp_load_into(src_model, src_opt, model, opt, path)
+        assert _same(before, _snapshot(opt)), f"{case}: {saved}-bit -> {other}-bit changed the optimizer"
+        model, opt = _nbits_side(case, saved)  # the checkpoint's settings
+        model.load_state_dict(mid)
+        set_optimizer_state_dict(model, opt, _dcp_load_into(src_model, src_opt, model, opt, path + "same"))
+        _run(model, opt, range(HALF, STEPS))
+        assert all(torch.equal(p, final[n]) for n, p in model.named_parameters()), (case, saved)
+
+    # Every code 0 (the signed map's lowest value times the absmax: a valid state) after a step: refused.
+    src_model, src_opt = _nbits_side(case, 8)
+    _run(src_model, src_opt, range(HALF))
+    for st in src_opt.state.values():
+        for key in _codes_keys(src_opt):
+            if key in st:
+                st[key].zero_()
+    model, opt = _nbits_side(case, 32)
+    sd = _dcp_load_into(src_model, src_opt, model, opt, str(tmp_path / "zero_codes"))
+    with pytest.raises(ValueError, match="holds whole numbers from 0 to 255"):
+        set_optimizer_state_dict(model, opt, sd)
+    # A fresh 8-bit optimizer's checkpoint: zeros, read as zeros; the run is the 8-bit one from the start.
+    final, _ = _straight(case, 8)
+    src_model, src_opt = _nbits_side(case, 8)
+    model, opt = _nbits_side(case, 32)
+    set_optimizer_state_dict(model, opt, _dcp_load_into(src_model, src_opt, model, opt, str(tmp_path / "fresh")))
+    assert _settings(opt) == _settings(src_opt)
+    _run(model, opt, range(STEPS))
+    assert all(torch.equal(p, final[n]) for n, p in model.named_parameters()), case
+
+
+@pytest.mark.parametrize("case", sorted(EIGHT_BIT))
+def test_plain_state_dict_between_8bit_and_32bit_state_takes_the_saved_settings(case, monkeypatch):
+    """load_state_dict takes a state_dict's param groups, as torch's does, the 8-bit settings (nbits,
+    min_8bit_size, block_size) included: an optimizer built with 32-bit state loads an 8-bit one's codes and
+    absmax as they are and goes on as that optimizer, bit for bit, and the other way round."""
+    monkeypatch.setenv("FASTOPT_BACKEND", "torch")
+    for saved, other in ((8, 32), (32, 8)):
+        final, s_opt = _straight(case, saved)
+        src_model, src_opt = _nbits_side(case, saved)
+        _run(src_model, src_opt, range(HALF))
+        model, opt = _nbits_side(case, other)
+        assert _settings(opt) != _settings(src_opt)
+        model.load_state_dict(src_model.state_dict())
+        opt.load_state_dict(_reload(src_opt.state_dict()))
+        assert _settings(opt) == _settings(src_opt)
+        _run(model, opt, range(HALF, STEPS))
+        assert all(torch.equal(p, final[n]) for n, p in model.named_parameters()), (case, saved)
+        assert _equal_sd(opt.state_dict(), s_opt.state_dict()), (case, saved)
+
+
+@pytest.mark.parametrize("case", sorted(EIGHT_BIT))
+def test_dequantized_state_under_the_codes_key_still_loads(case, tmp_path, monkeypatch):
+    """fp32 values under the codes' key without the absmax (older fastopt state_dicts of DTensor params or
+    within dequantized_8bit; came-pytorch) are values, not codes, into the optimizer with 32-bit state too,
+    plain or through DCP: requantized in the same blocks, the very codes and absmax saved. Whole numbers
+    there are values too when the optimizer itself keeps 8-bit state under these settings (DCP would have
+    asked for the absmax, so it cannot have cast codes)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    monkeypatch.setenv("FASTOPT_BACKEND", "torch")
+    src_model, src_opt = _nbits_side(case, 8)
+    _run(src_model, src_opt, range(HALF))
+
+    def older(sd):  # the dequantized values moved from `dequantized_key` back to the codes' key
+        n = len(ckpt.DEQUANTIZED)
+        return {**sd, "state": {i: {(k[:-n] if k.endswith(ckpt.DEQUANTIZED) else k): v for k, v in st.items()}
+                                for i, st in sd["state"].items()}}
+    with ckpt.dequantized_8bit(src_opt):
+        sd, osd = older(src_opt.state_dict()), older(get_optimizer_state_dict(src_model, src_opt))
+    assert any(k in st and st[k].dtype == torch.float32 for st in sd["state"].values() for k in _codes_keys(src_opt))
+    model, opt = _nbits_side(case, 32)
+    opt.load_state_dict(_reload(sd))
+    assert _equal_sd(opt.state_dict(), src_opt.state_dict()), case
+    import torch.distributed.checkpoint as dcp
+    model, opt = _nbits_side(case, 32)
+    path = str(tmp_path / "older")
+    dcp.save({"optim": osd}, checkpoint_id=path, no_dist=True)
+    template = {"optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(template, checkpoint_id=path, no_dist=True)
+    set_optimizer_state_dict(model, opt, template["optim"])
+    assert _equal_sd(opt.state_dict(), src_opt.state_dict()), case
+
+    whole = copy.deepcopy(sd)
+    for st in whole["state"].values():
+        for k in _codes_keys(src_opt):
+            if k in st:
+                st[k] = torch.full_like(st[k], 2.0)
+    model, opt = _nbits_side(case, 8)
+    opt.load_state_dict(whole)
+    params = [(p, g) for g in opt.param_groups for p in g["params"]]  # the state_dict's ids
+    checked = 0
+    for i, st in whole["state"].items():
+        p, g = params[i]
+        for k, (a, signed, block) in opt._quantized_keys(g).items():
+            if a in opt.state[p]:
+                back = fastopt.dequantize_blockwise(opt.state[p][k], opt.state[p][a], block, signed)
+                assert torch.equal(back.view_as(st[k]), st[k]), (case, i, k)
+                checked += 1
+    assert checked, case
+
+
 # ---- interoperability ----------------------------------------------------------------------------------------
 def test_loads_transformers_adafactor_state_and_continues():
     transformers = pytest.importorskip("transformers")
@@ -719,6 +885,39 @@ def test_dcp_8bit_ddp_to_fsdp_and_tp(pool, shared_dir, case):
             # within the 8-bit noise itself (8-bit vs 32-bit state over the same run); codes copied into the
             # fp32 template were 3.9 of the update away
             assert res[k] <= res["noise"], (case, rank, k, res[k], res["noise"])
+
+
+def _dcp_codes_into_fsdp_32bit_case(rank, world, case, path):
+    """DDP's 8-bit codes (plain params, the same on every rank) saved with DCP, loaded into the template of
+    FSDP2 params with 32-bit state: DCP casts the codes into the DTensor template and each rank checks its
+    piece; every rank refuses and none changes."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    os.environ["FASTOPT_BACKEND"] = "torch"
+    ddp, ddp_opt = _nbits_side(case, 8)
+    train(ddp, ddp_opt, range(HALF))
+    dcp.save({"optim": get_optimizer_state_dict(ddp, ddp_opt)}, checkpoint_id=path)
+    model = build("fsdp")
+    twin_case, over = TWIN_32[case]
+    opt = make_opt(twin_case, model, **over)
+    train(model, opt, range(1))
+    before = _snapshot(opt)
+    sd = {"optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(sd, checkpoint_id=path)
+    error = None
+    try:
+        set_optimizer_state_dict(model, opt, sd["optim"])
+    except ValueError as e:
+        error = str(e)
+    return dict(error=error, unchanged=_same(before, _snapshot(opt)))
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("case", ["adamw8bit", "galore_8bit"])
+def test_dcp_8bit_codes_into_fsdp_32bit_template_fail_on_every_rank(pool, shared_dir, case):
+    for rank, res in enumerate(pool.run(_dcp_codes_into_fsdp_32bit_case, case, os.path.join(shared_dir, case))):
+        assert res["error"] is not None and "holds whole numbers from 0 to 255" in res["error"], (rank, res)
+        assert res["unchanged"], rank
 
 
 # ---- load_state_dict agrees over the ranks that share the params, never the world -------------------------

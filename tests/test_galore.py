@@ -524,7 +524,8 @@ def _dtensor_galore(rank, world, init, grads, backends, proj_types):
                                    {"params": params[DIST_PROJ:]}], lr=LR, weight_decay=WD)
         calls, svds = [], []
         names = [c for c in ("all_reduce", "reduce", "reduce_scatter_tensor", "reduce_scatter_single",
-                             "all_gather_into_tensor", "all_gather_single", "all_gather", "broadcast")
+                             "all_gather_into_tensor", "all_gather_single", "all_gather", "broadcast",
+                             "all_to_all_single")
                  if hasattr(dist, c)]
         real = {c: getattr(dist, c) for c in names}
         for c in names:
@@ -551,20 +552,24 @@ def _dtensor_galore(rank, world, init, grads, backends, proj_types):
         states = [{k: v.full_tensor() if hasattr(v, "full_tensor") else v.clone() for k, v in opt.state[p].items()}
                   for p in params[:DIST_PROJ]]
         cuts = [tuple(opt.state[p]["exp_avg"].to_local().shape) for p in params[:DIST_PROJ]]
-        out[backend, proj_type] = (full, states, per_step, cuts, svd_steps)
+        kept = [(tuple(p.to_local().shape), {k: tuple(v.to_local().shape) for k, v in opt.state[p].items()
+                                             if k.startswith("proj")}) for p in params[:DIST_PROJ]]
+        out[backend, proj_type] = (full, states, per_step, cuts, svd_steps, kept)
     return out
 
 
 @pytest.mark.dist
 def test_dtensor_shards_match_single_process():
     """4 gloo ranks: every layout gives galore-torch's single-process result; the bases are the same SVD of
-    the whole gradient (bit for bit) on every rank, and the moments of a sharded param are cut along one dim
-    over its ranks (each entry on exactly one rank of its group; a replicated param's are whole). Collectives:
+    the whole gradient (bit for bit), each rank keeping the rows of P and the columns of Q of its own piece, and
+    the moments of a sharded param are cut along one dim over its ranks (each entry on exactly one rank of its
+    group; a replicated param's are whole). Collectives:
     one reduce-scatter of the projected gradients and one all-gather of N per sharded bucket per step; on
-    refresh steps also one reduce per sharded projected param (its whole gradient, onto the rank that computes
-    its SVD: the k-th param's on rank k % 4) and the all-reduces of the bucket's new bases (one per basis here,
-    with the buffer bound set to 1 element); none for the sharded vector of the plain group. The replicated
-    param's SVD runs on every rank."""
+    refresh steps also two small all-gathers (where each rank's pieces lie) and one all_to_all for the bucket
+    (each sharded projected param's whole gradient onto the rank that computes its SVD: the k-th param's on
+    rank k % 4), one all-reduce of the failure flags and the all-reduces of the bucket's new bases (one per
+    basis here, with the buffer bound set to 1 element); none for the sharded vector of the plain group. The
+    replicated param's SVD runs on every rank."""
     from dist_utils import run as dist_run
     from fastopt import ops
     backends = ["torch"] + (["triton"] if ops.triton_available() and ops.interpreting() else [])
@@ -580,13 +585,17 @@ def test_dtensor_shards_match_single_process():
     for backend, proj_type in [(b, t) for b in backends for t in proj_types]:
         ref_flat, ref_opt, plist = galore_torch_run(ref_init, ref_grads, proj_type, sum(n_split))
         for r, res in enumerate(results):
-            full, states, per_step, _cuts, svd_steps = res[backend, proj_type]
+            full, states, per_step, _cuts, svd_steps, kept = res[backend, proj_type]
             assert full[0].shape == init[0].shape
+            for piece, bases in kept:  # the bases of the local piece's rows (P) and columns (Q) alone
+                want = {"proj_left": piece[:-1] + (GROUP["rank"],),
+                        "proj_right": piece[:-2] + (GROUP["rank"], piece[-1])}
+                assert bases and all(shape == want[k] for k, shape in bases.items()), (r, piece, bases)
             for t, (calls, svds) in enumerate(zip(per_step, svd_steps), start=1):
                 refresh = (t - 1) % GAP == 0
                 bases = len(sharded) * (2 if proj_type == "full" else 1)  # SHARE_ELEMENTS = 1: one each
                 want = ["all_gather", "reduce_scatter"] * buckets + \
-                    (["reduce"] * len(sharded) + ["all_reduce"] * (bases + 1) if refresh else [])  # + failure flags
+                    (["all_gather"] * 2 + ["all_to_all"] + ["all_reduce"] * (bases + 1) if refresh else [])  # + flags
                 assert calls == sorted(want), (backend, r, t, calls)
                 mine = sum(1 for k in range(len(sharded)) if k % 4 == r) + (DIST_PROJ - len(sharded))
                 assert svds == (mine if refresh else 0), (backend, r, t, svds)

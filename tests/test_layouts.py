@@ -317,6 +317,8 @@ CASES = {
     "dp_x_tp_rows": ((9, 5), (2, 2), [("R",), ("S", 0)]),
     "fsdp_x_tp_strided": ((10, 6), (2, 2), [("SS", 0, 2), ("S", 0)]),
     "fsdp_rows_tp_cols": ((7, 9), (2, 2), [("S", 0), ("S", 1)]),
+    # 8-bit states of several blocks per rank (GaLore's projected moments, (300, rank), cut over 4 ranks)
+    "tall_rows": ((300, 8), (4,), [("S", 0)]),
 }
 
 
@@ -621,6 +623,61 @@ def _reinit_case(rank, world):
     return after is mesh.get_group(0) and after is not before
 
 
+def _owners_case(rank, world):
+    """`gather_to_owners` over pieces of every kind (Shard uneven, _StridedShard (alone: rows in two runs), a
+    leading dim, an empty piece, declared dims with a start, flat ranges with padding, mixed dtypes): the owner
+    gets each tensor whole, bit for bit; each rank sends its real elements alone (the all_to_all's input)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from fastopt.distributed import declare_shard, layout_of
+    from fastopt.distributed.layout import _piece_code, gather_to_owners
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    g = torch.Generator().manual_seed(3)
+    fulls = [torch.randn(7, 5, generator=g), torch.randn(10, 6, generator=g, dtype=torch.float64),
+             torch.randn(3, 4, 9, generator=g), torch.randn(2, 3, generator=g), torch.randn(5, 11, generator=g),
+             torch.randn(5, 7, generator=g), torch.randn(13, 3, generator=g)]
+    xs = [distribute_tensor(fulls[0], mesh, [Shard(0), Shard(1)], src_data_rank=None),
+          distribute_tensor(fulls[1], mesh, [_StridedShard(0, split_factor=2), Shard(0)], src_data_rank=None),
+          distribute_tensor(fulls[2], mesh, [Shard(0), Shard(2)], src_data_rank=None),
+          distribute_tensor(fulls[3], mesh, [Shard(0), Shard(0)], src_data_rank=None)]  # rank 3's piece is empty
+    lays = [layout_of(x) for x in xs]
+    locs = [x.to_local() for x in xs]
+    starts = [0, 1, 3, 4]  # declared by hand along dim 1, uneven, with explicit starts
+    lo, hi = starts[rank], starts[rank + 1] if rank < 3 else 11
+    locs.append(declare_shard(fulls[4][:, lo:hi].clone(), (5, 11), dist.group.WORLD, dim=1, start=lo))
+    piece, pad = _flat_piece(fulls[5], dist.group.WORLD)  # 9 elements per rank, the last one padding on rank 3
+    chunk = piece.numel()
+    assert pad == 1
+    locs.append(declare_shard(piece.clone(), (5, 7), dist.group.WORLD, flat_offset=rank * chunk))
+    lays += [layout_of(t) for t in locs[4:]]
+    line = init_device_mesh("cpu", (4,), mesh_dim_names=("all",))  # a strided shard alone: two runs of rows
+    xs.append(distribute_tensor(fulls[6], line, [_StridedShard(0, split_factor=2)], src_data_rank=None))
+    lays.append(layout_of(xs[-1]))
+    locs.append(xs[-1].to_local())
+    assert lays[-1].group is lays[0].group  # the world: one bucket
+    assert rank == 3 or len(_piece_code(lays[-1])) == 1 + 1 + 4 + 1, _piece_code(lays[-1])
+    owners = [1, 3, 0, 2, 1, 0, 2]
+    sent = []
+    real = dist.all_to_all_single
+    dist.all_to_all_single = lambda out, inp, *a, **k: sent.append(inp.numel()) or real(out, inp, *a, **k)
+    try:
+        got = gather_to_owners(locs, lays, owners, dist.group.WORLD)
+    finally:
+        dist.all_to_all_single = real
+    assert sorted(got) == [j for j, o in enumerate(owners) if o == rank], (rank, sorted(got))
+    for j, whole in got.items():
+        assert whole.dtype == torch.float64  # promoted: one buffer for the bucket
+        assert torch.equal(whole, fulls[j].double()), (rank, j)
+    assert sent == [sum(lay.count for lay in lays)], (rank, sent)
+    return True
+
+
+def test_gather_to_owners_assembles_each_tensor_on_its_owner(pool):
+    assert all(pool.run(_owners_case))
+
+
 def test_layout_groups_follow_a_new_process_group():
     from dist_utils import run
     assert all(run(_reinit_case, WORLD, timeout=60.0))
@@ -682,12 +739,15 @@ def test_flat_range_with_padding_takes_the_plain_step(backend, device, name, mon
     assert sizes == per_step * STEPS
 
 
-# ---- sharded Adafactor and CAME buckets on the Triton kernels (issue 7) ------------------------------------
-# The cases above run in the pool with FASTOPT_BACKEND=torch. Here the same cases run every sharded Adafactor
-# and CAME bucket through the Triton kernels (the interpreter on CPU) while the single-process oracle, and any
-# bucket without a layout, keeps the plain-torch reference; the reference refuses sharded buckets, and the
-# kernels must have launched for each of them.
+# ---- sharded Adafactor, CAME and GaLore buckets on the Triton kernels (issue 7) ------------------------------
+# The cases above run in the pool with FASTOPT_BACKEND=torch. Here the same cases run every sharded Adafactor,
+# CAME and GaLore bucket through the Triton kernels (the interpreter on CPU) while the single-process oracle, and
+# any bucket without a layout, keeps the plain-torch reference; the reference refuses sharded buckets, and the
+# kernels must have launched for each of them. GaLore's SVD refresh (`ops.galore_refresh`) is torch on every
+# back end: only its step is routed.
 KERNEL_OPTS = ["adafactor", "adafactor_relative", "came", "came8"]
+KERNEL_STEPS = {"adafactor": "adafactor_step", "adafactor_relative": "adafactor_step", "came": "came_step",
+                "came8": "came_step", "galore": "galore_step", "galore8": "galore_step"}  # name -> the routed op
 # The interpreter is slow: whole-model runs only for the layouts the placement and flat-range cases below do not
 # already cover one by one (strided FSDP2 + TP, hand-declared dims beside unsharded buckets, ZeRO over TP).
 KERNEL_MODES = ["fsdp_tp", "explicit", "colossal"]
@@ -696,6 +756,8 @@ needs_interpreter = pytest.mark.skipif(not (fastopt.ops.triton_available() and f
 
 
 def _on_kernels(rank, world, case, *args):
+    """`case(rank, world, *args)` (its last argument: the optimizer's name) with the sharded buckets on the
+    kernels; every sharded bucket of the run must have taken that optimizer's op (`KERNEL_STEPS`), at least one."""
     import os
 
     import triton
@@ -703,6 +765,7 @@ def _on_kernels(rank, world, case, *args):
     from fastopt import ops
     from fastopt.reference import adafactor as ref_adafactor
     from fastopt.reference import came as ref_came
+    from fastopt.reference import galore as ref_galore
 
     sharded_calls, launches = [], []
 
@@ -730,8 +793,9 @@ def _on_kernels(rank, world, case, *args):
         return step
 
     cls = type(triton.jit(lambda: None))
-    patches = [(ops, "adafactor_step", route), (ops, "came_step", route), (ref_adafactor, "adafactor_step", refuse),
-               (ref_came, "came_step", refuse), (cls, "__getitem__", None)]
+    patches = [(ops, "adafactor_step", route), (ops, "came_step", route), (ops, "galore_step", route),
+               (ref_adafactor, "adafactor_step", refuse), (ref_came, "came_step", refuse),
+               (ref_galore, "galore_step", refuse), (cls, "__getitem__", None)]
     saved = [(mod, attr, getattr(mod, attr)) for mod, attr, _ in patches]
     orig_getitem = cls.__getitem__
     try:
@@ -743,7 +807,8 @@ def _on_kernels(rank, world, case, *args):
     finally:
         for mod, attr, fn in saved:
             setattr(mod, attr, fn)
-    assert sharded_calls, "no sharded Adafactor/CAME bucket reached the kernels"
+    want = KERNEL_STEPS[args[-1]]
+    assert sharded_calls and set(sharded_calls) == {want}, f"{want}: sharded buckets on the kernels: {sharded_calls}"
     return out
 
 
@@ -756,7 +821,7 @@ def test_kernels_every_layout_match_single_process(pool, mode, name):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("name", KERNEL_OPTS)
+@pytest.mark.parametrize("name", KERNEL_OPTS + ["galore", "galore8"])
 def test_kernels_dtensor_placements_match_single_process(pool, name):
     pool.run(_on_kernels, _placements_case, name)
 

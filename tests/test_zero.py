@@ -778,7 +778,8 @@ def _clip_idle_rank(rank, world, partition_grad):
     x = torch.randn(2, 4, dtype=torch.float64)
     model(x).sum().backward()
     ref(x).sum().backward()
-    return len(opt._owned), float(opt.clip_grad_norm_(1.0)), float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0))
+    return (len(opt._owned), float(opt.clip_grad_norm_(1.0)),
+            float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)))
 
 
 @pytest.mark.parametrize("partition_grad", [False, True])

@@ -21,7 +21,7 @@ Stable API (the optimizers and the GaLore layout support use it): `Layout` with 
 `group`, `groups`, `group_key`, `flat`, `base`, `numel`, `count`, `is_flat`, `dim_index`, `batch_index`,
 `flat_index`, `factor_index`, `local_view`, `reduce`, `mesh`, `mesh_dims`, `shard_ranges`, `shard_placements`;
 `layout_of`, `local`, `collective`, `declare_shard`, `make_layout`,
-`full_tensor`, `real_elements`, `check_cover`.
+`full_tensor`, `gather_to_owners`, `real_elements`, `check_cover`.
 
 A declaration is checked once, at the first step that uses it (`check_cover`): the real elements of the pieces
 over the declared groups must be every element of the global tensor once, else a ValueError on every rank (a
@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 __all__ = ["Layout", "layout_of", "local", "collective", "declare_shard", "make_layout", "full_tensor",
-           "real_elements", "check_cover"]
+           "gather_to_owners", "real_elements", "check_cover"]
 
 _ATTR = "_fastopt_layout"  # where declare_shard keeps a plain tensor's declared layout
 
@@ -377,24 +377,133 @@ def declare_shard(p: Tensor, global_shape, group, *, dim: int | None = None, sta
     return p
 
 
-def full_tensor(x: Tensor, layout: Layout | None, dst: int | None = None) -> Tensor:
+def full_tensor(x: Tensor, layout: Layout | None) -> Tensor:
     """The whole global tensor on every rank from its local piece `x` (real elements only), with one
     all_reduce per group of the layout: each rank scatters its elements into zeros, the sum assembles them.
-    With `dst` (a rank of the layout's only group) one reduce instead: the whole tensor on that rank only (the
-    others get their partial sums). Moves the whole tensor: for tests, checkpoint tools and GaLore's
-    projection, not for per-step statistics. Replicated pieces (a dim layout under a mesh dim it is replicated
-    over) are not double-counted: only the layout's groups are summed over."""
+    Moves the whole tensor: for tests, checkpoint tools and GaLore's projection, not for per-step statistics.
+    Replicated pieces (a dim layout under a mesh dim it is replicated over) are not double-counted: only the
+    layout's groups are summed over."""
     if layout is None:
         return x
     out = torch.zeros(layout.numel, dtype=x.dtype, device=x.device)
     out[layout.flat_index(x.device).reshape(-1)] = layout.local_view(x).reshape(-1)
-    if dst is None:
-        layout.reduce(out)
-    else:
-        if len(layout.groups) != 1:
-            raise ValueError("full_tensor: dst= needs a layout with one group")
-        dist.reduce(out, dst=dist.get_global_rank(layout.group, dst), group=layout.group)
+    layout.reduce(out)
     return out.view(layout.global_shape)
+
+
+def _runs(idx: Tensor) -> list[int]:
+    """[start, length, start, length, ...]: the runs of consecutive integers of a 1-D index, in order."""
+    out: list[int] = []
+    for x in idx.tolist():
+        if out and out[-2] + out[-1] == x:
+            out[-1] += 1
+        else:
+            out += [x, 1]
+    return out
+
+
+def _piece_code(lay: Layout) -> list[int]:
+    """This rank's piece of a tensor as a few ints (`gather_to_owners` sends them to the other ranks): [1, offset,
+    count] for a flat range of the global tensor; else 0, then per dim -1 (all of it) or the number of runs of its
+    index followed by each run's (start, length). Cached on the layout."""
+    if "piece_code" not in lay._cache:
+        if lay.is_flat:
+            code = [1, *lay.flat]
+        else:
+            code = [0]
+            for idx in lay.index:
+                runs = _runs(idx) if idx is not None else None
+                code += [-1] if runs is None else [len(runs) // 2, *runs]
+        lay._cache["piece_code"] = code
+    return lay._cache["piece_code"]
+
+
+def _read_piece(code: list[int], pos: int, shape: tuple) -> tuple[object, int, int]:
+    """(where, size, next pos): one piece of `_piece_code` read at `code[pos]`, for a tensor of global `shape`;
+    `where` is (offset, count) of a flat range, or per dim the global indices (None: all of them)."""
+    if code[pos] == 1:
+        off, count = code[pos + 1], code[pos + 2]
+        return (off, count), count, pos + 3
+    pos += 1
+    where, size = [], 1
+    for n in shape:
+        k = code[pos]
+        pos += 1
+        if k < 0:
+            where.append(None)
+            size *= n
+            continue
+        runs = code[pos:pos + 2 * k]
+        pos += 2 * k
+        where.append(runs)
+        size *= sum(runs[1::2])
+    return where, size, pos
+
+
+def _place(whole: Tensor, where, piece: Tensor) -> None:
+    """whole (the global tensor) <- `piece` (flat, row-major) at `where` (`_read_piece`)."""
+    if isinstance(where, tuple):
+        off, count = where
+        whole.view(-1)[off:off + count] = piece
+        return
+    nd, dev = whole.dim(), whole.device
+    idx = [torch.arange(n, device=dev) if runs is None else
+           torch.cat([torch.arange(s, s + k, device=dev) for s, k in zip(runs[::2], runs[1::2])])
+           if runs else torch.zeros(0, dtype=torch.long, device=dev)
+           for n, runs in zip(whole.shape, where)]
+    if any(i.numel() == 0 for i in idx):
+        return
+    ix = tuple(i.view([-1 if e == d else 1 for e in range(nd)]) for d, i in enumerate(idx))
+    whole[ix] = piece.view([i.numel() for i in idx])
+
+
+def gather_to_owners(xs: list[Tensor], layouts: list[Layout], owners: list[int], group) -> dict[int, Tensor]:
+    """The whole global tensor of each `xs[j]` (local pieces; `layouts[j]` dim layouts or flat ranges of the
+    global tensor, every one over the one group `group`) on group rank `owners[j]` alone: {j: whole tensor} for
+    the j this rank owns. Each rank sends each owner its real local elements, nothing else: one all_to_all for
+    all of them (the bytes of this rank's pieces, about 1/world of the tensors, where a reduce of each
+    zero-filled whole tensor sends (world - 1)/world of it), after two small all_gathers of every rank's
+    `_piece_code`s (how many, then the codes), which say where each piece goes. In the promoted dtype of `xs`."""
+    world, me = dist.get_world_size(group), dist.get_rank(group)
+    dev = xs[0].device
+    dtype = xs[0].dtype
+    for x in xs[1:]:
+        dtype = torch.promote_types(dtype, x.dtype)
+    mine = [c for lay in layouts for c in _piece_code(lay)]
+    gather = collective("all_gather_single", "all_gather_into_tensor")
+    lens = torch.empty(world, dtype=torch.long, device=dev)
+    gather(lens, torch.tensor([len(mine)], dtype=torch.long, device=dev), group=group)
+    lens = lens.tolist()
+    codes = torch.zeros(world * max(lens), dtype=torch.long, device=dev)
+    sent = torch.zeros(max(lens), dtype=torch.long, device=dev)
+    sent[:len(mine)] = torch.tensor(mine, dtype=torch.long)
+    gather(codes, sent, group=group)
+    codes = codes.view(world, max(lens)).tolist()
+    pieces = []  # pieces[k][j] = (where, size) of rank k's piece of xs[j]
+    for k in range(world):
+        pos, row = 0, []
+        for lay in layouts:
+            where, size, pos = _read_piece(codes[k], pos, lay.global_shape)
+            row.append((where, size))
+        pieces.append(row)
+    order = sorted(range(len(xs)), key=lambda j: owners[j])  # grouped by destination, in order within each
+    send = torch.cat([layouts[j].local_view(xs[j]).reshape(-1).to(dtype) for j in order]) if xs else \
+        torch.zeros(0, dtype=dtype, device=dev)
+    in_splits = [sum(pieces[me][j][1] for j in range(len(xs)) if owners[j] == o) for o in range(world)]
+    owned = [j for j in order if owners[j] == me]
+    out_splits = [sum(pieces[k][j][1] for j in owned) for k in range(world)]
+    recv = torch.empty(sum(out_splits), dtype=dtype, device=dev)
+    dist.all_to_all_single(recv, send.contiguous(), output_split_sizes=out_splits, input_split_sizes=in_splits,
+                           group=group)
+    out, pos = {}, 0
+    for j in owned:
+        out[j] = torch.zeros(layouts[j].global_shape, dtype=dtype, device=dev)
+    for k in range(world):
+        for j in owned:
+            where, size = pieces[k][j]
+            _place(out[j], where, recv[pos:pos + size])
+            pos += size
+    return out
 
 
 def real_elements(params: list, grads: list, states: list[dict], layouts: list | None, elementwise: tuple,

@@ -11,8 +11,9 @@ The model stays an ordinary module with the same weights on every rank, and each
   is per element, or scalars that depend only on the step count). Nothing else ever splits: torch's Adafactor,
   LBFGS, subclasses of torch's optimizers. A split param is cut into `world` contiguous ranges of its
   flattened elements, one per rank in rank order. Boundary r is r * numel / world rounded to the nearest
-  multiple of 4096, so every range is non-empty and within 4096 elements of an even share. Because of that alignment, 8-bit blocks of any
-  block_size <= 4096 cut the pieces exactly where they cut the whole param: 8-bit states stay bit-compatible
+  multiple of 4096, so every range is non-empty and within 4096 elements of an even share. Because of that
+  alignment, 8-bit blocks of any block_size <= 4096 cut the pieces exactly where they cut the whole param:
+  8-bit states stay bit-compatible
   with one process, and they consolidate by concatenation. All other params are whole. They go largest first
   to the rank with the fewest elements so far, with each rank's ranges counted (the greedy balance of
   `torch.distributed.optim.ZeroRedundancyOptimizer`), and frozen params weigh nothing. A rank then holds at

@@ -584,7 +584,7 @@ class FastOptimizer(torch.optim.Optimizer):
                                  f"not a {name} state_dict")
             merged = {**g, **{k: v for k, v in sg.items() if k not in ("params", "param_names")}}
             for pid, p in zip(sg["params"], g["params"]):
-                id_map[pid] = (p, merged)
+                id_map[pid] = (p, merged, g)
         saved_state = state_dict["state"]
         if not isinstance(saved_state, dict):
             raise ValueError(f"{where}: 'state' must be a dict (param id -> state), got "
@@ -598,12 +598,13 @@ class FastOptimizer(torch.optim.Optimizer):
             if pid not in id_map:
                 problem = f"{where}: state for unknown param id {pid!r}"
                 break
-            p, group = id_map[pid]
+            p, group, own = id_map[pid]
             spec = self._state_spec(p, group)
+            quantized = self._quantized_keys(group)
             try:
-                out, bad = ckpt.import_state(st, p, spec, self._quantized_keys(group),
-                                             self._dtensor_forms(p, group),
-                                             f"{where}: state[{pid!r}]", local(p).device)
+                out, bad = ckpt.import_state(st, p, spec, quantized, self._dtensor_forms(p, group),
+                                             f"{where}: state[{pid!r}]", local(p).device,
+                                             **self._codes_cast(p, group, own, spec, quantized))
             except ValueError as e:  # raised below on every rank of the groups, not on this one alone
                 problem = str(e)
                 break
@@ -611,6 +612,24 @@ class FastOptimizer(torch.optim.Optimizer):
             new_state[p] = out
         ckpt.agree(problem, groups)
         return new_state
+
+    def _codes_cast(self, p: Tensor, group: dict, own: dict, spec: dict, quantized: dict) -> dict:
+        """`import_state`'s `cast_keys` and `cast_note` for param `p`: its states that are 8-bit codes under the
+        state_dict's settings (`group`, whose `_layout_keys` replace this optimizer's own, `own`, as torch's
+        load_state_dict and DCP's template alike take a state_dict's hyperparameters) but 32-bit in this
+        optimizer's own state, under the same key. DCP fills a template of this optimizer with the codes there,
+        cast to floating point, and leaves their absmax behind (fastopt/checkpoint.py)."""
+        changed = [k for k in self._layout_keys if group.get(k) != own.get(k)]
+        if not changed:
+            return {}
+        own_spec = self._state_spec(p, own)
+        keys = frozenset(k for k, (akey, _s, _b) in quantized.items()
+                         if akey in spec and k in own_spec and akey not in own_spec)
+        if not keys:
+            return {}
+        fmt = lambda g: ", ".join(f"{k}={g.get(k)!r}" for k in changed)  # noqa: E731
+        return dict(cast_keys=keys, cast_note=f"the state_dict's param_groups have {fmt(group)}, this optimizer "
+                                              f"{fmt(own)}")
 
 
 def _state_diff(have: dict, want: dict, dev) -> str:

@@ -10,7 +10,8 @@ from torch import Tensor
 from .. import checkpoint as ckpt
 from .. import ops
 from ..distributed.layout import local
-from ..reference.galore import PROJ_TYPES, basis_shapes, moment_cut, moment_dim, projected_shape, projection_side
+from ..reference.galore import (LEFT, PROJ_TYPES, basis_shapes, moment_cut, moment_dim, projected_shape,
+                                projection_side)
 from ..reference.quant import num_blocks
 from .base import (BLOCK_SIZE, MIN_8BIT_SIZE, NBITS, NONNEG, FastOptimizer, betas_rule, check, host_value, is_int,
                    is_number, lr_rule)
@@ -42,7 +43,9 @@ class GaLoreAdamW(FastOptimizer):
     reduce-scatter that leaves each rank the slice of the projected gradient whose moments it keeps (1/world of
     them), Adam runs on it, and one all-gather gives every rank the whole normalized update N for its
     back-projection (the same bytes as one all-reduce; one reduce-scatter and one all-gather per step for the
-    bucket). Declared shards and flat ZeRO ranges keep whole moments on every rank (one all-reduce per step). The bases are whole on every rank.
+    bucket). Declared shards and flat ZeRO ranges keep whole moments on every rank (one all-reduce per step).
+    A DTensor param's bases are cut like its piece (P's rows, Q's columns: all that its back-projection reads);
+    other params keep them whole on every rank.
     With nbits=8 a DTensor param's moments are quantized in blocks of this rank's slice, not of the whole
     moments: the result then agrees with one process to the quantization error, as AdamW8bit's does.
 
@@ -61,7 +64,9 @@ class GaLoreAdamW(FastOptimizer):
     param's device), `exp_avg`, `exp_avg_sq` (fp32, fp64 for fp64 params, or uint8 codes plus
     `exp_avg_absmax`, `exp_avg_sq_absmax`, fp32, one per block; the param's shape without a projection), and
     for projected params the bases `proj_left` (..., m, rank) and/or `proj_right` (..., rank, n), in the
-    moments' float dtype, whole on every rank. A projected param's `exp_avg` and `exp_avg_sq` have the
+    moments' float dtype: for a DTensor param DTensors with its placements along the dims they share with it
+    (replicated along the rank-sized one), so each rank keeps the rows of P and the columns of Q of its own
+    piece; otherwise whole, the same on every rank. A projected param's `exp_avg` and `exp_avg_sq` have the
     projected shape (..., rank, n), (..., m, rank) or (..., rank, rank): for a DTensor param they are DTensors
     of that shape on its mesh, cut along one dim over the ranks that shard the param (`Shard(d)` on those mesh
     dims, uneven like the params' shards; d the first dim with at least as many entries as those ranks, else
@@ -147,9 +152,9 @@ class GaLoreAdamW(FastOptimizer):
 
     # ---- state ------------------------------------------------------------------------------------------
     def _state_spec(self, p, group):
-        """Projected params: whole bases, the same on every rank that holds a piece of a sharded param; moments
-        of the projected shape, this rank's slice of them for a DTensor param (`_dtensor_forms`), whole
-        otherwise. Others: element-wise, shaped like the local piece."""
+        """Projected params: bases and moments of the projected shape, for a DTensor param this rank's part of them
+        (`_dtensor_forms`: the bases of its piece, a slice of the moments), whole otherwise. Others: element-wise,
+        shaped like the local piece."""
         shape = self._global_shape(p)
         dt = self.state_dtype(p)
         spec = {}
@@ -157,7 +162,9 @@ class GaLoreAdamW(FastOptimizer):
         if "rank" in group:
             side = projection_side(shape, group["proj_type"])
             mshape = whole = projected_shape(shape, group["rank"], side)
-            spec = {k: (s, dt) for k, s in basis_shapes(shape, group["rank"], side).items()}
+            # A DTensor param's bases: cut like its local piece (`keeps_local_bases`); others: whole.
+            cut_like = tuple(local(p).shape) if ckpt.is_dtensor(p) else shape
+            spec = {k: (s, dt) for k, s in basis_shapes(cut_like, group["rank"], side).items()}
             cut = moment_cut(self._layout(p), whole) if ckpt.is_dtensor(p) else None
             if cut is not None:
                 d, _start, count = cut
@@ -176,26 +183,32 @@ class GaLoreAdamW(FastOptimizer):
         return {"exp_avg": ("exp_avg_absmax", True, bs), "exp_avg_sq": ("exp_avg_sq_absmax", False, bs)}
 
     def _elementwise_keys(self, group):
-        # A projected param's moments are not shaped like the param (`_dtensor_forms`), its bases are whole.
+        # A projected param's moments and bases are not shaped like the param (`_dtensor_forms`).
         return frozenset() if "rank" in group else super()._elementwise_keys(group)
 
     def _dtensor_forms(self, p, group):
         """A projected DTensor param's moments: DTensors of the projected shape on its mesh, cut along one dim
         (`moment_cut`) over the mesh dims that shard the param (replicated over the others; all replicated for a
-        replicated param). The bases stay plain and whole."""
+        replicated param). Its bases: DTensors with the param's placements, except that the mesh dims that shard
+        the param along the dim a basis replaces by `rank` (n for P, m for Q) replicate it."""
         if "rank" not in group or not ckpt.is_dtensor(p):
             return super()._dtensor_forms(p, group)
         from torch.distributed.tensor.placement_types import Replicate
         shape = self._global_shape(p)
-        whole = projected_shape(shape, group["rank"], projection_side(shape, group["proj_type"]))
+        side = projection_side(shape, group["proj_type"])
+        whole = projected_shape(shape, group["rank"], side)
         lay = self._layout(p)
         if lay is None:
             placements = (Replicate(),) * p.device_mesh.ndim
-        elif lay.mesh is None:
-            return {}
         else:
             placements = lay.shard_placements(moment_dim(whole, dist.get_world_size(lay.group)))
-        return {k: (whole, placements) for k in ("exp_avg", "exp_avg_sq")}
+        forms = {k: (whole, placements) for k in ("exp_avg", "exp_avg_sq")}
+        nd = len(shape)
+        for key, bshape in basis_shapes(shape, group["rank"], side).items():
+            rank_dim = nd - 1 if key == LEFT else nd - 2
+            forms[key] = (bshape, tuple(Replicate() if getattr(pl, "dim", None) == rank_dim else pl
+                                        for pl in p.placements))
+        return forms
 
     def _init_state(self, p, group):
         fresh = not self.state[p]

@@ -27,7 +27,8 @@ else fp32, where galore-torch rounds them to the param's dtype); with 8-bit stat
 uint8 codes in the block-wise format of fastopt/reference/quant.py, signed map for m, unsigned for v) m_{t-1}
 and v_{t-1} are the dequantized states, N uses the exact m_t, v_t, and those are requantized after the update.
 
-Sharded params (fastopt/distributed/layout.py): the bases are whole on every rank. A rank's piece is a set
+Sharded params (fastopt/distributed/layout.py): a DTensor param keeps the rows of P and the columns of Q of
+its own piece (`keeps_local_bases`: all that its products read), other params whole bases. A rank's piece is a set
 of rectangles of the matrices (one for a dim layout, a few for a flat range); the SVD takes the whole gradient
 (assembled on refresh steps only, on one rank per param: `refresh_bases` spreads a bucket's SVDs over its
 ranks), R is the sum over the ranks of each rank's rectangles' products (P_r^T G_r placed at the rectangle's
@@ -106,18 +107,48 @@ def orthogonal_bases(g: Tensor, rank: int, side: str, dtype: torch.dtype) -> dic
 
 
 def state_views(state: dict, shape) -> tuple[Tensor | None, Tensor | None, tuple]:
-    """(P as (B, m, r), Q as (B, r, n), the moments' (B, a, b) shape) of a projected param of global `shape`
-    (..., m, n), B the product of its leading dims."""
+    """(P as (B', m', r), Q as (B', r, n'), the moments' (B, a, b) shape) of a projected param of global `shape`
+    (..., m, n), B the product of its leading dims; B', m', n' those of the bases as the state keeps them: the
+    whole ones, or the local piece's (`keeps_local_bases`)."""
     *batch, m, n = shape
-    nb = math.prod(batch)
-    left = right = None
-    if LEFT in state:
-        left = state[LEFT].view(nb, m, state[LEFT].numel() // (nb * m))
-    if RIGHT in state:
-        right = state[RIGHT].view(nb, state[RIGHT].numel() // (nb * n), n)
+    left, right = (_as_3d(state[k]) if k in state else None for k in (LEFT, RIGHT))
     a = left.shape[2] if left is not None else m
     b = right.shape[1] if right is not None else n
-    return left, right, (nb, a, b)
+    return left, right, (math.prod(batch), a, b)
+
+
+def _as_3d(x: Tensor) -> Tensor:
+    return x.view(math.prod(x.shape[:-2]), *x.shape[-2:])
+
+
+def keeps_local_bases(lay) -> bool:
+    """Whether a param of layout `lay` keeps its bases cut like its local piece: P's rows and Q's columns (and
+    the leading dims) are those of the local piece, which is all of them its back-projection reads; for
+    DTensor params (sharded along dims: `lay.mesh`), whose bases are DTensors on the param's mesh, sharded
+    like the param along their kept dims and replicated along the rank-sized one (`GaLoreAdamW._dtensor_forms`).
+    Other params keep whole bases."""
+    return lay is not None and lay.mesh is not None
+
+
+def basis_piece(basis: Tensor, key: str, lay) -> Tensor:
+    """What the state keeps of a whole basis (`key` LEFT: (..., m, r), RIGHT: (..., r, n)) of a param of layout
+    `lay`: the local piece's leading indices and rows (P) or columns (Q) where `keeps_local_bases`, else all."""
+    if not keeps_local_bases(lay):
+        return basis
+    nd = basis.dim()
+    rank_dim = nd - 1 if key == LEFT else nd - 2
+    for d, idx in enumerate(lay.index):
+        if idx is not None and d != rank_dim:
+            basis = basis.index_select(d, idx.to(basis.device))
+    return basis
+
+
+def whole_basis_shape(shape, key: str, basis: Tensor) -> tuple:
+    """The whole shape of basis `key` of a param of global `shape` (..., m, n), from the state's `basis` (whole
+    or cut: its rank-sized dim is whole)."""
+    if key == LEFT:
+        return tuple(shape[:-1]) + (basis.shape[-1],)
+    return tuple(shape[:-2]) + (basis.shape[-2], shape[-1])
 
 
 SHARE_ELEMENTS = 1 << 26  # refresh_bases: the largest buffer of new bases all-reduced at once (256 MiB fp32)
@@ -144,15 +175,16 @@ def refresh_bases(grads: list[Tensor], states: list[dict], refresh: list[bool], 
     both back ends (the SVD is torch.linalg.svd on either). A step GradScaler skips keeps the old bases.
 
     Sharded params whose layout has one group (DTensors, most declared shards) take turns over the ranks of
-    that group: the k-th one's whole gradient is assembled on group rank k % world (one reduce each, all of them
-    first, so that each rank then holds the gradients of its own params only), each rank computes the SVDs of
+    that group: the k-th one's whole gradient is assembled on group rank k % world (`gather_to_owners`: each rank
+    sends each owner its pieces, one all_to_all for the bucket, so that each rank then holds the gradients of
+    its own params only and has sent about 1/world of the bucket's gradients), each rank computes the SVDs of
     its params (at the same time as the others), and all-reduces of the new bases of the bucket (zeros where a
     rank computed none: exact sums), in buffers of at most `SHARE_ELEMENTS` (or one basis), hand every rank
     all of them, bit for bit the bases of one process. An SVD that fails on its rank (a non-finite gradient
     without GradScaler) is known to every rank of the group by one all-reduce of a flag per rank, and all of
     them raise. Declared shards over several groups assemble their whole gradient on every rank (one
     all-reduce per group), each rank computing the same SVD."""
-    from ..distributed.layout import full_tensor
+    from ..distributed.layout import full_tensor, gather_to_owners
     layouts = layouts if layouts is not None else [None] * len(grads)
     todo = [i for i, s in enumerate(states) if refresh[i] and is_projected(s)]
     spread = [i for i in todo if layouts[i] is not None and len(layouts[i].groups) == 1]
@@ -161,10 +193,10 @@ def refresh_bases(grads: list[Tensor], states: list[dict], refresh: list[bool], 
     me = dist.get_rank(group) if spread else 0
     owner = {i: k % world for k, i in enumerate(spread)}
     whole = {}
-    for i in spread:  # every reduce first: the SVDs below then run on all the ranks at once
-        g = full_tensor(grads[i], layouts[i], dst=owner[i])
-        if owner[i] == me:
-            whole[i] = g
+    if spread:  # every piece sent first: the SVDs below then run on all the ranks at once
+        got = gather_to_owners([grads[i] for i in spread], [layouts[i] for i in spread],
+                               [owner[i] for i in spread], group)
+        whole = {spread[j]: g for j, g in got.items()}
     new, failed = {}, None
     for i in todo:
         if i in owner and owner[i] != me:
@@ -194,35 +226,39 @@ def refresh_bases(grads: list[Tensor], states: list[dict], refresh: list[bool], 
             raise RuntimeError(f"GaLoreAdamW: the SVD of a projected gradient failed on rank(s) {bad} of the "
                                f"param's group (a non-finite gradient?){why}") from failed
     slots = [(i, key) for i in spread for key in (LEFT, RIGHT) if key in states[i]]
-    for chunk in share_chunks([states[i][key].numel() for i, key in slots]):  # the shared bases, bounded
+    shapes = {(i, key): whole_basis_shape(layouts[i].global_shape, key, states[i][key]) for i, key in slots}
+    for chunk in share_chunks([math.prod(shapes[slot]) for slot in slots]):  # the shared bases, bounded
         part = [slots[j] for j in chunk]
         ref = states[part[0][0]][part[0][1]]
-        buf = torch.zeros(sum(states[i][key].numel() for i, key in part), dtype=ref.dtype, device=ref.device)
+        buf = torch.zeros(sum(math.prod(shapes[slot]) for slot in part), dtype=ref.dtype, device=ref.device)
         off, views = 0, []
         for i, key in part:
-            views.append(buf[off:off + states[i][key].numel()])
-            off += states[i][key].numel()
+            views.append(buf[off:off + math.prod(shapes[i, key])].view(shapes[i, key]))
+            off += views[-1].numel()
             if i in new:
-                views[-1].copy_(new[i][key].reshape(-1))
+                views[-1].copy_(new[i][key].reshape(shapes[i, key]))
         dist.all_reduce(buf, group=group)
         for (i, key), v in zip(part, views):
-            _commit(states[i][key], v.view(states[i][key].shape), found_inf)
+            _commit(states[i][key], basis_piece(v, key, layouts[i]), found_inf)
     for i in todo:
         if i not in owner:
             s = states[i]
             for key, basis in new[i].items():
-                _commit(s[key], basis.reshape(s[key].shape), found_inf)
+                shape = layouts[i].global_shape if layouts[i] is not None else grads[i].shape
+                _commit(s[key], basis_piece(basis.reshape(whole_basis_shape(shape, key, s[key])), key, layouts[i]),
+                        found_inf)
 
 
 class Rect:
     """A rectangle of a projected param's matrices held here: global `batch` indices (B_r), `rows` and `cols`
     (None: all of them), and `view(x)`, the (B_r, rows, cols) view of those elements in the local tensor x
-    (which must be contiguous for flat layouts: then the rectangle is a contiguous range of it)."""
+    (which must be contiguous for flat layouts: then the rectangle is a contiguous range of it). `own_bases`:
+    the state's bases are this rectangle's already (`keeps_local_bases`)."""
 
-    __slots__ = ("batch", "rows", "cols", "view")
+    __slots__ = ("batch", "rows", "cols", "view", "own_bases")
 
-    def __init__(self, batch, rows, cols, view):
-        self.batch, self.rows, self.cols, self.view = batch, rows, cols, view
+    def __init__(self, batch, rows, cols, view, own_bases=False):
+        self.batch, self.rows, self.cols, self.view, self.own_bases = batch, rows, cols, view, own_bases
 
     def pick(self, x: Tensor, rows: bool, cols: bool) -> Tensor:
         """The rectangle's batch, rows (if `rows`) and columns (if `cols`) of a whole (B, a, b) tensor."""
@@ -293,7 +329,7 @@ def _local_rects(lay, shape, local_shape, device) -> list[Rect]:
         rows = lay.dim_index(nd - 2, device) if lay.index[nd - 2] is not None else None
         cols = lay.dim_index(nd - 1, device) if lay.index[nd - 1] is not None else None
         loc = (_batch_count(local_shape), local_shape[-2], local_shape[-1])
-        return [Rect(batch, rows, cols, lambda x: x.reshape(loc))]
+        return [Rect(batch, rows, cols, lambda x: x.reshape(loc), own_bases=keeps_local_bases(lay))]
     off, count = lay.flat
     base = lay.base
     if base is None:
@@ -310,6 +346,8 @@ def _local_rects(lay, shape, local_shape, device) -> list[Rect]:
 def local_bases(state: dict, shape, rect: Rect) -> tuple[Tensor | None, Tensor | None]:
     """(P at the rectangle's batch and rows, Q at its batch and columns), 3-D; None if absent."""
     left, right, _ = state_views(state, shape)
+    if rect.own_bases:
+        return left, right
     left = rect.pick(left, True, False) if left is not None else None
     right = rect.pick(right, False, True) if right is not None else None
     return left, right
