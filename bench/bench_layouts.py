@@ -175,7 +175,7 @@ def galore_comm(shapes, rank: int, dtype=torch.float32, gap: int = GALORE_GAP) -
                 refresh_share_collectives=share_collectives, refresh_bytes=grads + bases_all,
                 refresh_grad_sent_bytes_per_rank=max(sent), refresh_grad_received_bytes_per_rank=max(received),
                 refresh_grad_reduce_bytes_per_rank=(world - 1) / world * grads,
-                refresh_ring_bytes_per_rank=refresh_sent, refresh_ring_bytes_per_rank_per_step=refresh_sent / gap,
+                refresh_sent_bytes_per_rank=refresh_sent, refresh_sent_bytes_per_rank_per_step=refresh_sent / gap,
                 refresh_svds_per_rank=-(-len(proj) // world),
                 state_bytes_per_rank=max(state["galore"]),
                 state_bytes_per_rank_whole_bases=max(state["whole_bases"]),
@@ -254,8 +254,8 @@ def run(args) -> list[dict]:
                    f"({_size(c['refresh_grad_sent_bytes_per_rank'])} sent per rank, "
                    f"{_size(c['refresh_grad_reduce_bytes_per_rank'])} "
                    f"with a reduce of each whole gradient), {c['refresh_share_collectives'] + 1} all-reduces (the "
-                   f"bases, failure flags), {_size(c['refresh_ring_bytes_per_rank'])} sent per rank in all "
-                   f"({_size(c['refresh_ring_bytes_per_rank_per_step'])}/step over the gap), "
+                   f"bases, failure flags), {_size(c['refresh_sent_bytes_per_rank'])} sent per rank in all "
+                   f"({_size(c['refresh_sent_bytes_per_rank_per_step'])}/step over the gap), "
                    f"{c['refresh_svds_per_rank']} SVDs per rank; state per rank "
                    f"{_size(c['state_bytes_per_rank'])} (bases whole: {_size(c['state_bytes_per_rank_whole_bases'])}"
                    f"; moments whole too: {_size(c['state_bytes_per_rank_whole_moments'])}; AdamW: "

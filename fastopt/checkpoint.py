@@ -255,6 +255,10 @@ def import_state(st, p: Tensor, spec: dict, quantized: dict, forms: dict, where:
     raising."""
     if not isinstance(st, dict):
         raise ValueError(f"{where} is a {type(st).__name__}, expected a dict of tensors")
+    # Cast codes can only be floats that came under the codes' key, without their absmax: not the dequantized
+    # form (`dequantized_key`), which a 32-bit template never asks for, nor codes dequantized here with theirs.
+    cast_keys = frozenset(k for k in cast_keys if isinstance(st.get(k), Tensor) and st[k].is_floating_point()
+                          and quantized[k][0] not in st)
     st = _dequantized_forms(st, p, spec, quantized, forms, where)
     akeys = {akey: key for key, (akey, _s, _b) in quantized.items() if akey in spec}
     dequantized = {key for akey, key in akeys.items()

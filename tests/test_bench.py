@@ -183,7 +183,7 @@ def test_layouts_bench_counts_collectives_and_bytes(tmp_path, monkeypatch):
         assert c["refresh_collectives"] == 2 + 1 + shares + 1 and c["refresh_bytes"] == grads + 4 * bases
         assert c["refresh_grad_sent_bytes_per_rank"] == sent and 60 * sent < grads
         assert c["refresh_grad_reduce_bytes_per_rank"] == pytest.approx(63 / 64 * grads)
-        assert c["refresh_ring_bytes_per_rank_per_step"] == pytest.approx((sent + 2 * 63 / 64 * 4 * bases) / 200)
+        assert c["refresh_sent_bytes_per_rank_per_step"] == pytest.approx((sent + 2 * 63 / 64 * 4 * bases) / 200)
         assert c["refresh_svds_per_rank"] == 4  # 225 SVDs over 64 ranks
         # each rank keeps the bases of its piece: P's rows (FSDP cuts dim 0 over 8, TP over 8 more unless the
         # layer is rowwise: o_proj, down_proj), Q's columns (TP cuts them over 8 for the rowwise layers)

@@ -660,6 +660,29 @@ def test_plain_state_dict_between_8bit_and_32bit_state_takes_the_saved_settings(
 
 
 @pytest.mark.parametrize("case", sorted(EIGHT_BIT))
+def test_dequantized_form_of_zero_moments_loads_into_32bit_state(case, monkeypatch):
+    """The dequantized form (`<key>_fp32`: DTensor params, `dequantized_8bit`) holds values whatever they are,
+    never cast codes: moments that are all zero after steps (a param whose gradient stayed zero) load into an
+    optimizer built with 32-bit state, with the saved settings, as zeros."""
+    monkeypatch.setenv("FASTOPT_BACKEND", "torch")
+    src_model, src_opt = _nbits_side(case, 8)
+    _run(src_model, src_opt, range(HALF))
+    with ckpt.dequantized_8bit(src_opt):
+        sd = src_opt.state_dict()
+    zeroed = 0
+    for st in sd["state"].values():
+        for k in list(st):
+            if k.endswith(ckpt.DEQUANTIZED):
+                st[k] = torch.zeros_like(st[k])
+                zeroed += 1
+    assert zeroed and all(float(st["step"]) > 0 for st in sd["state"].values())
+    model, opt = _nbits_side(case, 32)
+    opt.load_state_dict(_reload(sd))
+    with ckpt.dequantized_8bit(opt):
+        assert _equal_sd(opt.state_dict(), sd), case
+
+
+@pytest.mark.parametrize("case", sorted(EIGHT_BIT))
 def test_dequantized_state_under_the_codes_key_still_loads(case, tmp_path, monkeypatch):
     """fp32 values under the codes' key without the absmax (older fastopt state_dicts of DTensor params or
     within dequantized_8bit; came-pytorch) are values, not codes, into the optimizer with 32-bit state too,

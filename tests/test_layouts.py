@@ -488,6 +488,83 @@ def test_declarations_are_checked(pool):
     pool.run(_errors_case)
 
 
+# One process: a declaration needs no process group until a collective runs (`Layout.reduce`, patched out where a
+# step runs), and the copies below are refused before any.
+TWIN_OPTS = {  # every fastopt optimizer -> a factory; GaLore's matrix in a projected group
+    "Adafactor": lambda p: fastopt.Adafactor([p]),
+    "CAME": lambda p: fastopt.CAME([p], lr=1e-2),
+    "Lamb": lambda p: fastopt.Lamb([p]),
+    "AdamW8bit": lambda p: fastopt.AdamW8bit([p], min_8bit_size=0, block_size=64),
+    "GaLoreAdamW": lambda p: fastopt.GaLoreAdamW([{"params": [p], "rank": 2}]),
+    "GaLoreAdamW8bit": lambda p: fastopt.GaLoreAdamW8bit([{"params": [p], "rank": 2}], min_8bit_size=0),
+}
+TWIN_MSG = "declare_shard was called on another tensor object sharing this param's storage"
+
+
+@pytest.mark.parametrize("name", list(TWIN_OPTS))
+def test_undeclared_copy_of_a_declared_tensor_is_refused(name, monkeypatch):
+    """declare_shard keeps the declaration on the tensor object: `torch.nn.Parameter(t)` (also `t.detach()`,
+    `t.data`, `t.view(...)`) of a declared t is a new object without it, which would be stepped as a whole tensor
+    (local statistics: silently wrong). Every optimizer refuses it, by name, even after t itself is freed (its
+    storage lives on in the Parameter); the declared Parameter itself is stepped."""
+    from fastopt.distributed import declare_shard, layout_of
+    from fastopt.distributed.layout import Layout
+    monkeypatch.setattr(Layout, "reduce", lambda self, buf: None)
+    make = TWIN_OPTS[name]
+    copies = [lambda: torch.nn.Parameter(declare_shard(torch.randn(4, 6), (8, 6), "group", dim=0, start=0))]
+    if name == "Adafactor":
+        t = declare_shard(torch.randn(4, 6), (4, 6), "group", flat_offset=0)
+        copies += [lambda: t.detach(), lambda: t.data, lambda: t.view(2, 12), lambda: torch.nn.Parameter(t)]
+    for copy_of in copies:
+        p = copy_of()
+        with pytest.raises(ValueError, match=f"^{name}: a param of local shape .*" + TWIN_MSG):
+            opt = make(p)
+            p.grad = torch.randn_like(p)
+            opt.step()
+    p = declare_shard(torch.nn.Parameter(torch.randn(4, 6)), (4, 6), "group", flat_offset=0)
+    opt = make(p)
+    assert opt._layout(p) is layout_of(p) and layout_of(p).flat == (0, 24)
+    if "GaLore" not in name:  # GaLore's refresh of a declared matrix gathers it over its group: none here
+        before = p.detach().clone()
+        p.grad = torch.randn_like(p)
+        opt.step()
+        assert not torch.equal(p, before)
+
+
+def test_declared_tensors_leave_other_tensors_alone():
+    """No false alarms: params that view other elements of a declared tensor's storage (ZeRO pieces, a contiguous
+    param buffer), empty tensors (many share address 0), a tensor at the address of a declared one whose storage
+    was freed, or of one whose storage moved (FSDP2 frees and reallocates unsharded params); the registry keeps
+    no entry for a freed storage."""
+    from fastopt.distributed import declare_shard, layout_of
+    from fastopt.distributed.layout import _DECLARED
+    opt = fastopt.Adafactor([torch.zeros(1)])  # `_layout` of each tensor below, as a step looks it up
+    buf = torch.zeros(30)
+    declared = declare_shard(buf[:12].view(2, 6), (4, 6), "group", dim=0, start=0)
+    for q in (buf[:18], buf[12:].view(3, 6), buf):  # the same first address, or the same size elsewhere
+        assert opt._layout(torch.nn.Parameter(q)) is None
+    declare_shard(torch.zeros(0, 6), (4, 6), "group", dim=0, start=4)
+    for q in (torch.zeros(0, 6), torch.zeros(0)):
+        assert q.data_ptr() == 0 and opt._layout(torch.nn.Parameter(q)) is None
+    declare_shard(buf[30:], (30,), "group", flat_offset=30)  # empty ranges of a flat buffer: one address
+    assert opt._layout(torch.nn.Parameter(buf[30:].view(0, 6))) is None
+    assert layout_of(declared).index[0].tolist() == [0, 1]
+
+    mem = bytearray(96)  # 24 float32 that outlive the torch storages made on them: the address is reused
+    t = declare_shard(torch.frombuffer(mem, dtype=torch.float32).view(4, 6), (8, 6), "group", dim=0, start=0)
+    key = (t.device, t.data_ptr(), t.numel())
+    assert key in _DECLARED
+    del t  # its storage goes with it
+    assert key not in _DECLARED
+    reused = torch.nn.Parameter(torch.frombuffer(mem, dtype=torch.float32).view(4, 6))
+    assert reused.data_ptr() == key[1] and opt._layout(reused) is None
+
+    t = declare_shard(torch.frombuffer(mem, dtype=torch.float32).view(4, 6), (8, 6), "group", dim=0, start=0)
+    t.share_memory_()  # the declared storage moves (alive, at another address); a new one takes the old address
+    other = torch.nn.Parameter(torch.frombuffer(mem, dtype=torch.float32).view(4, 6))
+    assert other.data_ptr() == key[1] and key in _DECLARED and opt._layout(other) is None
+
+
 def _cover_case(rank, world, name):
     """Declarations whose pieces do not cover the tensor once over their group: refused at the first step, on
     every rank, naming the param, the group size and the count; a right one costs one int64 all_reduce per

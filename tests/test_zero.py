@@ -967,6 +967,11 @@ def _bad_input(rank, world, case):
         opt = ZeroRedundancyOptimizer(make_opt("AdamW", model), process_group=sub, partition_grad=True)
         _continue(model, opt, rank, 2, 0, 2)  # works within the sub-group
         return [p.detach().clone() for p in model.parameters()]
+    elif case == "declared":  # a tensor-parallel piece declared by hand: not the wrapper's to partition
+        from fastopt.distributed import declare_shard
+        declare_shard(model.w2, (model.w2.shape[0] * world, *model.w2.shape[1:]), dist.group.WORLD, dim=0)
+        with pytest.raises(ValueError, match=r"param \d is declared a shard of a larger tensor"):
+            ZeroRedundancyOptimizer(make_opt("AdamW", model))
     elif case == "group_type":
         opt = ZeroRedundancyOptimizer(make_opt("AdamW", model))
         with pytest.raises(TypeError, match="process_group=str"):
@@ -975,7 +980,7 @@ def _bad_input(rank, world, case):
     return "ok"
 
 
-@pytest.mark.parametrize("case", ["values", "shapes", "group", "group_type"])
+@pytest.mark.parametrize("case", ["values", "shapes", "group", "group_type", "declared"])
 def test_bad_input_distributed(pool, case):
     results = pool.run(_bad_input, case)
     if case == "group":

@@ -34,6 +34,7 @@ and pickling it raises (a process group does not pickle; save the optimizer's st
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -265,15 +266,76 @@ def _dtensor_layout(p) -> Layout | None:
                   mesh_dims=sharded_mesh_dims)
 
 
-def layout_of(p: Tensor) -> Layout | None:
+def layout_of(p: Tensor, *, owner: str = "fastopt.distributed.layout_of") -> Layout | None:
     """The layout of `p`: declared with `declare_shard`, else read off its DTensor placements; None when this
-    rank holds all of it (plain tensor, or a replicated DTensor)."""
+    rank holds all of it (plain tensor, or a replicated DTensor). Raises ValueError (naming `owner`) for a plain
+    tensor without a declaration that views exactly the elements that a tensor declared with `declare_shard`
+    viewed, in the same live storage (`torch.nn.Parameter(t)`, `t.detach()`, `t.data` or `t.view(...)` of a
+    declared `t`): it would be taken for a whole tensor, its statistics silently computed over the piece alone."""
     declared = getattr(p, _ATTR, None)
     if declared is not None:
         return declared
-    if not _is_dtensor(p):
+    if _is_dtensor(p):
+        return _dtensor_layout(p)
+    if _DECLARED:
+        _check_undeclared(p, owner)
+    return None
+
+
+# The memory declared by `declare_shard`: {`_elements_key` of a declared tensor: a weak reference to its
+# storage}. A plain tensor without a declaration that views the same elements of the same storage is another
+# tensor object made from a declared one. The storage, not the declared tensor object, is what must be alive:
+# in `torch.nn.Parameter(declare_shard(t, ...))` t is freed at once, its storage lives on in the Parameter.
+# An entry goes with its storage (whose address may then be reused); never keeps anything alive. One dict
+# lookup per param and optimizer (`FastOptimizer._layout` caches the layouts).
+_DECLARED: dict[tuple, weakref.ref] = {}
+
+
+def _elements_key(t: Tensor) -> tuple | None:
+    """(device, address of the first element, numel): the memory `t` views, the same for `Parameter(t)`,
+    `t.detach()`, `t.data`, `t.view(...)`, and for no other param of a model (params that view one flat buffer,
+    such as ZeRO pieces of a whole param or a contiguous param buffer, start at other addresses or have other
+    sizes). None for a tensor that views no memory (empty: many share address 0; meta; no storage)."""
+    if t.numel() == 0 or t.is_meta:
         return None
-    return _dtensor_layout(p)
+    try:
+        return t.device, t.data_ptr(), t.numel()
+    except (RuntimeError, NotImplementedError):  # tensor subclasses without storage (fake, functional)
+        return None
+
+
+def _forget(key: tuple, ref: weakref.ref) -> None:
+    if _DECLARED.get(key) is ref:
+        del _DECLARED[key]
+
+
+def _remember(p: Tensor) -> None:
+    """Record the memory of declared tensor `p` (`_DECLARED`)."""
+    key = _elements_key(p)
+    if key is None:
+        return
+    try:
+        storage = p.untyped_storage()
+        ref = _DECLARED.get(key)
+        if ref is None or ref() is not storage:
+            _DECLARED[key] = weakref.ref(storage, lambda r, key=key: _forget(key, r))
+    except (RuntimeError, NotImplementedError, TypeError):  # no storage, or one that takes no weak reference
+        pass
+
+
+def _check_undeclared(p: Tensor, owner: str) -> None:
+    """Raise when plain tensor `p`, which has no declaration, views exactly the elements of a declared tensor
+    in the same, live, storage."""
+    key = _elements_key(p)
+    ref = _DECLARED.get(key) if key is not None else None
+    if ref is None or ref() is None or ref() is not p.untyped_storage():
+        return
+    raise ValueError(
+        f"{owner}: a param of local shape {tuple(p.shape)} has no declaration, but declare_shard was called on "
+        "another tensor object sharing this param's storage (e.g. before wrapping it in torch.nn.Parameter, or "
+        "on t where the optimizer got t.detach(), t.data or t.view(...)): declare the Parameter itself, or pass "
+        "the declared tensor; undeclared, the piece would be stepped as a whole tensor, with statistics over "
+        "this rank's elements alone")
 
 
 def _groups_key(groups: tuple) -> tuple:
@@ -368,12 +430,18 @@ def declare_shard(p: Tensor, global_shape, group, *, dim: int | None = None, sta
 
     Statistics over the whole tensor (row and column sums, norms) are summed over `group` with one
     collective per phase for all the params that share it. Declare on the very tensor the optimizer gets
-    (`torch.nn.Parameter(t)` makes a new tensor object: declare the Parameter) and before its first step.
+    (`torch.nn.Parameter(t)` makes a new tensor object: declare the Parameter) and before its first step. An
+    optimizer handed an undeclared tensor that views exactly the elements of a declared one
+    (`torch.nn.Parameter(t)`, `t.detach()`, `t.data`, `t.view(...)`) raises ValueError by its first step
+    (`layout_of`), rather than step the piece as a whole tensor; it need not be alive, its storage must (in
+    `torch.nn.Parameter(declare_shard(t, ...))` the Parameter keeps it). Not caught: an empty piece (it views
+    no memory), and a copy made after the declared tensor's storage moved (`.data` replaced, resized).
     """
     if _is_dtensor(p):
         raise ValueError("declare_shard: p is a DTensor; its layout is read off its placements")
     lay = make_layout(tuple(p.shape), global_shape, group, dim=dim, start=start, flat_offset=flat_offset)
     setattr(p, _ATTR, lay)
+    _remember(p)
     return p
 
 
@@ -463,7 +531,8 @@ def gather_to_owners(xs: list[Tensor], layouts: list[Layout], owners: list[int],
     the j this rank owns. Each rank sends each owner its real local elements, nothing else: one all_to_all for
     all of them (the bytes of this rank's pieces, about 1/world of the tensors, where a reduce of each
     zero-filled whole tensor sends (world - 1)/world of it), after two small all_gathers of every rank's
-    `_piece_code`s (how many, then the codes), which say where each piece goes. In the promoted dtype of `xs`."""
+    `_piece_code`s (how many, then the codes), which say where each piece goes. In the promoted dtype of `xs`.
+    An owner holds, for a moment, its tensors twice (received pieces and the assembled wholes)."""
     world, me = dist.get_world_size(group), dist.get_rank(group)
     dev = xs[0].device
     dtype = xs[0].dtype

@@ -107,7 +107,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .layout import collective
+from .layout import collective, layout_of
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
@@ -389,6 +389,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             if dtensor is not None and isinstance(p, dtensor.DTensor):
                 raise ValueError(f"{_NAME}: param {i} is a DTensor (already sharded by FSDP or tensor "
                                  "parallelism); use the optimizer without this wrapper")
+            if layout_of(p, owner=_NAME) is not None:  # its pieces would be declared over this group alone
+                raise ValueError(f"{_NAME}: param {i} is declared a shard of a larger tensor "
+                                 "(fastopt.distributed.declare_shard); the wrapper partitions whole params: use "
+                                 "the optimizer without it, or its setup_distributed for ZeRO over tensor "
+                                 "parallelism")
         if self._pg is None or self.world_size == 1:
             return
         backend = str(dist.get_backend(self._pg))

@@ -361,11 +361,12 @@ class FastOptimizer(torch.optim.Optimizer):
     _supports_layouts = False
 
     def _layout(self, p: Tensor):
-        """p's Layout (fastopt.distributed.layout): set by `setup_distributed`, else `layout_of(p)`."""
+        """p's Layout (fastopt.distributed.layout): set by `setup_distributed`, else `layout_of(p)`, which
+        refuses an undeclared copy of a declared tensor (`torch.nn.Parameter(t)` of a declared t)."""
         cache = self.__dict__.setdefault("_layout_cache", {})
         key = id(p)
         if key not in cache:
-            cache[key] = (p, layout_of(p))  # keep p alive so its id is not reused
+            cache[key] = (p, layout_of(p, owner=self._name))  # keep p alive so its id is not reused
         return cache[key][1]
 
     def _check_declarations(self, group: dict, params: list[Tensor], layouts: list) -> None:
@@ -659,7 +660,8 @@ def _working_layout(working: Tensor, tp_group, owner: str, where: str) -> Layout
         return None
     if len(parts) > 1:
         raise NotImplementedError(f"{owner}: the working param of {where} is sharded along dims {sorted(parts)}; "
-                                  "one sharded dim is supported (declare others with fastopt.distributed.declare_shard)")
+                                  "one sharded dim is supported (declare others with "
+                                  "fastopt.distributed.declare_shard)")
     if tp_group is None:
         raise ValueError(f"{owner}: tp_group=None, but the working param of {where} is sharded along dim "
                          f"{next(iter(parts))}; pass tp_group")

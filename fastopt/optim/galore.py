@@ -10,8 +10,8 @@ from torch import Tensor
 from .. import checkpoint as ckpt
 from .. import ops
 from ..distributed.layout import local
-from ..reference.galore import (LEFT, PROJ_TYPES, basis_shapes, moment_cut, moment_dim, projected_shape,
-                                projection_side)
+from ..reference.galore import (LEFT, PROJ_TYPES, basis_shapes, keeps_local_bases, moment_cut, moment_dim,
+                                projected_shape, projection_side)
 from ..reference.quant import num_blocks
 from .base import (BLOCK_SIZE, MIN_8BIT_SIZE, NBITS, NONNEG, FastOptimizer, betas_rule, check, host_value, is_int,
                    is_number, lr_rule)
@@ -163,7 +163,7 @@ class GaLoreAdamW(FastOptimizer):
             side = projection_side(shape, group["proj_type"])
             mshape = whole = projected_shape(shape, group["rank"], side)
             # A DTensor param's bases: cut like its local piece (`keeps_local_bases`); others: whole.
-            cut_like = tuple(local(p).shape) if ckpt.is_dtensor(p) else shape
+            cut_like = tuple(local(p).shape) if keeps_local_bases(self._layout(p)) else shape
             spec = {k: (s, dt) for k, s in basis_shapes(cut_like, group["rank"], side).items()}
             cut = moment_cut(self._layout(p), whole) if ckpt.is_dtensor(p) else None
             if cut is not None:
@@ -200,6 +200,8 @@ class GaLoreAdamW(FastOptimizer):
         lay = self._layout(p)
         if lay is None:
             placements = (Replicate(),) * p.device_mesh.ndim
+        elif not keeps_local_bases(lay):  # a layout declared for it (`setup_distributed`): plain, whole states
+            return {}
         else:
             placements = lay.shard_placements(moment_dim(whole, dist.get_world_size(lay.group)))
         forms = {k: (whole, placements) for k in ("exp_avg", "exp_avg_sq")}
