@@ -307,6 +307,43 @@ def test_every_optimizer_every_layout_matches_single_process(pool, mode, name):
     assert len(errs) == WORLD
 
 
+def _svd_spread_case(rank, world, mode):
+    """`_model_case` for GaLore, counting the SVDs of the distributed optimizer apart from the reference's."""
+    from fastopt.reference import galore as ref_galore
+    calls, phase = {"ref": 0, "ours": 0}, ["ours"]
+    svd, reference = ref_galore.orthogonal_bases, globals()["_reference"]
+
+    def counting(*a, **k):
+        calls[phase[0]] += 1
+        return svd(*a, **k)
+
+    def counted_reference(*a, **k):
+        phase[0] = "ref"
+        try:
+            return reference(*a, **k)
+        finally:
+            phase[0] = "ours"
+
+    ref_galore.orthogonal_bases, globals()["_reference"] = counting, counted_reference
+    try:
+        _model_case(rank, world, mode, "galore")
+    finally:
+        ref_galore.orthogonal_bases, globals()["_reference"] = svd, reference
+    return calls
+
+
+def test_galore_refresh_spreads_svds_over_zero_over_tp(pool):
+    """ColossalAI-style ZeRO over TP (2 x 2): the pieces of a TP-sharded param lie over both groups (tp, dp);
+    each of its SVDs runs on the ranks of one dp rank (the 2 that share it in their dp groups, the same input
+    bit for bit), like those of the params sharded over dp alone: 2 SVDs where one process computes 1, and
+    each rank computes about half of them, not all."""
+    calls = pool.run(_svd_spread_case, "colossal")
+    n = calls[0]["ref"]
+    assert n > 0 and all(c["ref"] == n for c in calls), calls
+    assert sum(c["ours"] for c in calls) == 2 * n, calls
+    assert all(0 < c["ours"] < n for c in calls), calls
+
+
 # ---- placements one by one (shapes of every rank: batch dims, 3-D, vectors, 2-D meshes) --------------------
 CASES = {
     "tp_rows_uneven": ((10, 7), (4,), [("S", 0)]),

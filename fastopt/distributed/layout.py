@@ -445,17 +445,25 @@ def declare_shard(p: Tensor, global_shape, group, *, dim: int | None = None, sta
     return p
 
 
-def full_tensor(x: Tensor, layout: Layout | None) -> Tensor:
+def full_tensor(x: Tensor, layout: Layout | None, dst: int | None = None) -> Tensor:
     """The whole global tensor on every rank from its local piece `x` (real elements only), with one
-    all_reduce per group of the layout: each rank scatters its elements into zeros, the sum assembles them.
-    Moves the whole tensor: for tests, checkpoint tools and GaLore's projection, not for per-step statistics.
-    Replicated pieces (a dim layout under a mesh dim it is replicated over) are not double-counted: only the
-    layout's groups are summed over."""
+    all_reduce per group of the layout: each rank scatters its elements into zeros, the sum assembles them
+    (exactly: every element is one rank's, the others add zeros). With `dst` (a rank of the layout's last group)
+    the sum over that group is a reduce onto it instead: the whole tensor on the ranks of that group rank, the
+    others get partial sums. Moves the whole tensor: for tests, checkpoint tools and GaLore's projection, not
+    for per-step statistics. Replicated pieces (a dim layout under a mesh dim it is replicated over) are not
+    double-counted: only the layout's groups are summed over."""
     if layout is None:
         return x
     out = torch.zeros(layout.numel, dtype=x.dtype, device=x.device)
     out[layout.flat_index(x.device).reshape(-1)] = layout.local_view(x).reshape(-1)
-    layout.reduce(out)
+    if dst is None:
+        layout.reduce(out)
+    else:
+        *first, last = layout.groups
+        for g in first:
+            dist.all_reduce(out, group=g)
+        dist.reduce(out, dst=dist.get_global_rank(last, dst), group=last)
     return out.view(layout.global_shape)
 
 

@@ -174,35 +174,43 @@ def refresh_bases(grads: list[Tensor], states: list[dict], refresh: list[bool], 
     """New bases for the params flagged in `refresh` (one bucket); the SVD runs on these steps only. Shared by
     both back ends (the SVD is torch.linalg.svd on either). A step GradScaler skips keeps the old bases.
 
-    Sharded params whose layout has one group (DTensors, most declared shards) take turns over the ranks of
-    that group: the k-th one's whole gradient is assembled on group rank k % world (`gather_to_owners`: each rank
-    sends each owner its pieces, one all_to_all for the bucket, so that each rank then holds the gradients of
-    its own params only and has sent about 1/world of the bucket's gradients), each rank computes the SVDs of
-    its params (at the same time as the others), and all-reduces of the new bases of the bucket (zeros where a
-    rank computed none: exact sums), in buffers of at most `SHARE_ELEMENTS` (or one basis), hand every rank
-    all of them, bit for bit the bases of one process. An SVD that fails on its rank (a non-finite gradient
-    without GradScaler) is known to every rank of the group by one all-reduce of a flag per rank, and all of
-    them raise. Declared shards over several groups assemble their whole gradient on every rank (one
-    all-reduce per group), each rank computing the same SVD."""
+    Sharded params take turns over the ranks of their layout's (last) group: the k-th one's whole gradient is
+    assembled on group rank k % world, each rank computes the SVDs of its params (at the same time as the
+    others), and all-reduces of the new bases of the bucket over that group (zeros where a rank computed none:
+    exact sums), in buffers of at most `SHARE_ELEMENTS` (or one basis), hand every rank all of them (each keeps
+    its part: `basis_piece`), bit for bit the bases of one process. A layout with one group (DTensors, most
+    declared shards) assembles with `gather_to_owners`: each rank sends each owner its pieces, one all_to_all
+    for the bucket, so that each rank then holds the gradients of its own params only and has sent about
+    1/world of the bucket's gradients. A layout over several groups (ZeRO over TP: (tp, dp)) all-reduces the
+    whole gradient over the other groups and reduces it over the last one onto the owner (`full_tensor` with
+    dst): the ranks that share the owner's rank in the last group compute the same SVD (exact sums: the same
+    input), 1/world of them each. An SVD that fails on its rank (a non-finite gradient without GradScaler) is
+    known to every rank of the group by one all-reduce of a flag per rank, and all of them raise (the ranks
+    computing the same SVDs fail alike). Replicated params compute their SVD on every rank."""
     from ..distributed.layout import full_tensor, gather_to_owners
     layouts = layouts if layouts is not None else [None] * len(grads)
     todo = [i for i, s in enumerate(states) if refresh[i] and is_projected(s)]
-    spread = [i for i in todo if layouts[i] is not None and len(layouts[i].groups) == 1]
-    group = layouts[spread[0]].group if spread else None
+    spread = [i for i in todo if layouts[i] is not None]  # one bucket: the same groups
+    group = layouts[spread[0]].groups[-1] if spread else None
     world = dist.get_world_size(group) if spread else 1
     me = dist.get_rank(group) if spread else 0
     owner = {i: k % world for k, i in enumerate(spread)}
     whole = {}
-    if spread:  # every piece sent first: the SVDs below then run on all the ranks at once
+    if spread and len(layouts[spread[0]].groups) == 1:  # every piece sent first: the SVDs then run at once
         got = gather_to_owners([grads[i] for i in spread], [layouts[i] for i in spread],
                                [owner[i] for i in spread], group)
         whole = {spread[j]: g for j, g in got.items()}
+    elif spread:
+        for i in spread:
+            g = full_tensor(grads[i], layouts[i], dst=owner[i])
+            if owner[i] == me:
+                whole[i] = g
     new, failed = {}, None
     for i in todo:
         if i in owner and owner[i] != me:
             continue
-        s, lay = states[i], layouts[i]
-        g = whole.pop(i) if i in owner else (full_tensor(grads[i], lay) if lay is not None else grads[i])
+        s = states[i]
+        g = whole.pop(i) if i in owner else grads[i]
         side = "full" if LEFT in s and RIGHT in s else ("left" if LEFT in s else "right")
         dt = (s[LEFT] if LEFT in s else s[RIGHT]).dtype
         g = g.to(dt)
@@ -213,7 +221,7 @@ def refresh_bases(grads: list[Tensor], states: list[dict], refresh: list[bool], 
         try:
             new[i] = orthogonal_bases(g, rank, side, dt)
         except RuntimeError as e:  # torch.linalg.LinAlgError, out of memory: raised below on every rank alike
-            if i not in owner:  # computed on every rank: it fails on every rank
+            if i not in owner:  # a replicated param: computed on every rank, it fails on every rank
                 raise
             failed = failed or e
     if spread:
@@ -241,12 +249,9 @@ def refresh_bases(grads: list[Tensor], states: list[dict], refresh: list[bool], 
         for (i, key), v in zip(part, views):
             _commit(states[i][key], basis_piece(v, key, layouts[i]), found_inf)
     for i in todo:
-        if i not in owner:
-            s = states[i]
+        if i not in owner:  # a replicated param: whole bases
             for key, basis in new[i].items():
-                shape = layouts[i].global_shape if layouts[i] is not None else grads[i].shape
-                _commit(s[key], basis_piece(basis.reshape(whole_basis_shape(shape, key, s[key])), key, layouts[i]),
-                        found_inf)
+                _commit(states[i][key], basis.reshape(states[i][key].shape), found_inf)
 
 
 class Rect:
