@@ -250,8 +250,9 @@ def galore_refresh(grads, states, refresh, *, rank, inv_scale=None, found_inf=No
     """New projection bases (torch.linalg.svd of each flagged param's whole gradient, in fp32) for the params
     whose `refresh` flag is set; every back end runs the same SVD. A step GradScaler skips keeps the old
     bases. Sharded params (`layouts`) assemble their whole gradient on these steps only, each on one rank of
-    its group, which computes its SVD (one all_to_all of the pieces for the bucket); all-reduces of bounded
-    buffers share the bucket's new bases, each rank keeping its part (`refresh_bases`)."""
+    its (last) group, which computes its SVD (one all_to_all of the pieces for the bucket; over several groups,
+    all-reduces over the others and a reduce over the last); all-reduces of bounded buffers share the bucket's
+    new bases, each rank keeping its part (`refresh_bases`)."""
     from .reference import galore as r
     r.refresh_bases(grads, states, refresh, rank=rank, inv_scale=inv_scale, found_inf=found_inf, layouts=layouts)
 

@@ -332,6 +332,39 @@ def _svd_spread_case(rank, world, mode):
     return calls
 
 
+def _svd_failure_case(rank, world):
+    """ZeRO over TP (2 x 2), GaLore: the SVD of a TP-sharded matrix (pieces over (tp, dp)) fails on one of the
+    two ranks that compute it (global rank 1, one tp peer of the owner's dp rank); every rank raises, none is
+    left waiting in the next collective. (The embedding and the head, (11, 12), are replicated over tp: their
+    layouts have the dp group alone, and a failure on one replica only could not reach the other dp group.)"""
+    from fastopt.reference import galore as ref_galore
+    model = _Block().double()
+    by_hand = _ByHand("colossal", model, rank)
+    opt = by_hand.make_opt("galore")
+    svd = ref_galore.orthogonal_bases
+
+    def failing(g, *a, **k):
+        if rank == 1 and tuple(g.shape) != (11, 12):
+            raise RuntimeError("out of memory (simulated)")
+        return svd(g, *a, **k)
+
+    tok, tgt = _batches()[0]
+    _loss(model, tok, tgt).backward()
+    by_hand.scatter_grads()
+    ref_galore.orthogonal_bases = failing
+    try:
+        with pytest.raises(RuntimeError, match="SVD of a projected gradient failed on rank"):
+            opt.step()
+    finally:
+        ref_galore.orthogonal_bases = svd
+    dist.barrier()
+    return True
+
+
+def test_galore_failed_svd_on_one_tp_peer_raises_everywhere(pool):
+    assert all(pool.run(_svd_failure_case))
+
+
 def test_galore_refresh_spreads_svds_over_zero_over_tp(pool):
     """ColossalAI-style ZeRO over TP (2 x 2): the pieces of a TP-sharded param lie over both groups (tp, dp);
     each of its SVDs runs on the ranks of one dp rank (the 2 that share it in their dp groups, the same input
@@ -568,6 +601,28 @@ def test_undeclared_copy_of_a_declared_tensor_is_refused(name, monkeypatch):
         assert not torch.equal(p, before)
 
 
+@pytest.mark.parametrize("name", list(TWIN_OPTS))
+def test_declaration_after_construction_is_seen(name):
+    """A declaration made after the optimizer is built and before its first step counts (the constructor's
+    checks of GaLore's projected groups read the layouts without caching them)."""
+    from fastopt.distributed import declare_shard, layout_of
+    p = torch.nn.Parameter(torch.randn(4, 6))
+    opt = TWIN_OPTS[name](p)
+    declare_shard(p, (8, 6), "group", dim=0, start=0)
+    assert opt._layout(p) is layout_of(p) and opt._global_shape(p) == (8, 6)
+
+
+def test_undeclared_copy_of_an_empty_piece_is_refused_too():
+    """A rank whose declared piece is empty (torch.chunk leaves the last ranks none) refuses the copy like the
+    ranks with elements, instead of skipping the param and leaving them in a collective: empty tensors are
+    matched by their storage object, offset and shape."""
+    from fastopt.distributed import declare_shard
+    opt = fastopt.Adafactor([torch.zeros(1)])
+    p = torch.nn.Parameter(declare_shard(torch.zeros(0, 6), (4, 6), "group", dim=0, start=4))
+    with pytest.raises(ValueError, match="^Adafactor: a param of local shape \\(0, 6\\) .*" + TWIN_MSG):
+        opt._layout(p)
+
+
 def test_declared_tensors_leave_other_tensors_alone():
     """No false alarms: params that view other elements of a declared tensor's storage (ZeRO pieces, a contiguous
     param buffer), empty tensors (many share address 0), a tensor at the address of a declared one whose storage
@@ -585,11 +640,14 @@ def test_declared_tensors_leave_other_tensors_alone():
         assert q.data_ptr() == 0 and opt._layout(torch.nn.Parameter(q)) is None
     declare_shard(buf[30:], (30,), "group", flat_offset=30)  # empty ranges of a flat buffer: one address
     assert opt._layout(torch.nn.Parameter(buf[30:].view(0, 6))) is None
+    grid = torch.zeros(4, 6)  # a strided piece and a dense tensor from its first address: other elements
+    declare_shard(grid[:, :3], (4, 6), "group", dim=1, start=0)
+    assert opt._layout(torch.nn.Parameter(grid[:2])) is None
     assert layout_of(declared).index[0].tolist() == [0, 1]
 
     mem = bytearray(96)  # 24 float32 that outlive the torch storages made on them: the address is reused
     t = declare_shard(torch.frombuffer(mem, dtype=torch.float32).view(4, 6), (8, 6), "group", dim=0, start=0)
-    key = (t.device, t.data_ptr(), t.numel())
+    key = (t.device, t.data_ptr(), t.numel(), "dense")
     assert key in _DECLARED
     del t  # its storage goes with it
     assert key not in _DECLARED

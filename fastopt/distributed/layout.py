@@ -292,14 +292,19 @@ _DECLARED: dict[tuple, weakref.ref] = {}
 
 
 def _elements_key(t: Tensor) -> tuple | None:
-    """(device, address of the first element, numel): the memory `t` views, the same for `Parameter(t)`,
-    `t.detach()`, `t.data`, `t.view(...)`, and for no other param of a model (params that view one flat buffer,
-    such as ZeRO pieces of a whole param or a contiguous param buffer, start at other addresses or have other
-    sizes). None for a tensor that views no memory (empty: many share address 0; meta; no storage)."""
-    if t.numel() == 0 or t.is_meta:
+    """(device, address of the first element, numel, "dense" or (shape, strides) for a non-contiguous view): the
+    elements `t` views, the same for `Parameter(t)`, `t.detach()`, `t.data`, `t.view(...)`, and for no other
+    param of a model (params that view one flat buffer, such as ZeRO pieces of a whole param or a contiguous param
+    buffer, start at other addresses or have other sizes; strided views of other elements from the same address
+    have other strides). An empty tensor (many share address 0): (device, "empty", its storage object's id,
+    offset, shape). None for a meta tensor or one without storage."""
+    if t.is_meta:
         return None
     try:
-        return t.device, t.data_ptr(), t.numel()
+        if t.numel() == 0:  # many empty tensors share address 0: the storage object itself, and where in it
+            return t.device, "empty", id(t.untyped_storage()), t.storage_offset(), tuple(t.shape)
+        dense = "dense" if t.is_contiguous() else (tuple(t.shape), tuple(t.stride()))
+        return t.device, t.data_ptr(), t.numel(), dense
     except (RuntimeError, NotImplementedError):  # tensor subclasses without storage (fake, functional)
         return None
 
@@ -434,8 +439,9 @@ def declare_shard(p: Tensor, global_shape, group, *, dim: int | None = None, sta
     optimizer handed an undeclared tensor that views exactly the elements of a declared one
     (`torch.nn.Parameter(t)`, `t.detach()`, `t.data`, `t.view(...)`) raises ValueError by its first step
     (`layout_of`), rather than step the piece as a whole tensor; it need not be alive, its storage must (in
-    `torch.nn.Parameter(declare_shard(t, ...))` the Parameter keeps it). Not caught: an empty piece (it views
-    no memory), and a copy made after the declared tensor's storage moved (`.data` replaced, resized).
+    `torch.nn.Parameter(declare_shard(t, ...))` the Parameter keeps it; an empty piece is matched by its storage
+    object, offset and shape, so the ranks without elements refuse it too). Not caught: a view of an empty piece
+    with another shape, and a copy made after the declared tensor's storage moved (`.data` replaced, resized).
     """
     if _is_dtensor(p):
         raise ValueError("declare_shard: p is a DTensor; its layout is read off its placements")

@@ -92,8 +92,10 @@ the wrapper declares `_step_supports_amp_scaling`, so GradScaler calls `step()` 
 raises the same RuntimeError on all of them instead of the ranks that found an inf skipping it while the
 others wait in its collectives), optimizers that evaluate the closure several times
 per step (LBFGS: the wrapper runs the closure once, then reduces), DTensor params (FSDP / tensor parallelism
-shard them already: use the optimizer directly), and params of one group spread over devices whose backward
-hooks run in different threads.
+shard them already: use the optimizer directly), params declared shards by hand (`declare_shard`) when the
+wrapped optimizer is a fastopt one (its pieces would be declared over this group alone; torch's element-wise
+optimizers step them exactly; ZeRO over tensor parallelism: the optimizer's `setup_distributed`), and params
+of one group spread over devices whose backward hooks run in different threads.
 """
 from __future__ import annotations
 
@@ -329,7 +331,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._ranks = dist.get_process_group_ranks(self._pg) if self._pg is not None else [0]
 
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        self._check_params(params)
+        self._check_params(params, optimizer)
         if self.world_size > 1:
             self._check_replicas(params, optimizer, [len(g["params"]) for g in optimizer.param_groups])
 
@@ -383,17 +385,19 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                              "process_group; pass a group that contains every rank sharing these params")
         return process_group, rank, dist.get_world_size(process_group)
 
-    def _check_params(self, params: list[Tensor]) -> None:
+    def _check_params(self, params: list[Tensor], optimizer) -> None:
+        from ..optim.base import FastOptimizer
         dtensor = sys.modules.get("torch.distributed.tensor")  # not imported: no param can be a DTensor
+        fast = isinstance(optimizer, FastOptimizer)  # element-wise torch optimizers step any piece exactly
         for i, p in enumerate(params):
             if dtensor is not None and isinstance(p, dtensor.DTensor):
                 raise ValueError(f"{_NAME}: param {i} is a DTensor (already sharded by FSDP or tensor "
                                  "parallelism); use the optimizer without this wrapper")
-            if layout_of(p, owner=_NAME) is not None:  # its pieces would be declared over this group alone
+            if fast and layout_of(p, owner=_NAME) is not None:  # its pieces would be declared over this group
                 raise ValueError(f"{_NAME}: param {i} is declared a shard of a larger tensor "
-                                 "(fastopt.distributed.declare_shard); the wrapper partitions whole params: use "
-                                 "the optimizer without it, or its setup_distributed for ZeRO over tensor "
-                                 "parallelism")
+                                 f"(fastopt.distributed.declare_shard); wrapping {type(optimizer).__name__}, the "
+                                 "wrapper partitions whole params: use the optimizer without it, or its "
+                                 "setup_distributed for ZeRO over tensor parallelism")
         if self._pg is None or self.world_size == 1:
             return
         backend = str(dist.get_backend(self._pg))
@@ -708,7 +712,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             return
         params = param_group["params"]
         params = [params] if isinstance(params, Tensor) else list(params)
-        self._check_params(params)
+        self._check_params(params, self.optim)
         if self.world_size > 1:
             self._check_replicas(params, self.optim, [len(params)])
         self._assign(params, self.world_size > 1 and _can_split(self.optim))

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from .. import checkpoint as ckpt
 from .. import ops
-from ..distributed.layout import local
+from ..distributed.layout import layout_of, local
 from ..reference.galore import (LEFT, PROJ_TYPES, basis_shapes, keeps_local_bases, moment_cut, moment_dim,
                                 projected_shape, projection_side)
 from ..reference.quant import num_blocks
@@ -134,11 +134,13 @@ class GaLoreAdamW(FastOptimizer):
     def _check_projected(self, group: dict, where: str, at_step: bool = True) -> None:
         """Each param of a projected group is a matrix (or a batch of them) with both dims >= rank, by its
         global shape. Before the first step a plain 1-D tensor passes: `setup_distributed` may still declare
-        it a flat shard of a matrix (ColossalAI's ZeRO); `step()` checks again before changing anything."""
+        it a flat shard of a matrix (ColossalAI's ZeRO); `step()` checks again before changing anything. Before
+        it, the layouts are read without caching them (`_layout`): a declaration may still come."""
         n, rank = self._name, group["rank"]
         for pi, p in enumerate(group["params"]):
-            shape = self._global_shape(p)
-            if not at_step and len(shape) < 2 and self._layout(p) is None:
+            lay = self._layout(p) if at_step else layout_of(p, owner=n)
+            shape = tuple(p.shape) if lay is None else lay.global_shape
+            if not at_step and len(shape) < 2 and lay is None:
                 continue
             check(len(shape) >= 2, f"{where}['params'][{pi}].shape", n, shape,
                   "have 2 dims (more: a batch of matrices over the last two) to be projected; put vectors "

@@ -184,9 +184,11 @@ def refresh_bases(grads: list[Tensor], states: list[dict], refresh: list[bool], 
     1/world of the bucket's gradients. A layout over several groups (ZeRO over TP: (tp, dp)) all-reduces the
     whole gradient over the other groups and reduces it over the last one onto the owner (`full_tensor` with
     dst): the ranks that share the owner's rank in the last group compute the same SVD (exact sums: the same
-    input), 1/world of them each. An SVD that fails on its rank (a non-finite gradient without GradScaler) is
-    known to every rank of the group by one all-reduce of a flag per rank, and all of them raise (the ranks
-    computing the same SVDs fail alike). Replicated params compute their SVD on every rank."""
+    input), 1/world of them each. An SVD that fails on its rank (a non-finite gradient without GradScaler, out
+    of memory) is known to every rank of the layout's groups by one all-reduce per group of a flag per rank of
+    the last, and all of them raise. (Replicas outside those groups, e.g. the tp peers of a param that only dp
+    shards, compute the same SVD on the same input and fail alike on a non-finite gradient; an out-of-memory on
+    one of them alone cannot reach the others.) Replicated params compute their SVD on every rank."""
     from ..distributed.layout import full_tensor, gather_to_owners
     layouts = layouts if layouts is not None else [None] * len(grads)
     todo = [i for i, s in enumerate(states) if refresh[i] and is_projected(s)]
@@ -227,7 +229,7 @@ def refresh_bases(grads: list[Tensor], states: list[dict], refresh: list[bool], 
     if spread:
         flags = torch.zeros(world, dtype=torch.float32, device=grads[spread[0]].device)
         flags[me] = failed is not None
-        dist.all_reduce(flags, group=group)
+        layouts[spread[0]].reduce(flags)  # over every group: the peers computing the same SVDs learn it too
         bad = flags.nonzero().flatten().tolist()
         if bad:
             why = f": {failed}" if failed is not None else ""
