@@ -509,3 +509,145 @@ def test_plans_of_replaced_groups_are_dropped(case, backend, device):
     assert opt._plans and {k[0] for k in opt._plans} <= live
     assert len(opt._plans) == len(twin._plans)
     assert_same(opt, twin)
+
+
+# ---- 9. what a torch user may hand in: numpy scalars, named params, state_dicts with bad or extra keys -------------
+def _name(case):
+    return "GaLoreAdamW" if CASES[case][0] is _galore else CASES[case][0].__name__
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_numpy_scalars_step_like_python_numbers(case, backend, device):
+    """np.float32 / np.int64 hyperparameters (torch.optim takes them), in the constructor and set in a group
+    between steps, step bit for bit like the Python numbers they hold, and the groups hold those numbers."""
+    np = pytest.importorskip("numpy")
+    lr = np.float32(1e-2)
+    ps, tw = make_params(device), make_params(device)
+    opt = make(case, ps, lr=lr, weight_decay=np.float32(0.25))
+    twin = make(case, tw, lr=float(lr), weight_decay=0.25)
+    assert type(opt.param_groups[0]["lr"]) is float and opt.param_groups[0]["lr"] == float(lr)
+    for t in range(4):
+        if t == 2:
+            for g, h in zip(opt.param_groups, twin.param_groups):
+                g["lr"], h["lr"] = np.float32(3e-3), float(np.float32(3e-3))
+                if "rank" in g:
+                    g["update_proj_gap"], g["scale"] = np.int64(1), np.float64(0.5)
+                    h["update_proj_gap"], h["scale"] = 1, 0.5
+        run(opt, ps, [t])
+        run(twin, tw, [t])
+    assert_same(opt, twin)
+    assert all(type(g["lr"]) is float for g in opt.param_groups)
+
+
+GALORE_BAD_KEYS = [("scale", float("nan")), ("scale", "0.25"), ("update_proj_gap", 0), ("update_proj_gap", 2.5),
+                   ("rank", "2"), ("rank", 0), ("proj_type", "bogus"), ("proj_type", None)]
+
+
+@pytest.mark.parametrize("key, bad", GALORE_BAD_KEYS, ids=[f"{k}={v}" for k, v in GALORE_BAD_KEYS])
+def test_galore_keys_set_between_steps_are_refused(key, bad, backend, device):
+    """A projected group's own keys set to a bad value after a step: the next step raises the ValueError that the
+    constructor raises for it, naming the key, before anything changes (a NaN scale used to turn the weights into
+    NaN; a bad gap or rank failed deep inside the step)."""
+    ps = make_params(device)
+    opt = make("galore32", ps)
+    run(opt, ps, range(2))
+    before = snapshot(opt)
+    opt.param_groups[0][key] = bad
+    set_grads(ps, 2)
+    with pytest.raises(ValueError, match=re.escape(f"GaLoreAdamW: param_groups[0]['{key}']=")):
+        opt.step()
+    assert_unchanged(opt, before)
+    with pytest.raises(ValueError, match=re.escape(f"GaLoreAdamW: param_groups[0]['{key}']=")):
+        fastopt.GaLoreAdamW([{"params": [make_params(device)[0]], "rank": 2, key: bad}])
+
+
+BAD_SAVED = {"adafactor": ("decay_rate", 0.5), "came32": ("betas", (0.9, 0.999)), "came8": ("lr", -1.0),
+             "lamb32": ("eps", float("nan")), "lamb8": ("block_size", 100), "galore32": ("scale", float("nan")),
+             "galore8": ("update_proj_gap", 0), "adamw8bit": ("betas", (1.0, 0.999))}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_state_dict_with_a_bad_hyperparameter_is_refused_unchanged(case, backend, device):
+    """A state_dict whose group holds a bad hyperparameter is refused by load_state_dict with the step's
+    ValueError naming it; the optimizer keeps its groups and state (before, the groups were replaced and only the
+    next step refused, or stepped: a saved NaN scale gave NaN weights). Extra top-level keys (a post hook's
+    "version") load, as torch's do."""
+    ps = make_params(device)
+    opt = make(case, ps)
+    run(opt, ps, range(2))
+    good = opt.state_dict()
+    key, bad = BAD_SAVED[case]
+    sd = copy.deepcopy(good)
+    sd["param_groups"][0][key] = bad
+    before, groups = snapshot(opt), copy.deepcopy([{k: v for k, v in g.items() if k != "params"}
+                                                   for g in opt.param_groups])
+    with pytest.raises(ValueError, match=re.escape(f"{_name(case)}.load_state_dict: the state_dict's "
+                                                   f"param_groups[0]['{key}']")):
+        opt.load_state_dict(sd)
+    assert_unchanged(opt, before)
+    assert [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] == groups
+    tw = make_params(device)
+    twin = make(case, tw)
+    run(twin, tw, range(2))
+    twin.load_state_dict({**copy.deepcopy(good), "version": 3})
+    run(opt, ps, [2])
+    run(twin, tw, [2])
+    assert_same(opt, twin)
+
+
+def test_galore_state_dict_projecting_a_vector_here_is_refused_clearly():
+    """A GaLore state_dict whose projected group falls on a vector of this optimizer (grouped otherwise): a
+    ValueError naming the param, not an IndexError from inside the state's shapes."""
+    w1, b1, w2, b2 = [torch.randn(*s, dtype=F64, requires_grad=True) for s in [(16, 16), (16,), (8, 16), (8,)]]
+    a = fastopt.GaLoreAdamW([{"params": [w1, w2], "rank": 4}, {"params": [b1, b2]}])
+    set_grads([w1, b1, w2, b2], 0)
+    a.step()
+    b = fastopt.GaLoreAdamW([{"params": [w1, b1]}, {"params": [w2, b2]}])
+    with pytest.raises(ValueError, match=re.escape("param_groups[0]['params'][1].shape=(16,) must have 2 dims")):
+        b.load_state_dict(a.state_dict())
+    assert len(b.state) == 0
+
+
+def test_galore_groups_refused_as_torch_refuses_them():
+    """add_param_group with what torch.optim refuses (not a dict, no 'params', params in a set) raises torch's
+    error, for projected groups too, and adds nothing (a list used to become a group with a tensor key and no
+    params: the tensor was never trained)."""
+    w = torch.randn(8, 8, dtype=F64, requires_grad=True)
+    opt, ref = fastopt.GaLoreAdamW([w]), torch.optim.AdamW([torch.randn(8, 8, requires_grad=True)])
+    extra = torch.zeros(8, 4, dtype=F64, requires_grad=True)
+    for group, err in (([extra], TypeError), ({"lr": 0.1}, KeyError), ({"lr": 0.1, "rank": 2}, KeyError),
+                       ({"params": {extra}, "rank": 2}, TypeError)):
+        with pytest.raises(err) as theirs:
+            ref.add_param_group(group)
+        with pytest.raises(err, match=re.escape(str(theirs.value).strip("'"))):
+            opt.add_param_group(group)
+        assert len(opt.param_groups) == 1
+
+
+def test_galore_takes_named_params_in_projected_groups(backend, device):
+    """(name, param) pairs in a projected group (torch.optim takes them, and so did GaLore's other groups): the
+    group keeps the names, as torch's does, and steps bit for bit like the same params unnamed."""
+    named = [(f"w{i}", p) for i, p in enumerate(make_params(device))]
+    ps = make_params(device)
+    opt = fastopt.GaLoreAdamW([{"params": [named[0], named[2]], "rank": 2, "update_proj_gap": 3},
+                               {"params": [named[1]]}], lr=1e-2)
+    twin = _galore(ps, lr=1e-2)
+    assert opt.param_groups[0]["param_names"] == ["w0", "w2"]
+    assert opt.state_dict()["param_groups"][0]["param_names"] == ["w0", "w2"]
+    mine = [p for _, p in named]
+    for t in range(4):
+        run(opt, mine, [t])
+        run(twin, ps, [t])
+    assert_same(opt, twin)
+
+
+def test_galore_skips_empty_params_in_projected_groups(backend, device):
+    """A 0-element matrix in a projected group is skipped like any 0-element param (it used to be refused:
+    rank must be at most min(m, n) = 0)."""
+    ps = make_params(device)
+    empty = torch.zeros(0, 5, dtype=F64, device=device, requires_grad=True)
+    opt = fastopt.GaLoreAdamW([{"params": [ps[0], empty], "rank": 2}], lr=1e-2)
+    for t in range(2):
+        set_grads([ps[0], empty], t)
+        opt.step()
+    assert empty not in opt.state and opt.state[ps[0]]["step"].item() == 2

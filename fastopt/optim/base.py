@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 from collections import defaultdict
 from typing import Any, Callable, Iterable
 
@@ -36,12 +37,21 @@ def check_betas(owner: str, betas, n: int, name: str = "betas") -> tuple:
 
 
 def is_number(x) -> bool:
-    """A finite int or float, not a bool."""
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    """A finite real number (int, float, or a numpy scalar such as np.float32), not a bool."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+    """An int (or a numpy integer), not a bool."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def plain(v):
+    """A numpy scalar (an np.float32 lr, an np.int64 rank) as the Python number it holds, so that the kernels
+    and the state_dict see Python numbers; anything else as it is."""
+    if isinstance(v, numbers.Number) and not isinstance(v, (int, float, complex)) and hasattr(v, "item"):
+        return v.item()
+    return v
 
 
 def host_value(v):
@@ -219,15 +229,15 @@ class FastOptimizer(torch.optim.Optimizer):
         """The constructor's checks (`_hyper_rules`) of the hyperparameters present in `hp`: constructor
         arguments, or (`where`: the group's name `param_groups[i]`, named so in the error) a group's keys, when a
         group is added and again at each step. Returns a normalized copy (betas and eps as tuples of floats).
-        Subclasses build their defaults with it."""
-        out = dict(hp)
+        Subclasses build their defaults with it. Numpy scalars come back as Python numbers (`plain`)."""
+        out = {k: v if k == "params" else plain(v) for k, v in hp.items()}
         for k, rule in self._hyper_rules.items():
             if k in hp:
                 name = k if where is None else f"{where}['{k}']"
                 if callable(rule):
-                    out[k] = rule(self._name, name, hp[k])
+                    out[k] = rule(self._name, name, out[k])
                 else:
-                    check(rule[0](hp[k]), name, self._name, hp[k], rule[1])
+                    check(rule[0](out[k]), name, self._name, out[k], rule[1])
         return out
 
     def add_param_group(self, param_group: dict) -> None:
@@ -259,6 +269,9 @@ class FastOptimizer(torch.optim.Optimizer):
         again (an lr scheduler or a user may have changed them), the gradients, then whether each param's
         state still fits its group's settings and its dtype and shape."""
         for gi, group in enumerate(self.param_groups):
+            for k, v in group.items():  # a numpy scalar set since: as the Python number it holds
+                if k != "params" and plain(v) is not v:
+                    group[k] = plain(v)
             self._check_hyper(group, f"param_groups[{gi}]")
             self._check_group(gi, group)
         for group in self.param_groups:
@@ -563,8 +576,8 @@ class FastOptimizer(torch.optim.Optimizer):
         ValueError naming the first mismatch."""
         name = self._name
         where = f"{name}.load_state_dict"
-        if not isinstance(state_dict, dict) or set(state_dict) != {"state", "param_groups"}:
-            got = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
+        if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
+            got = sorted(state_dict, key=str) if isinstance(state_dict, dict) else type(state_dict).__name__
             raise ValueError(f"{where}: expected a dict with keys 'state' and 'param_groups', got {got}")
         saved_groups = state_dict["param_groups"]
         if not isinstance(saved_groups, list) or not all(isinstance(g, dict) and "params" in g
@@ -582,8 +595,13 @@ class FastOptimizer(torch.optim.Optimizer):
             theirs = set(sg) - {"params", "param_names"}
             if not ours <= theirs:
                 raise ValueError(f"{where}: param_groups[{gi}] lacks {sorted(ours - theirs)}: "
-                                 f"not a {name} state_dict")
-            merged = {**g, **{k: v for k, v in sg.items() if k not in ("params", "param_names")}}
+                                 f"not {'an' if name[0] in 'AEIOU' else 'a'} {name} state_dict")
+            merged = {**g, **{k: plain(v) for k, v in sg.items() if k not in ("params", "param_names")}}
+            try:  # the saved hyperparameters, checked as a step would, before anything changes
+                self._check_hyper(merged, f"param_groups[{gi}]")
+                self._check_group(gi, merged)
+            except ValueError as e:
+                raise ValueError(f"{where}: the state_dict's {str(e).removeprefix(name + ': ')}") from None
             for pid, p in zip(sg["params"], g["params"]):
                 id_map[pid] = (p, merged, g)
         saved_state = state_dict["state"]

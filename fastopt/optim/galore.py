@@ -14,7 +14,7 @@ from ..reference.galore import (LEFT, PROJ_TYPES, basis_shapes, keeps_local_base
                                 projected_shape, projection_side)
 from ..reference.quant import num_blocks
 from .base import (BLOCK_SIZE, MIN_8BIT_SIZE, NBITS, NONNEG, FastOptimizer, betas_rule, check, host_value, is_int,
-                   is_number, lr_rule)
+                   is_number, lr_rule, plain)
 
 __all__ = ["GaLoreAdamW", "GaLoreAdamW8bit", "get_galore_param_groups"]
 
@@ -49,8 +49,13 @@ class GaLoreAdamW(FastOptimizer):
     With nbits=8 a DTensor param's moments are quantized in blocks of this rank's slice, not of the whole
     moments: the result then agrees with one process to the quantization error, as AdamW8bit's does.
 
+    The defaults are those of the distributed-optimizers documentation (eps=1e-6, weight_decay=0.01), for both
+    classes. galore-torch's differ: its `GaLoreAdamW` has weight_decay=0.0, its `GaLoreAdamW8bit` eps=1e-8; pass
+    them to reproduce its runs.
+
     Args:
-        params: iterable of params or param-group dicts (see `get_galore_param_groups`).
+        params: iterable of params or param-group dicts (see `get_galore_param_groups`), or of (name, param)
+            pairs as torch.optim takes them.
         lr: learning rate (>= 0).
         betas: (beta1, beta2), each in [0, 1).
         eps: added to sqrt(v) (>= 0).
@@ -108,28 +113,36 @@ class GaLoreAdamW(FastOptimizer):
 
     # ---- validation -----------------------------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
-        """Validates a group before adding it: a projected group's keys, and each of its params' shape."""
+        """Validates a group before adding it: a projected group's keys, and each of its params' shape. What
+        torch refuses itself (not a dict, no 'params', params in a set) goes to torch's checks as it is."""
+        ps = param_group.get("params") if isinstance(param_group, dict) else None
+        if ps is None or isinstance(ps, set):
+            return super().add_param_group(param_group)
         n = self._name
-        gi = len(self.param_groups)
-        where = f"param_groups[{gi}]"
-        group = dict(param_group)
-        ps = group.get("params")
-        group["params"] = [ps] if isinstance(ps, Tensor) else list(ps if ps is not None else [])
+        where = f"param_groups[{len(self.param_groups)}]"
+        group = {k: v if k == "params" else plain(v) for k, v in param_group.items()}
+        group["params"] = [ps] if isinstance(ps, Tensor) else list(ps)
         if "rank" in group:
             for k, v in GROUP_DEFAULTS.items():
                 group.setdefault(k, v)
-            rank, gap = group["rank"], group["update_proj_gap"]
-            check(is_int(rank) and rank >= 1, f"{where}['rank']", n, rank, "be an int >= 1")
-            check(is_int(gap) and gap >= 1, f"{where}['update_proj_gap']", n, gap, "be an int >= 1")
-            check(is_number(group["scale"]), f"{where}['scale']", n, group["scale"], "be a finite number")
-            check(group["proj_type"] in PROJ_TYPES, f"{where}['proj_type']", n, group["proj_type"],
-                  "be one of " + ", ".join(PROJ_TYPES))
+            self._check_keys(group, where)
             self._check_projected(group, where, at_step=False)
         else:
             for k in GROUP_DEFAULTS:
                 check(k not in group, f"{where}['{k}']", n, group.get(k),
                       "come with 'rank' (a group without 'rank' is plain AdamW)")
         super().add_param_group(group)
+
+    def _check_keys(self, group: dict, where: str) -> None:
+        """A projected group's own keys: when it is added, before each step (a user may have changed them) and
+        in a state_dict before it is loaded."""
+        n = self._name
+        rank, gap, scale, kind = (group.get(k) for k in ("rank", "update_proj_gap", "scale", "proj_type"))
+        check(is_int(rank) and rank >= 1, f"{where}['rank']", n, rank, "be an int >= 1")
+        check(is_int(gap) and gap >= 1, f"{where}['update_proj_gap']", n, gap, "be an int >= 1")
+        check(is_number(scale), f"{where}['scale']", n, scale, "be a finite number")
+        check(isinstance(kind, str) and kind in PROJ_TYPES, f"{where}['proj_type']", n, kind,
+              "be one of " + ", ".join(PROJ_TYPES))
 
     def _check_projected(self, group: dict, where: str, at_step: bool = True) -> None:
         """Each param of a projected group is a matrix (or a batch of them) with both dims >= rank, by its
@@ -138,10 +151,11 @@ class GaLoreAdamW(FastOptimizer):
         it, the layouts are read without caching them (`_layout`): a declaration may still come."""
         n, rank = self._name, group["rank"]
         for pi, p in enumerate(group["params"]):
+            p = p[1] if isinstance(p, tuple) else p  # (name, param), before torch unpacks named params
             lay = self._layout(p) if at_step else layout_of(p, owner=n)
             shape = tuple(p.shape) if lay is None else lay.global_shape
-            if not at_step and len(shape) < 2 and lay is None:
-                continue
+            if (not at_step and len(shape) < 2 and lay is None) or math.prod(shape) == 0:
+                continue  # 0-element params are never stepped
             check(len(shape) >= 2, f"{where}['params'][{pi}].shape", n, shape,
                   "have 2 dims (more: a batch of matrices over the last two) to be projected; put vectors "
                   "in a group without 'rank'")
@@ -150,6 +164,7 @@ class GaLoreAdamW(FastOptimizer):
 
     def _check_group(self, gi: int, group: dict) -> None:
         if "rank" in group:
+            self._check_keys(group, f"param_groups[{gi}]")
             self._check_projected(group, f"param_groups[{gi}]")
 
     # ---- state ------------------------------------------------------------------------------------------
