@@ -24,6 +24,7 @@ from dist_utils import DistError, DistPool
 import fastopt
 from fastopt import ZeroRedundancyOptimizer
 from fastopt import bench as fbench
+from fastopt.distributed import zero as zero_module
 
 pytestmark = pytest.mark.dist
 
@@ -363,6 +364,7 @@ def _overlap(rank, world, partition_grad, overlap):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(dist, "reduce", lagging(dist.reduce))
         mp.setattr(dist, "all_reduce", lagging(dist.all_reduce))
+        mp.setattr(zero_module, "_MAX_INFLIGHT", 2)  # fewer than the buckets
         for step in range(4):
             x, y = batch(step, world)
             ref_opt.zero_grad()
@@ -380,7 +382,9 @@ def _overlap(rank, world, partition_grad, overlap):
 @pytest.mark.parametrize("overlap", [False, True])
 def test_overlap_communication(pool, partition_grad, overlap):
     """overlap_communication=True: reductions launched from backward's hooks are still in flight when later hooks
-    run, and none is waited on before backward ends. False: ZeRO-2 waits for each reduction in the hook that
+    run, and none is waited on before backward ends unless more than `_MAX_INFLIGHT` (4; here 2) would be in
+    flight, as with a backend that never reports completion before a wait (here: none does): then the oldest
+    is. False: ZeRO-2 waits for each reduction in the hook that
     launched it (gradients still freed at once); ZeRO-1 launches nothing during backward."""
     results = pool.run(_overlap, partition_grad, overlap)
     for r, res in enumerate(results):
@@ -389,8 +393,10 @@ def test_overlap_communication(pool, partition_grad, overlap):
         assert res["buckets"] > 2 and res["log"]["waits"] == res["log"]["launches"] > 0, res["log"]
         assert all(freed == partition_grad for _, _, freed in seen), f"rank {r}: grads freed in hooks: {seen}"
         if overlap:
-            assert all(waited == 0 for _, waited, _ in seen), f"rank {r}: waited inside backward: {seen}"
-            assert any(launched > 0 for launched, _, _ in seen), f"rank {r}: nothing in flight: {seen}"
+            cap = 2
+            assert all(waited == max(0, launched - cap) for launched, waited, _ in seen), \
+                f"rank {r}: waited inside backward with at most {cap} in flight: {seen}"
+            assert any(launched > cap for launched, _, _ in seen), f"rank {r}: never over {cap} in flight: {seen}"
         elif partition_grad:
             assert all(launched == waited for launched, waited, _ in seen), f"rank {r}: in flight: {seen}"
             assert any(launched > 0 for launched, _, _ in seen), f"rank {r}: nothing launched from hooks: {seen}"

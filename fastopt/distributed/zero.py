@@ -32,15 +32,16 @@ The model stays an ordinary module with the same weights on every rank, and each
 * ZeRO-1 (`partition_grad=False`): gradients are averaged over the group by all-reduce of flat buckets (one
   collective per bucket of at most `bucket_size_mb`). With `overlap_communication=False` this happens in
   `step()`, each all-reduce waited on right after it is launched; with `True` each bucket is all-reduced
-  asynchronously as soon as backward has produced all its gradients (DDP's scheme), and all are waited on at
-  the end of backward. Every rank keeps full averaged gradients.
+  asynchronously as soon as backward has produced all its gradients (DDP's scheme; at most 4 in flight, as
+  below), and all are waited on at the end of backward. Every rank keeps full averaged gradients.
 * ZeRO-2 (`partition_grad=True`): from post-accumulate-grad hooks, each gradient is copied (divided by the
   world size) into a flat bucket of params that share one owner, and freed (`p.grad = None`) at once; a full
   bucket is reduced to its owner (`dist.reduce`), which adds it into a flat accumulator. With
   `overlap_communication=False` the hook that launched a reduction waits for it before backward goes on
   (nothing on the wire while backward computes; gradients are still freed as they are packed); with `True`
-  the reductions run while backward goes on. At the end of backward (an autograd callback) all reductions are
-  waited on and the owner's params get `.grad` as views of the accumulator; other ranks' params keep
+  the reductions run while backward goes on (at most 4 buckets in flight: the oldest is waited on when a fifth
+  is launched, which bounds the staging memory). At the end of backward (an autograd callback) all reductions
+  are waited on and the owner's params get `.grad` as views of the accumulator; other ranks' params keep
   `.grad = None`. A split param has a bucket of its own. It holds `world` blocks of (chunk + 1) elements, where
   chunk is the longest range: block r holds range r of the gradient and, in its last slot, the "has a
   gradient" count. The bucket is reduce-scattered (`reduce_scatter_single`, or `reduce_scatter_tensor` on torch
@@ -118,6 +119,10 @@ _NOT_HYPER = ("params", "param_names")
 # A split param's ranges start at multiples of this many elements: every 8-bit block size (a power of two up to
 # 4096) then cuts the pieces into the blocks of the whole param.
 _ALIGN = 4096
+# With overlap_communication, at most this many buckets on the wire during backward: each holds a bucket-sized
+# staging buffer until it is waited on, and some backends never report completion before a wait (gloo's
+# reduce_scatter_tensor), so the oldest is waited on when one more is launched (on CUDA a wait only orders streams).
+_MAX_INFLIGHT = 4
 # torch's optimizers whose math is element-wise (checked in torch 2.13's source: no norm, sum or mean over a
 # param; scalars such as `step` and NAdam's `mu_product` depend on the step count alone), by exact type.
 _ELEMENTWISE_TORCH = ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "RMSprop")
@@ -870,8 +875,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             self._complete(b)
             return
         self._inflight.append(b)
-        while self._inflight and self._inflight[0].work.is_completed():  # frees staging early
-            self._complete(self._inflight.popleft())
+        while self._inflight and (len(self._inflight) > _MAX_INFLIGHT or self._inflight[0].work.is_completed()):
+            self._complete(self._inflight.popleft())  # frees its staging buffer
 
     @torch.no_grad()
     def _complete(self, b: _Bucket) -> None:
