@@ -358,7 +358,9 @@ def _dequantized_forms(st: dict, p: Tensor, spec: dict, quantized: dict, forms: 
         if dkey in st:
             if key in st or akey in st:
                 raise ValueError(f"{where} holds both {dkey!r} (dequantized) and {key!r}/{akey!r} (8-bit codes): "
-                                 "one form per state")
+                                 "one form per state (a state_dict saved with 8-bit codes, loaded through a "
+                                 "template of the dequantized form: save it within fastopt.checkpoint."
+                                 "dequantized_8bit(opt) too)")
             out = dict(st) if out is None else out
             out[key] = out.pop(dkey)
             continue

@@ -842,6 +842,15 @@ def _state_dict_roundtrip(rank, world, name, partition_grad, model_cls=None):
     shard = copy.deepcopy(opt.state_dict())
     full = opt.state_dict(consolidated=True)  # gathered to rank 0
     out = {"full_elsewhere_is_none": full is None if rank != 0 else True}
+    # torch's idiom: consolidate_state_dict(to=0) on every rank, then state_dict() on rank 0 is the whole state
+    # (once); a step in between makes it stale: the shard again.
+    opt.consolidate_state_dict(to=0)
+    got = opt.state_dict()
+    out["idiom"] = ("zero" not in got and got["param_groups"] == full["param_groups"] and got["state"].keys() ==
+                    full["state"].keys() and all(torch.equal(v, full["state"][i][k]) for i, st in got["state"].items()
+                                                 for k, v in st.items())) if rank == 0 else "zero" in got
+    out["idiom_once"] = "zero" in opt.state_dict()
+    opt.consolidate_state_dict(to=0)
     if rank == 0:
         buf = io.BytesIO()
         torch.save(full, buf)
@@ -852,6 +861,7 @@ def _state_dict_roundtrip(rank, world, name, partition_grad, model_cls=None):
     full = box[0]
     dup_model, dup = copy.deepcopy((model, opt))  # one memo: the copy steps the copied model's params
     straight = _continue(model, opt, rank, world, 4, 8)
+    out["idiom_stale"] = "zero" in opt.state_dict()
     out["deepcopy"] = all(torch.equal(a, b) for a, b in zip(_continue(dup_model, dup, rank, world, 4, 8), straight))
 
     def fresh():
@@ -914,6 +924,7 @@ def check_state_dict_roundtrip(results: list) -> None:
     """The verdicts of `_state_dict_roundtrip` on every rank (test_checkpoint.py runs it for every optimizer)."""
     for res in results:
         assert res["full_elsewhere_is_none"]
+        assert res["idiom"] and res["idiom_once"] and res["idiom_stale"], res
         assert res["sharded"], "reloading the shard changed the continuation"
         assert res["deepcopy"], "a deepcopy did not continue like the original"
         assert res["consolidated"], "reloading the consolidated state changed the continuation"

@@ -744,6 +744,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None):
         loss = None
+        self.__dict__.pop("_held", None)  # a consolidated state_dict held for state_dict() is stale from now on
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
@@ -1120,7 +1121,12 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         `to=None`; other ranks get None. The shard, keyed by the global param index, carries a "zero" entry
         (world size, rank, owner of every param) and reloads only on the same partition. The wrapper's
         `register_state_dict_pre_hook` hooks run first, its post hooks on the dict returned (on the ranks that
-        get one), as in torch; the wrapped optimizer's own hooks run on its part."""
+        get one), as in torch; the wrapped optimizer's own hooks run on its part. torch's idiom works too: after
+        `consolidate_state_dict(to=r)`, the next plain `state_dict()` on rank r returns that consolidated dict
+        (once, and only if no step came in between)."""
+        held = self.__dict__.pop("_held", None)
+        if held is not None and not consolidated:
+            return held
         if consolidated and to is not None and not (isinstance(to, int) and 0 <= to < self.world_size):
             raise ValueError(f"{_NAME}.consolidate_state_dict: to={to!r} must be a rank in [0, {self.world_size}) "
                              "or None")
@@ -1154,8 +1160,12 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
     def consolidate_state_dict(self, to: int | None = 0) -> dict | None:
         """The whole optimizer state as the unwrapped optimizer would save it (CPU tensors), on rank `to`
-        (None: every rank); None on the other ranks. Collective. `state_dict(consolidated=True, to=to)`."""
-        return self.state_dict(consolidated=True, to=to)
+        (None: every rank); None on the other ranks. Collective. `state_dict(consolidated=True, to=to)`, which the
+        next plain `state_dict()` on those ranks returns as well (torch's ZeroRedundancyOptimizer idiom: consolidate
+        on every rank, then save `state_dict()` on rank `to`) unless a step comes first."""
+        sd = self.state_dict(consolidated=True, to=to)
+        self._held = sd
+        return sd
 
     def _consolidated(self, to: int | None) -> dict | None:
         shard = self._shard()

@@ -490,7 +490,7 @@ class FastOptimizer(torch.optim.Optimizer):
             for (device, _dtype, group_key), params in self._buckets(group["params"]).items():
                 if group_key is not None and not self._supports_layouts:
                     raise NotImplementedError(f"{self._name} does not support sharded parameters yet")
-                grads = [local(p.grad) for p in params]
+                grads = [_local_grad(p) for p in params]
                 states = [ckpt.local_state(self._init_state(p, group), p) for p in params]
                 scaler = self._scaler_args(device, scalers)
                 self._advance_steps([s["step"] for s in states], scaler)
@@ -649,6 +649,19 @@ class FastOptimizer(torch.optim.Optimizer):
         fmt = lambda g: ", ".join(f"{k}={g.get(k)!r}" for k in changed)  # noqa: E731
         return dict(cast_keys=keys, cast_note=f"the state_dict's param_groups have {fmt(group)}, this optimizer "
                                               f"{fmt(own)}")
+
+
+def _local_grad(p: Tensor) -> Tensor:
+    """p.grad's local tensor, laid out like p's. A DTensor grad whose placements differ from its param's is
+    redistributed to them first, as the DTensor ops of torch's own optimizers do implicitly (FSDP2 does it
+    itself): pure tensor parallelism leaves `Partial(sum)` grads on replicated norm weights under
+    SequenceParallel, and `Replicate` grads on an embedding sharded by `RowwiseParallel(input_layouts=
+    Replicate())`. One collective per such param (none from Replicate to Shard)."""
+    g = p.grad
+    if ckpt.is_dtensor(g) and ckpt.is_dtensor(p) and (g.placements != p.placements
+                                                        or g.device_mesh != p.device_mesh):
+        g = g.redistribute(p.device_mesh, p.placements)
+    return local(g)
 
 
 def _state_diff(have: dict, want: dict, dev) -> str:
