@@ -284,7 +284,10 @@ def import_state(st, p: Tensor, spec: dict, quantized: dict, forms: dict, where:
             continue  # rebuilt from the dequantized codes below
         v = st[key]
         if not isinstance(v, Tensor):
-            raise ValueError(f"{where}[{key!r}] is a {type(v).__name__}, expected a tensor")
+            hint = ("; an empty dict is what DCP's flatten_optimizer_state_dict=True makes of an 8-bit state, "
+                    "whose dequantized form travels under its own key: use the default (unflattened) form for "
+                    "8-bit states") if isinstance(v, dict) and not v else ""
+            raise ValueError(f"{where}[{key!r}] is a {type(v).__name__}, expected a tensor{hint}")
         elem = key in forms
         if is_dtensor(v) and not elem:
             raise ValueError(f"{where}[{key!r}] is a DTensor; this state is a plain tensor, the same on every rank")

@@ -444,7 +444,7 @@ def test_plain_state_dict_resumes_bit_for_bit(case, monkeypatch):
 @pytest.mark.parametrize("case", list(CASES))
 def test_dcp_state_initialisation_takes_no_step(case, monkeypatch):
     """DCP's get_optimizer_state_dict on a fresh optimizer runs a fake step (zero grads, lr=0) when the state
-    is empty; ours hands out zero state instead: params, state and the later run are untouched."""
+    is empty; ours makes (and keeps) zero state instead: params and the later run are untouched."""
     from torch.distributed.checkpoint.state_dict import (_init_optim_state, get_optimizer_state_dict,
                                                          set_optimizer_state_dict)
     monkeypatch.setenv("FASTOPT_BACKEND", "torch")
@@ -452,7 +452,9 @@ def test_dcp_state_initialisation_takes_no_step(case, monkeypatch):
     opt, t_opt = make_opt(case, model), make_opt(case, twin)
     _init_optim_state(opt)
     osd = get_optimizer_state_dict(model, opt)
-    assert len(opt.state) == 0 and all(p.grad is None for p in model.parameters())
+    assert all(p.grad is None for p in model.parameters())
+    assert len(opt.state) == len(osd["state"]) and all(  # the zero state, kept for DCP's flattened form
+        not v.any() for st in opt.state.values() for v in st.values())
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
     assert sorted(osd["state"]) == sorted(n for n, _ in model.named_parameters())
     assert all(float(st["step"]) == 0 and all(not v.any() for v in st.values()) for st in osd["state"].values())
@@ -990,3 +992,39 @@ def _submesh_case(rank, world):
 def test_load_state_dict_agrees_over_the_params_groups_only(pool):
     results = pool.run(_submesh_case)  # the pool's timeout turns a hang into a failure
     assert results[0] == results[1] == {"unchanged": True} and results[2] == results[3] == {}, results
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_dcp_flattened_form_resumes(case, monkeypatch, tmp_path):
+    """torchtitan's StateDictOptions(flatten_optimizer_state_dict=True): DCP rebuilds each param's state from the
+    keys the optimizer has, so a fresh optimizer used to load nothing and fail; the zero state its state_dict
+    makes (and keeps) gives them, and the run resumes bit for bit. 8-bit states, whose dequantized form travels
+    under a key of its own, are refused naming the unflattened form."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+    monkeypatch.setenv("FASTOPT_BACKEND", "torch")
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    model, twin = MLP(), MLP()
+    opt, t_opt = make_opt(case, model), make_opt(case, twin)
+    _run(model, opt, range(HALF))
+    _run(twin, t_opt, range(HALF))
+    with ckpt.dequantized_8bit(opt):
+        dcp.save({"optim": get_optimizer_state_dict(model, opt, options=flat)}, checkpoint_id=str(tmp_path),
+                 no_dist=True)
+    fresh = MLP()
+    fresh.load_state_dict(model.state_dict())
+    f_opt = make_opt(case, fresh)
+    with ckpt.dequantized_8bit(f_opt):
+        sd = get_optimizer_state_dict(fresh, f_opt, options=flat)
+    box = {"optim": sd}
+    dcp.load(box, checkpoint_id=str(tmp_path), no_dist=True)
+    if case in EIGHT_BIT:
+        with pytest.raises(ValueError, match="use the default \\(unflattened\\) form for 8-bit states"):
+            set_optimizer_state_dict(fresh, f_opt, box["optim"], options=flat)
+        return
+    set_optimizer_state_dict(fresh, f_opt, box["optim"], options=flat)
+    _run(fresh, f_opt, range(HALF, STEPS))
+    _run(twin, t_opt, range(HALF, STEPS))
+    assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), twin.parameters()))
+    assert _equal_sd(f_opt.state_dict(), t_opt.state_dict())

@@ -506,7 +506,8 @@ class FastOptimizer(torch.optim.Optimizer):
     # ---- state_dict -----------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """torch.optim's state_dict (tensors and plain numbers only: loads with `torch.load(weights_only=True)`),
-        with copies of the state tensors, zero state for trainable params that have none yet, and DTensor
+        with copies of the state tensors, zero state for trainable params that have none yet (created and kept,
+        as torch's `get_optimizer_state_dict` does with a step at lr=0), and DTensor
         params' state in the form `torch.distributed.checkpoint` reshards (see fastopt/checkpoint.py). The
         hooks of `register_state_dict_pre_hook` run first, those of `register_state_dict_post_hook` on the
         finished dict, as in torch."""
@@ -524,11 +525,10 @@ class FastOptimizer(torch.optim.Optimizer):
             groups.append(packed)
             quantized = self._quantized_keys(group)
             for p in group["params"]:
-                if p in self.state and self.state[p]:
-                    state[index] = ckpt.export_state(self.state[p], quantized, force)
-                elif p.requires_grad and p.numel() > 0:
-                    zero = ckpt.zero_state(self._state_spec(p, group), p, self._dtensor_forms(p, group))
-                    state[index] = ckpt.export_state(zero, quantized, force)
+                if (p in self.state and self.state[p]) or (p.requires_grad and p.numel() > 0):
+                    # A trainable param without state gets its zero state here, kept (as torch's DCP makes it with
+                    # a step at lr=0): DCP's flattened form rebuilds a param's state from the keys it has.
+                    state[index] = ckpt.export_state(self._init_state(p, group), quantized, force)
                 index += 1
         sd = {"state": state, "param_groups": groups}
         for post_hook in self._optimizer_state_dict_post_hooks.values():
