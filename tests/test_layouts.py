@@ -168,12 +168,14 @@ class _ByHand:
                 if d is not None:
                     work.dist_layout = _FakeDistLayout(tuple(full.shape), d)
                 piece, pad = _flat_piece(work, self.dp)
-                piece = piece.clone()
+                piece = piece.clone().requires_grad_()  # a trainable master shard, as ColossalAI has
                 self.working[id(piece)], self.pads[id(work)] = work, pad
             self.pieces[n] = piece
 
     def make_opt(self, name):
         opt = _make_opt(name, list(self.pieces.values()), [tuple(f.shape) for f in self.full.values()])
+        if self.mode == "colossal" and not isinstance(opt, fastopt.GaLoreAdamW):
+            opt.state_dict()  # zero state of the undeclared pieces (GaLore refuses a 1-D piece of a projected matrix)
         if self.mode == "colossal":
             opt.setup_distributed(tp_group=self.tp, dp_group=self.dp, shard_to_working_param=self.working,
                                   padding_map=self.pads, is_zero=True)

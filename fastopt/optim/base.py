@@ -469,6 +469,13 @@ class FastOptimizer(torch.optim.Optimizer):
                 lay = make_layout((chunk,), global_shape, dp_group, flat_offset=min(rank * chunk, total),
                                   base=tp_lay, owner=n)
                 cache[id(p)] = (p, lay)
+        # State made before this declaration (the zero state a state_dict() makes) has the undeclared params'
+        # shapes: dropped while no step has used it (step 0), the first step makes it again. A host read, here only.
+        for group in self.param_groups:
+            for p in group["params"]:
+                st = self.state.get(p)
+                if st and "step" in st and float(local(st["step"])) == 0:
+                    del self.state[p]
 
     @staticmethod
     def _advance_steps(steps: list[Tensor], scaler: ScalerArgs) -> None:
