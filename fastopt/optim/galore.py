@@ -14,7 +14,7 @@ from ..reference.galore import (LEFT, PROJ_TYPES, basis_shapes, keeps_local_base
                                 projected_shape, projection_side)
 from ..reference.quant import num_blocks
 from .base import (BLOCK_SIZE, MIN_8BIT_SIZE, NBITS, NONNEG, FastOptimizer, betas_rule, check, host_value, is_int,
-                   is_number, lr_rule, plain)
+                   is_number, lr_rule)
 
 __all__ = ["GaLoreAdamW", "GaLoreAdamW8bit", "get_galore_param_groups"]
 
@@ -92,8 +92,15 @@ class GaLoreAdamW(FastOptimizer):
     _elementwise_state = ("exp_avg", "exp_avg_sq")  # groups without `rank` only: see _elementwise_keys
     # `rank` and `proj_type` give the bases' and moments' shapes (a group without `rank`: None).
     _layout_keys = ("nbits", "min_8bit_size", "block_size", "rank", "proj_type")
+    # A projected group's own keys too (checked where present: when a group is added, before each step, in a
+    # state_dict before it loads).
     _hyper_rules = dict(lr=lr_rule(">= 0"), betas=betas_rule(2), eps=NONNEG, weight_decay=NONNEG, nbits=NBITS,
-                        min_8bit_size=MIN_8BIT_SIZE, block_size=BLOCK_SIZE)
+                        min_8bit_size=MIN_8BIT_SIZE, block_size=BLOCK_SIZE,
+                        rank=(lambda v: is_int(v) and v >= 1, "be an int >= 1"),
+                        update_proj_gap=(lambda v: is_int(v) and v >= 1, "be an int >= 1"),
+                        scale=(is_number, "be a finite number"),
+                        proj_type=(lambda v: isinstance(v, str) and v in PROJ_TYPES,
+                                   "be one of " + ", ".join(PROJ_TYPES)))
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01, nbits=32,
                  min_8bit_size=4096, block_size=256):
@@ -120,29 +127,18 @@ class GaLoreAdamW(FastOptimizer):
             return super().add_param_group(param_group)
         n = self._name
         where = f"param_groups[{len(self.param_groups)}]"
-        group = {k: v if k == "params" else plain(v) for k, v in param_group.items()}
+        group = dict(param_group)
         group["params"] = [ps] if isinstance(ps, Tensor) else list(ps)
         if "rank" in group:
             for k, v in GROUP_DEFAULTS.items():
                 group.setdefault(k, v)
-            self._check_keys(group, where)
+            group = self._check_hyper(group, where)  # `rank` first: the shapes below are checked against it
             self._check_projected(group, where, at_step=False)
         else:
             for k in GROUP_DEFAULTS:
                 check(k not in group, f"{where}['{k}']", n, group.get(k),
                       "come with 'rank' (a group without 'rank' is plain AdamW)")
         super().add_param_group(group)
-
-    def _check_keys(self, group: dict, where: str) -> None:
-        """A projected group's own keys: when it is added, before each step (a user may have changed them) and
-        in a state_dict before it is loaded."""
-        n = self._name
-        rank, gap, scale, kind = (group.get(k) for k in ("rank", "update_proj_gap", "scale", "proj_type"))
-        check(is_int(rank) and rank >= 1, f"{where}['rank']", n, rank, "be an int >= 1")
-        check(is_int(gap) and gap >= 1, f"{where}['update_proj_gap']", n, gap, "be an int >= 1")
-        check(is_number(scale), f"{where}['scale']", n, scale, "be a finite number")
-        check(isinstance(kind, str) and kind in PROJ_TYPES, f"{where}['proj_type']", n, kind,
-              "be one of " + ", ".join(PROJ_TYPES))
 
     def _check_projected(self, group: dict, where: str, at_step: bool = True) -> None:
         """Each param of a projected group is a matrix (or a batch of them) with both dims >= rank, by its
@@ -164,7 +160,6 @@ class GaLoreAdamW(FastOptimizer):
 
     def _check_group(self, gi: int, group: dict) -> None:
         if "rank" in group:
-            self._check_keys(group, f"param_groups[{gi}]")
             self._check_projected(group, f"param_groups[{gi}]")
 
     # ---- state ------------------------------------------------------------------------------------------
