@@ -23,10 +23,14 @@ A param's state, in memory and in a state_dict:
   never copies one form into the other:
   - codes: `state1` (uint8) + `absmax1`. An optimizer of plain params (single process, DDP) saves these:
     compact, exact, bitsandbytes' format.
-  - dequantized: `state1_fp32` (fp32; `dequantized_key`), no absmax. The blocks of a DTensor param are cut
-    from this rank's local piece and mean nothing under another layout, so an optimizer with any DTensor
-    param saves every 8-bit state in this form (a DTensor for a DTensor param; its plain params too, which
-    may be DTensors under another layout), and so does any optimizer within `dequantized_8bit(...)`.
+  - dequantized: `state1: {"fp32": values}` (fp32; `DEQUANTIZED`), no absmax. The blocks of a DTensor param
+    are cut from this rank's local piece and mean nothing under another layout, so an optimizer with any
+    DTensor param saves every 8-bit state in this form (a DTensor for a DTensor param; its plain params too,
+    which may be DTensors under another layout), and so does any optimizer within `dequantized_8bit(...)`.
+    DCP addresses the values as `state.<fqn>.state1.fp32`. Nested under the codes' key, the form also takes
+    DCP's flattened form (`flatten_optimizer_state_dict=True`, torchtitan's), which rebuilds each state from
+    the keys the optimizer holds in memory (the codes' and the absmax's): the codes' key finds the nested
+    values, the absmax's key finds nothing and comes as an empty dict, which is ignored.
   `load_state_dict` takes either form under any layout (and fp32 values under the codes' key without the
   absmax: older fastopt state_dicts, came-pytorch): dequantized values are requantized into the blocks of the
   new local piece with `requantize`, which gives back the very same values, bit for bit, wherever a new block
@@ -34,7 +38,7 @@ A param's state, in memory and in a state_dict:
   boundaries); elsewhere each element moves by at most half a quantization step of its new block. Codes saved
   by plain params are dequantized whole before that.
   With DCP, the template and the checkpoint must hold the same form: DDP -> FSDP2/TP fails with DCP's
-  "Missing key in checkpoint ... state1_fp32" unless the DDP side saved within `dequantized_8bit(opt)` (do
+  "Missing key in checkpoint ... state1.fp32" unless the DDP side saved within `dequantized_8bit(opt)` (do
   that whenever a checkpoint may be resumed under another layout); FSDP2/TP -> single process or DDP needs
   its template built within `dequantized_8bit(opt)`, or DCP misses `state1`.
 - 8-bit and 32-bit state of one optimizer (`nbits`; AdamW8bit's and others' `min_8bit_size`): a state_dict's
@@ -88,7 +92,7 @@ from . import ops
 from .distributed.layout import local
 from .reference import quant as q
 
-__all__ = ["StateDict", "dequantized_8bit", "dequantized_key", "requantize", "is_dtensor"]
+__all__ = ["StateDict", "dequantized_8bit", "DEQUANTIZED", "requantize", "is_dtensor"]
 
 
 class StateDict(defaultdict):
@@ -152,9 +156,9 @@ def zero_state(spec: dict, p: Tensor, forms: dict) -> dict:
 @contextlib.contextmanager
 def dequantized_8bit(*optimizers):
     """Within this block, the state_dicts of `optimizers` hold every 8-bit state in its dequantized fp32 form,
-    under `dequantized_key` (as DTensor params always do): what an optimizer of plain params (single process,
-    DDP) saves for a checkpoint that DTensor params (FSDP2, TP) will load, and its DCP template for a checkpoint
-    that DTensor params saved; also a checkpoint meant for other block sizes."""
+    nested under the codes' key as {DEQUANTIZED: values} (as DTensor params always do): what an optimizer of
+    plain params (single process, DDP) saves for a checkpoint that DTensor params (FSDP2, TP) will load, and its
+    DCP template for a checkpoint that DTensor params saved; also a checkpoint meant for other block sizes."""
     saved = [o.__dict__.get("_dequantize_8bit", False) for o in optimizers]
     for o in optimizers:
         o._dequantize_8bit = True
@@ -165,17 +169,12 @@ def dequantized_8bit(*optimizers):
             o._dequantize_8bit = s
 
 
-DEQUANTIZED = "_fp32"  # the key of an 8-bit state's dequantized form: the codes' key + this
-
-
-def dequantized_key(key: str) -> str:
-    """The state_dict key of the dequantized (fp32) form of the 8-bit state whose codes are under `key`."""
-    return key + DEQUANTIZED
+DEQUANTIZED = "fp32"  # an 8-bit state's dequantized form in a state_dict: {codes' key: {DEQUANTIZED: values}}
 
 
 def export_state(st: dict, quantized: dict, force_dequantize: bool) -> dict:
-    """A copy of one param's state for a state_dict; 8-bit states dequantized, under `dequantized_key`, when
-    the param is a DTensor or `force_dequantize`."""
+    """A copy of one param's state for a state_dict; 8-bit states dequantized ({DEQUANTIZED: values} under the
+    codes' key, without the absmax) when the param is a DTensor or `force_dequantize`."""
     out = {k: (v.detach().clone() if isinstance(v, Tensor) else v) for k, v in st.items()}
     for key, (akey, signed, block) in quantized.items():
         if akey not in st or st[key].dtype != torch.uint8:
@@ -184,8 +183,8 @@ def export_state(st: dict, quantized: dict, force_dequantize: bool) -> dict:
         if not (force_dequantize or is_dtensor(codes)):
             continue
         vals = ops.dequantize_blockwise(local(codes).contiguous(), st[akey], block, signed, torch.float32)
-        del out[key], out[akey]
-        out[dequantized_key(key)] = like_param(vals, codes) if is_dtensor(codes) else vals
+        del out[akey]
+        out[key] = {DEQUANTIZED: like_param(vals, codes) if is_dtensor(codes) else vals}
     return out
 
 
@@ -195,8 +194,10 @@ def requantize(x: Tensor, block_size: int, signed: bool) -> tuple[Tensor, Tensor
     Where a block's values are exactly map[c] * a for codes c and one scale a (they were dequantized from
     blocks cut the same way), this finds such a pair, so that dequantizing gives `x` back bit for bit; the
     plain nearest quantization (`quantize_blockwise`) cannot always, because the signed map's most negative
-    value is not -1: a block whose largest magnitude is negative comes back with a smaller absmax. Other
-    blocks get the nearest quantization."""
+    value is not -1: a block whose largest magnitude is negative comes back with a smaller absmax. The scale
+    is the largest magnitude over the map value it was coded as: 1, or the signed map's -map[0] (0.99297),
+    which codes a block's negative absmax and may code its largest positive value too (map[254] = -map[0]:
+    then the largest magnitude is positive, but not a). Other blocks get the nearest quantization."""
     x = x.to(torch.float32)
     codes, absmax = q.quantize_blockwise(x, block_size, signed)
     if x.numel() == 0:
@@ -205,15 +206,17 @@ def requantize(x: Tensor, block_size: int, signed: bool) -> tuple[Tensor, Tensor
     m = q.dynamic_map(signed, x.device)
     mag, arg = blocks.abs().max(dim=1)
     extreme = blocks.gather(1, arg[:, None]).squeeze(1)
-    top = torch.where(extreme < 0, -m[0], m[-1])  # the map value the largest magnitude was coded as
-    a0 = mag / top
+    top = torch.where(extreme < 0, -m[0], m[-1])  # the map value the largest magnitude was coded as, mostly
     done = torch.zeros(blocks.shape[0], dtype=torch.bool, device=x.device)
     flat_codes = codes.reshape(-1).clone()
     n = x.numel()
-    up, down = torch.full_like(a0, float("inf")), torch.zeros_like(a0)
-    up1, down1 = torch.nextafter(a0, up), torch.nextafter(a0, down)
-    # mag / top may round an ulp or two away from the scale the values were made with
-    cands = [a0, up1, down1, torch.nextafter(up1, up), torch.nextafter(down1, down)]
+    cands = []
+    for t in ([top, torch.where(extreme < 0, m[-1], -m[0])] if signed else [top]):
+        a0 = mag / t
+        up, down = torch.full_like(a0, float("inf")), torch.zeros_like(a0)
+        up1, down1 = torch.nextafter(a0, up), torch.nextafter(a0, down)
+        # mag / top may round an ulp or two away from the scale the values were made with
+        cands += [a0, up1, down1, torch.nextafter(up1, up), torch.nextafter(down1, down)]
     for a in cands:
         safe = torch.where(a > 0, a, torch.ones_like(a))
         c = q.nearest_code((blocks / safe[:, None]).reshape(-1), m).view(blocks.shape)
@@ -256,7 +259,7 @@ def import_state(st, p: Tensor, spec: dict, quantized: dict, forms: dict, where:
     if not isinstance(st, dict):
         raise ValueError(f"{where} is a {type(st).__name__}, expected a dict of tensors")
     # Cast codes can only be floats that came under the codes' key, without their absmax: not the dequantized
-    # form (`dequantized_key`), which a 32-bit template never asks for, nor codes dequantized here with theirs.
+    # form (nested under the key), which a 32-bit template never asks for, nor codes dequantized here with theirs.
     cast_keys = frozenset(k for k in cast_keys if isinstance(st.get(k), Tensor) and st[k].is_floating_point()
                           and quantized[k][0] not in st)
     st = _dequantized_forms(st, p, spec, quantized, forms, where)
@@ -284,9 +287,8 @@ def import_state(st, p: Tensor, spec: dict, quantized: dict, forms: dict, where:
             continue  # rebuilt from the dequantized codes below
         v = st[key]
         if not isinstance(v, Tensor):
-            hint = ("; an empty dict is what DCP's flatten_optimizer_state_dict=True makes of an 8-bit state, "
-                    "whose dequantized form travels under its own key: use the default (unflattened) form for "
-                    "8-bit states") if isinstance(v, dict) and not v else ""
+            hint = ("; an empty dict is what DCP's flatten_optimizer_state_dict=True makes of a state that the "
+                    "optimizer holds and the checkpoint lacks") if isinstance(v, dict) and not v else ""
             raise ValueError(f"{where}[{key!r}] is a {type(v).__name__}, expected a tensor{hint}")
         elem = key in forms
         if is_dtensor(v) and not elem:
@@ -348,24 +350,31 @@ def _dequantized_forms(st: dict, p: Tensor, spec: dict, quantized: dict, forms: 
     or the dequantized values under the codes' key without the absmax (the form of older fastopt state_dicts
     and of libraries that keep fp32 state under that name, e.g. came-pytorch).
 
-    Read here: the dequantized values under `dequantized_key` (every optimizer with DTensor params, and any
-    under `dequantized_8bit`), moved to the codes' key; and, for an element-wise state of a DTensor param,
-    the codes and absmax of the whole tensor that plain params save (single process, DDP): dequantized here,
-    so that `import_state` cuts this rank's piece and requantizes it into its own blocks. Codes of a DTensor's
+    Read here: the dequantized values nested under the codes' key (every optimizer with DTensor params, and any
+    under `dequantized_8bit`), unnested, with the empty dict that DCP's flattened form puts under the absmax's
+    key dropped; and, for an element-wise state of a DTensor param, the codes and absmax of the whole tensor
+    that plain params save (single process, DDP): dequantized here, so that `import_state` cuts this rank's
+    piece and requantizes it into its own blocks. Codes of a DTensor's
     local blocks are never in a state_dict (their blocks mean nothing under another layout)."""
     out = None
     for key, (akey, signed, block) in quantized.items():
         if akey not in spec:
             continue  # 32-bit state here
-        dkey = dequantized_key(key)
-        if dkey in st:
-            if key in st or akey in st:
-                raise ValueError(f"{where} holds both {dkey!r} (dequantized) and {key!r}/{akey!r} (8-bit codes): "
-                                 "one form per state (a state_dict saved with 8-bit codes, loaded through a "
-                                 "template of the dequantized form: save it within fastopt.checkpoint."
+        nested = st.get(key)
+        if isinstance(nested, dict):
+            vals = nested.get(DEQUANTIZED)
+            if set(nested) != {DEQUANTIZED} or not isinstance(vals, Tensor):
+                raise ValueError(f"{where}[{key!r}] is a dict with keys {sorted(nested, key=str)}, expected 8-bit "
+                                 f"codes (a uint8 tensor, with {akey!r}) or their dequantized form "
+                                 f"{{{DEQUANTIZED!r}: a float tensor}}")
+            if akey in st and not (isinstance(st[akey], dict) and not st[akey]):
+                raise ValueError(f"{where} holds both {key!r}.{DEQUANTIZED} (dequantized) and {akey!r} (the 8-bit "
+                                 "codes' absmax): one form per state (a state_dict saved with 8-bit codes, loaded "
+                                 "through a template of the dequantized form: save it within fastopt.checkpoint."
                                  "dequantized_8bit(opt) too)")
             out = dict(st) if out is None else out
-            out[key] = out.pop(dkey)
+            out[key] = vals
+            out.pop(akey, None)
             continue
         codes, absmax = st.get(key), st.get(akey)
         if not (key in forms and isinstance(codes, Tensor) and isinstance(absmax, Tensor)
@@ -376,9 +385,9 @@ def _dequantized_forms(st: dict, p: Tensor, spec: dict, quantized: dict, forms: 
                 absmax.numel() != q.num_blocks(codes.numel(), block):
             raise ValueError(f"{where}[{key!r}] holds 8-bit codes of shape {tuple(codes.shape)} with "
                              f"{absmax.numel()} blocks in {akey!r}; for a DTensor param this state (of shape "
-                             f"{whole}) is in the state_dict in its dequantized form {dkey!r} (save under "
-                             "fastopt.checkpoint.dequantized_8bit), or as the codes of the whole tensor that plain "
-                             "params save")
+                             f"{whole}) is in the state_dict in its dequantized form {key!r}.{DEQUANTIZED} (save "
+                             "under fastopt.checkpoint.dequantized_8bit), or as the codes of the whole tensor that "
+                             "plain params save")
         out = dict(st) if out is None else out
         vals = ops.dequantize_blockwise(codes.to(local(p).device).contiguous(), absmax.to(local(p).device),
                                         block, signed, torch.float32)

@@ -133,7 +133,12 @@ def full_states(model, opt):
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
     with ckpt.dequantized_8bit(opt):
         osd = get_optimizer_state_dict(model, opt)
-    return {n: {k: full(v).clone() for k, v in st.items()} for n, st in osd["state"].items()}
+    return {n: {k: full(_values(v)).clone() for k, v in st.items()} for n, st in osd["state"].items()}
+
+
+def _values(v):
+    """A state_dict's state tensor: the tensor itself, or the dequantized form of 8-bit codes (nested)."""
+    return v[ckpt.DEQUANTIZED] if isinstance(v, dict) else v
 
 
 def rel_err(ours: dict, ref: dict, base: dict | None = None) -> float:
@@ -162,7 +167,13 @@ def shared_dir(pool):
     shutil.rmtree(d, ignore_errors=True)
 
 
-def _save_then_continue(case, path):
+def _options(flat):
+    """DCP's StateDictOptions: the default, or torchtitan's flattened optimizer state (`flat`)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    return StateDictOptions(flatten_optimizer_state_dict=flat)
+
+
+def _save_then_continue(case, path, flat):
     """fsdp_tp: HALF steps, DCP save, the other HALF: (params and states saved, params and states at the end,
     the 8-bit yardstick)."""
     import torch.distributed.checkpoint as dcp
@@ -170,8 +181,8 @@ def _save_then_continue(case, path):
     model = build("fsdp_tp")
     opt = make_opt(case, model)
     train(model, opt, range(HALF))
-    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
-             checkpoint_id=path)
+    osd = get_optimizer_state_dict(model, opt, options=_options(flat))
+    dcp.save({"model": get_model_state_dict(model), "optim": osd}, checkpoint_id=path)
     mid, saved = full_params(model), full_states(model, opt)
     train(model, opt, range(HALF, STEPS))
     noise = None
@@ -184,7 +195,7 @@ def _save_then_continue(case, path):
     return mid, saved, full_params(model), full_states(model, opt), noise
 
 
-def _resume(case, path, target):
+def _resume(case, path, target, flat):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                          set_model_state_dict, set_optimizer_state_dict)
@@ -192,24 +203,25 @@ def _resume(case, path, target):
     opt = make_opt(case, model)
     single = target == "single"
     with ckpt.dequantized_8bit(opt) if single else contextlib.nullcontext():
-        sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+        osd = get_optimizer_state_dict(model, opt, options=_options(flat))
+        sd = {"model": get_model_state_dict(model), "optim": osd}
     dcp.load(sd, checkpoint_id=path, no_dist=single)
     set_model_state_dict(model, sd["model"])
-    set_optimizer_state_dict(model, opt, sd["optim"])
+    set_optimizer_state_dict(model, opt, sd["optim"], options=_options(flat))
     loaded = full_states(model, opt)
     train(model, opt, range(HALF, STEPS))
     return loaded, full_params(model), full_states(model, opt)
 
 
-def _dcp_case(rank, world, case, path):
+def _dcp_case(rank, world, case, path, flat):
     os.environ["FASTOPT_BACKEND"] = "torch"
-    mid, saved, final, states, noise = _save_then_continue(case, path)
+    mid, saved, final, states, noise = _save_then_continue(case, path, flat)
     out = {"noise": noise}
     for target in ("fsdp_tp", "fsdp", "tp", "single"):
         if target == "single" and rank != 0:
             dist.barrier()
             continue
-        loaded, params, st = _resume(case, path, target)
+        loaded, params, st = _resume(case, path, target, flat)
         out[target] = dict(
             exact=all(torch.equal(params[k], final[k]) for k in final),
             loaded_exact=all(torch.equal(a, b) for a, b in zip(_flat_states(loaded).values(),
@@ -228,9 +240,12 @@ def _dcp_case(rank, world, case, path):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("case", list(CASES))
-def test_dcp_reshards_fsdp_tp_to_fsdp_tp_single(pool, shared_dir, case):
-    results = pool.run(_dcp_case, case, os.path.join(shared_dir, "ckpt"))
+@pytest.mark.parametrize("case, flat", [(c, False) for c in CASES] +
+                         [(c, True) for c in ("adafactor", "galore", "adamw8bit", "galore_8bit")])
+def test_dcp_reshards_fsdp_tp_to_fsdp_tp_single(pool, shared_dir, case, flat):
+    """Saved under FSDP2+TP, loaded under FSDP2+TP, FSDP2, TP and one process; also in DCP's flattened form
+    (torchtitan's `flatten_optimizer_state_dict=True`), 8-bit states included."""
+    results = pool.run(_dcp_case, case, os.path.join(shared_dir, "ckpt"), flat)
     for rank, res in enumerate(results):
         for target in ("fsdp_tp", "fsdp", "tp", "single"):
             if target not in res:
@@ -414,8 +429,10 @@ def _reload(sd):
 
 def _equal_sd(a, b) -> bool:
     return a["param_groups"] == b["param_groups"] and sorted(a["state"]) == sorted(b["state"]) and all(
-        sorted(a["state"][i]) == sorted(b["state"][i]) and all(torch.equal(a["state"][i][k], b["state"][i][k])
-                                                               for k in a["state"][i]) for i in a["state"])
+        sorted(a["state"][i]) == sorted(b["state"][i]) and all(
+            isinstance(a["state"][i][k], dict) == isinstance(b["state"][i][k], dict)
+            and torch.equal(_values(a["state"][i][k]), _values(b["state"][i][k])) for k in a["state"][i])
+        for i in a["state"])
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -530,7 +547,14 @@ def test_requantize_gives_back_the_dequantized_values(block, signed, monkeypatch
     x = x if signed else x.abs()
     if signed:  # blocks whose largest magnitude is negative: the map's -0.99297 codes it, not -1
         x[: 3 * block] = -x[: 3 * block].abs()
+        # ... and blocks where a positive value just under it is coded 0.99297 too (map[254] = -map[0]): the
+        # largest magnitude after dequantizing is positive, and is not the scale
+        x[3 * block:5 * block] /= x[3 * block:5 * block].abs().max()
+        x[3 * block:5 * block:block] = 9.95  # first: the one that max() finds
+        x[3 * block + 1:5 * block:block] = -10.0
     codes, absmax = fastopt.quantize_blockwise(x, block, signed)
+    if signed:
+        assert all(codes[b:b + block].max() == 254 for b in (3 * block, 4 * block))
     vals = fastopt.dequantize_blockwise(codes, absmax, block, signed)
     c2, a2 = ckpt.requantize(vals, block, signed)
     assert torch.equal(fastopt.dequantize_blockwise(c2, a2, block, signed), vals)
@@ -663,9 +687,9 @@ def test_plain_state_dict_between_8bit_and_32bit_state_takes_the_saved_settings(
 
 @pytest.mark.parametrize("case", sorted(EIGHT_BIT))
 def test_dequantized_form_of_zero_moments_loads_into_32bit_state(case, monkeypatch):
-    """The dequantized form (`<key>_fp32`: DTensor params, `dequantized_8bit`) holds values whatever they are,
-    never cast codes: moments that are all zero after steps (a param whose gradient stayed zero) load into an
-    optimizer built with 32-bit state, with the saved settings, as zeros."""
+    """The dequantized form (`{<key>: {"fp32": values}}`: DTensor params, `dequantized_8bit`) holds values
+    whatever they are, never cast codes: moments that are all zero after steps (a param whose gradient stayed
+    zero) load into an optimizer built with 32-bit state, with the saved settings, as zeros."""
     monkeypatch.setenv("FASTOPT_BACKEND", "torch")
     src_model, src_opt = _nbits_side(case, 8)
     _run(src_model, src_opt, range(HALF))
@@ -673,9 +697,9 @@ def test_dequantized_form_of_zero_moments_loads_into_32bit_state(case, monkeypat
         sd = src_opt.state_dict()
     zeroed = 0
     for st in sd["state"].values():
-        for k in list(st):
-            if k.endswith(ckpt.DEQUANTIZED):
-                st[k] = torch.zeros_like(st[k])
+        for k, v in st.items():
+            if isinstance(v, dict):
+                st[k] = {ckpt.DEQUANTIZED: torch.zeros_like(v[ckpt.DEQUANTIZED])}
                 zeroed += 1
     assert zeroed and all(float(st["step"]) > 0 for st in sd["state"].values())
     model, opt = _nbits_side(case, 32)
@@ -696,9 +720,8 @@ def test_dequantized_state_under_the_codes_key_still_loads(case, tmp_path, monke
     src_model, src_opt = _nbits_side(case, 8)
     _run(src_model, src_opt, range(HALF))
 
-    def older(sd):  # the dequantized values moved from `dequantized_key` back to the codes' key
-        n = len(ckpt.DEQUANTIZED)
-        return {**sd, "state": {i: {(k[:-n] if k.endswith(ckpt.DEQUANTIZED) else k): v for k, v in st.items()}
+    def older(sd):  # the dequantized values unnested, straight under the codes' key
+        return {**sd, "state": {i: {k: (v[ckpt.DEQUANTIZED] if isinstance(v, dict) else v) for k, v in st.items()}
                                 for i, st in sd["state"].items()}}
     with ckpt.dequantized_8bit(src_opt):
         sd, osd = older(src_opt.state_dict()), older(get_optimizer_state_dict(src_model, src_opt))
@@ -862,7 +885,7 @@ def _dcp_8bit_case(rank, world, case, path):
         model = build(target)
         opt = make_opt(case, model)
         sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
-        with pytest.raises(CheckpointException, match="Missing key in checkpoint.*_fp32"):
+        with pytest.raises(CheckpointException, match="Missing key in checkpoint.*\\.fp32"):
             dcp.load(sd, checkpoint_id=codes)
         sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
         dcp.load(sd, checkpoint_id=fp32)
@@ -994,12 +1017,12 @@ def test_load_state_dict_agrees_over_the_params_groups_only(pool):
     assert results[0] == results[1] == {"unchanged": True} and results[2] == results[3] == {}, results
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_dcp_flattened_form_resumes(case, monkeypatch, tmp_path):
+@pytest.mark.parametrize("case, form", [(c, "codes") for c in CASES] + [(c, "dequantized") for c in sorted(EIGHT_BIT)])
+def test_dcp_flattened_form_resumes(case, form, monkeypatch, tmp_path):
     """torchtitan's StateDictOptions(flatten_optimizer_state_dict=True): DCP rebuilds each param's state from the
     keys the optimizer has, so a fresh optimizer used to load nothing and fail; the zero state its state_dict
-    makes (and keeps) gives them, and the run resumes bit for bit. 8-bit states, whose dequantized form travels
-    under a key of its own, are refused naming the unflattened form."""
+    makes (and keeps) gives them, and the run resumes bit for bit. 8-bit states too, as codes or in their
+    dequantized form (nested under the codes' key, whose absmax key DCP gives an empty dict)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
                                                          set_optimizer_state_dict)
@@ -1009,20 +1032,19 @@ def test_dcp_flattened_form_resumes(case, monkeypatch, tmp_path):
     opt, t_opt = make_opt(case, model), make_opt(case, twin)
     _run(model, opt, range(HALF))
     _run(twin, t_opt, range(HALF))
-    with ckpt.dequantized_8bit(opt):
-        dcp.save({"optim": get_optimizer_state_dict(model, opt, options=flat)}, checkpoint_id=str(tmp_path),
-                 no_dist=True)
+    form_of = ckpt.dequantized_8bit if form == "dequantized" else lambda o: contextlib.nullcontext()
+    with form_of(opt):
+        saved = get_optimizer_state_dict(model, opt, options=flat)
+        dcp.save({"optim": saved}, checkpoint_id=str(tmp_path), no_dist=True)
+    if form == "dequantized":
+        assert any(k.endswith(f".{ckpt.DEQUANTIZED}") for k in saved), sorted(saved)
     fresh = MLP()
     fresh.load_state_dict(model.state_dict())
     f_opt = make_opt(case, fresh)
-    with ckpt.dequantized_8bit(f_opt):
+    with form_of(f_opt):
         sd = get_optimizer_state_dict(fresh, f_opt, options=flat)
     box = {"optim": sd}
     dcp.load(box, checkpoint_id=str(tmp_path), no_dist=True)
-    if case in EIGHT_BIT:
-        with pytest.raises(ValueError, match="use the default \\(unflattened\\) form for 8-bit states"):
-            set_optimizer_state_dict(fresh, f_opt, box["optim"], options=flat)
-        return
     set_optimizer_state_dict(fresh, f_opt, box["optim"], options=flat)
     _run(fresh, f_opt, range(HALF, STEPS))
     _run(twin, t_opt, range(HALF, STEPS))

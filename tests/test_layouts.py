@@ -174,8 +174,8 @@ class _ByHand:
 
     def make_opt(self, name):
         opt = _make_opt(name, list(self.pieces.values()), [tuple(f.shape) for f in self.full.values()])
-        if self.mode == "colossal" and not isinstance(opt, fastopt.GaLoreAdamW):
-            opt.state_dict()  # zero state of the undeclared pieces (GaLore refuses a 1-D piece of a projected matrix)
+        if self.mode == "colossal":
+            opt.state_dict()  # zero state of the undeclared pieces (none for GaLore's 1-D pieces of projected matrices)
         if self.mode == "colossal":
             opt.setup_distributed(tp_group=self.tp, dp_group=self.dp, shard_to_working_param=self.working,
                                   padding_map=self.pads, is_zero=True)

@@ -23,6 +23,7 @@ from dist_utils import DistError, DistPool
 
 import fastopt
 from fastopt import ZeroRedundancyOptimizer
+from fastopt import checkpoint as ckpt
 from fastopt import bench as fbench
 from fastopt.distributed import zero as zero_module
 
@@ -842,6 +843,16 @@ def _state_dict_roundtrip(rank, world, name, partition_grad, model_cls=None):
     shard = copy.deepcopy(opt.state_dict())
     full = opt.state_dict(consolidated=True)  # gathered to rank 0
     out = {"full_elsewhere_is_none": full is None if rank != 0 else True}
+    # Within fastopt.checkpoint.dequantized_8bit(wrapper), 8-bit states come dequantized (the form DTensor params
+    # load), merged from a split param's pieces like the codes.
+    with ckpt.dequantized_8bit(opt):
+        deq = opt.state_dict(consolidated=True, to=None)
+    codes = torch.tensor([float(any(isinstance(v, torch.Tensor) and v.dtype == torch.uint8
+                                    for st in opt.optim.state.values() for v in st.values()))])
+    dist.all_reduce(codes, op=dist.ReduceOp.MAX)  # 8-bit codes on any rank
+    nested = [v for st in deq["state"].values() for v in st.values() if isinstance(v, dict)]
+    out["dequantized_form"] = bool(nested) == bool(codes) and all(
+        set(v) == {ckpt.DEQUANTIZED} and v[ckpt.DEQUANTIZED].dtype == torch.float32 for v in nested)
     # torch's idiom: consolidate_state_dict(to=0) on every rank, then state_dict() on rank 0 is the whole state
     # (once); a step in between makes it stale: the shard again.
     opt.consolidate_state_dict(to=0)
@@ -875,6 +886,10 @@ def _state_dict_roundtrip(rank, world, name, partition_grad, model_cls=None):
     m2, o2 = fresh()
     o2.load_state_dict(copy.deepcopy(full))
     out["consolidated"] = all(torch.equal(a, b) for a, b in zip(_continue(m2, o2, rank, world, 4, 8), straight))
+    if nested:  # requantized into the same blocks (the ranges cut at block boundaries): the very codes
+        m7, o7 = fresh()
+        o7.load_state_dict(copy.deepcopy(deq))
+        out["dequantized"] = all(torch.equal(a, b) for a, b in zip(_continue(m7, o7, rank, world, 4, 8), straight))
     # The consolidated state loads into the unwrapped optimizer, which then continues on the whole batch.
     m3 = Net()
     m3.load_state_dict(mid)
@@ -928,6 +943,8 @@ def check_state_dict_roundtrip(results: list) -> None:
         assert res["sharded"], "reloading the shard changed the continuation"
         assert res["deepcopy"], "a deepcopy did not continue like the original"
         assert res["consolidated"], "reloading the consolidated state changed the continuation"
+        assert res["dequantized_form"], "dequantized_8bit(wrapper) did not give every 8-bit state dequantized"
+        assert res.get("dequantized", True), "reloading the dequantized consolidated state changed the continuation"
         assert res["unwrapped_err"] <= TOL[DT], res["unwrapped_err"]
         assert res["from_unwrapped_err"] <= TOL[DT], res["from_unwrapped_err"]
 

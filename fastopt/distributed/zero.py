@@ -100,6 +100,7 @@ of one group spread over devices whose backward hooks run in different threads.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import weakref
@@ -110,6 +111,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .. import checkpoint as ckpt
 from .layout import collective, layout_of
 
 __all__ = ["ZeroRedundancyOptimizer"]
@@ -555,6 +557,15 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         kinds = self._state_kinds(group)
         out = {}
         for k, v in st.items():
+            if isinstance(v, dict) and kinds is not None and k in kinds[0] and \
+                    isinstance(v.get(ckpt.DEQUANTIZED), Tensor):  # 8-bit state, dequantized: element-wise values
+                vals = v[ckpt.DEQUANTIZED]
+                if vals.numel() != p.numel():
+                    raise ValueError(f"{_NAME}.load_state_dict: {where}[{k!r}].{ckpt.DEQUANTIZED} has shape "
+                                     f"{tuple(vals.shape)}, expected {tuple(p.shape)} (the whole param, which is "
+                                     "split over the ranks)")
+                out[k] = {**v, ckpt.DEQUANTIZED: vals.reshape(-1)[a:b].clone()}
+                continue
             if not isinstance(v, Tensor):
                 out[k] = v
                 continue
@@ -585,6 +596,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         kinds = self._state_kinds(group)
         out = {}
         for k, v in states[0].items():
+            if isinstance(v, dict) and kinds is not None and k in kinds[0]:  # 8-bit state, dequantized
+                out[k] = {ckpt.DEQUANTIZED: torch.cat([s[k][ckpt.DEQUANTIZED].reshape(-1) for s in states])
+                          .view(p.shape)}
+                continue
             if not isinstance(v, Tensor):
                 out[k] = v
                 continue
@@ -1142,7 +1157,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
     def _shard(self) -> dict:
         self._push_hyper()
-        inner = self.optim.state_dict()
+        # fastopt.checkpoint.dequantized_8bit(wrapper) reaches the wrapped optimizer's 8-bit states
+        with ckpt.dequantized_8bit(self.optim) if self.__dict__.get("_dequantize_8bit") else contextlib.nullcontext():
+            inner = self.optim.state_dict()
         l2g = self._local_to_global()
         groups = []
         for gi, (g, gw) in enumerate(zip(inner["param_groups"], self.param_groups)):
@@ -1170,8 +1187,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     def _consolidated(self, to: int | None) -> dict | None:
         shard = self._shard()
         shard.pop("zero")
-        shard["state"] = {gid: {k: (v.detach().cpu() if isinstance(v, Tensor) else v) for k, v in st.items()}
-                          for gid, st in shard["state"].items()}
+        shard["state"] = {gid: {k: _cpu(v) for k, v in st.items()} for gid, st in shard["state"].items()}
         if self.world_size == 1:
             parts = [shard["state"]]
         elif to is None:
@@ -1262,6 +1278,13 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._pull_hyper()
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+
+def _cpu(v):
+    """A state value on the CPU: tensors detached and moved, dicts of them (8-bit states dequantized) alike."""
+    if isinstance(v, Tensor):
+        return v.detach().cpu()
+    return {k: _cpu(x) for k, x in v.items()} if isinstance(v, dict) else v
 
 
 def _end_of_backward(ref):

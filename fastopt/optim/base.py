@@ -222,6 +222,12 @@ class FastOptimizer(torch.optim.Optimizer):
             state.update(ckpt.zero_state(self._state_spec(p, group), p, self._dtensor_forms(p, group)))
         return state
 
+    def _state_known(self, p: Tensor, group: dict) -> bool:
+        """Whether param `p`'s state can be built before its first step (`state_dict()` lists zero state for it);
+        GaLore cannot yet for a plain 1-D tensor in a projected group that `setup_distributed` may still declare
+        a flat shard of a matrix."""
+        return True
+
     # key -> rule (see NONNEG etc. above): what `_check_hyper` checks. Subclasses declare theirs.
     _hyper_rules: dict = {}
 
@@ -532,7 +538,8 @@ class FastOptimizer(torch.optim.Optimizer):
             groups.append(packed)
             quantized = self._quantized_keys(group)
             for p in group["params"]:
-                if (p in self.state and self.state[p]) or (p.requires_grad and p.numel() > 0):
+                if (p in self.state and self.state[p]) or (p.requires_grad and p.numel() > 0
+                                                           and self._state_known(p, group)):
                     # A trainable param without state gets its zero state here, kept (as torch's DCP makes it with
                     # a step at lr=0): DCP's flattened form rebuilds a param's state from the keys it has.
                     state[index] = ckpt.export_state(self._init_state(p, group), quantized, force)

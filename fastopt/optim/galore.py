@@ -163,6 +163,10 @@ class GaLoreAdamW(FastOptimizer):
             self._check_projected(group, f"param_groups[{gi}]")
 
     # ---- state ------------------------------------------------------------------------------------------
+    def _state_known(self, p, group):
+        # An undeclared 1-D piece in a projected group: its matrix's shape comes with setup_distributed.
+        return "rank" not in group or len(self._global_shape(p)) >= 2
+
     def _state_spec(self, p, group):
         """Projected params: bases and moments of the projected shape, for a DTensor param this rank's part of them
         (`_dtensor_forms`: the bases of its piece, a slice of the moments), whole otherwise. Others: element-wise,
