@@ -214,6 +214,7 @@ class _FakeDistLayout:
 def _model_case(rank, world, mode, name):
     from fastopt.distributed import full_tensor
     from fastopt.distributed.layout import local
+    from fastopt.reference import galore as ref_galore
     from torch.distributed.device_mesh import init_device_mesh
     init, ref_model, ref_opt = _reference(name, mode)
     model = _Block(**DIMS.get(mode, {})).double()
@@ -275,7 +276,7 @@ def _model_case(rank, world, mode, name):
     assert err <= APPROX.get(name, TOL_REL), (mode, name, err)
 
     opt_params = list(by_hand.pieces.values()) if by_hand else list(inner.parameters())
-    checked = 0
+    checked = cut_bases = 0
     for p, p_ref in zip(opt_params, ref_model.parameters()):
         st, st_ref = opt.state[p], ref_opt.state[p_ref]
         assert sorted(st) == sorted(st_ref), (sorted(st), sorted(st_ref))
@@ -289,6 +290,11 @@ def _model_case(rank, world, mode, name):
                 continue  # 8-bit codes of local blocks: covered by the params' bound above
             if hasattr(st[k], "full_tensor"):  # DTensor states: element-wise, GaLore's sharded moments
                 v = st[k].full_tensor()
+            elif k in (ref_galore.LEFT, ref_galore.RIGHT) and ref_galore.keeps_local_bases(lay):
+                # GaLore's bases of a declared dim shard: the rows of P and the columns of Q of the local piece
+                assert mode == "explicit", (mode, k)
+                v_ref = ref_galore.basis_piece(v_ref, k, lay)
+                cut_bases += tuple(v.shape) != tuple(st_ref[k].shape)
             elif tuple(v.shape) != tuple(v_ref.shape):  # element-wise state of the local piece
                 v = full_tensor(v, lay).view_as(v_ref)
             elif lay is not None:  # whole states (factors) are identical on every rank of the param's groups
@@ -299,6 +305,8 @@ def _model_case(rank, world, mode, name):
             assert _rel(v, v_ref) <= TOL_STATE, (mode, name, k, _rel(v, v_ref))
             checked += 1
     assert checked > 0
+    # declared dim shards keep the bases of their piece, as DTensors do: some are cut (P's rows, Q's columns)
+    assert (cut_bases > 0) == (mode == "explicit" and isinstance(opt, fastopt.GaLoreAdamW)), (mode, cut_bases)
     return err
 
 

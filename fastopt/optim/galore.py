@@ -178,7 +178,7 @@ class GaLoreAdamW(FastOptimizer):
         if "rank" in group:
             side = projection_side(shape, group["proj_type"])
             mshape = whole = projected_shape(shape, group["rank"], side)
-            # A DTensor param's bases: cut like its local piece (`keeps_local_bases`); others: whole.
+            # Bases of a param sharded along dims: cut like its local piece (`keeps_local_bases`); others: whole.
             cut_like = tuple(local(p).shape) if keeps_local_bases(self._layout(p)) else shape
             spec = {k: (s, dt) for k, s in basis_shapes(cut_like, group["rank"], side).items()}
             cut = moment_cut(self._layout(p), whole) if ckpt.is_dtensor(p) else None
@@ -216,7 +216,7 @@ class GaLoreAdamW(FastOptimizer):
         lay = self._layout(p)
         if lay is None:
             placements = (Replicate(),) * p.device_mesh.ndim
-        elif not keeps_local_bases(lay):  # a layout declared for it (`setup_distributed`): plain, whole states
+        elif lay.mesh is None:  # a layout declared for it (`setup_distributed`): plain states
             return {}
         else:
             placements = lay.shard_placements(moment_dim(whole, dist.get_world_size(lay.group)))

@@ -27,17 +27,17 @@ else fp32, where galore-torch rounds them to the param's dtype); with 8-bit stat
 uint8 codes in the block-wise format of fastopt/reference/quant.py, signed map for m, unsigned for v) m_{t-1}
 and v_{t-1} are the dequantized states, N uses the exact m_t, v_t, and those are requantized after the update.
 
-Sharded params (fastopt/distributed/layout.py): a DTensor param keeps the rows of P and the columns of Q of
-its own piece (`keeps_local_bases`: all that its products read), other params whole bases. A rank's piece is a set
-of rectangles of the matrices (one for a dim layout, a few for a flat range); the SVD takes the whole gradient
-(assembled on refresh steps only, on one rank per param: `refresh_bases` spreads a bucket's SVDs over its
-ranks), R is the sum over the ranks of each rank's rectangles' products (P_r^T G_r placed at the rectangle's
-columns, G_r Q_r^T at its rows, P_r^T G_r Q_r^T added whole), and each rank writes
-the back-projection's entries of its own rectangles. The moments of a DTensor param are sharded along one
-dim of their (projected) shape over the ranks of its layout's group (`moment_cut`: the first dim with at least
-as many entries as ranks, cut as DTensor's `Shard` cuts it, `Layout.shard_ranges`): the sum of R is a
-reduce-scatter that leaves each rank its slice, Adam runs on it, and an all-gather assembles the whole N
-(`MomentExchange`); the moments of other sharded params are whole on every rank (R all-reduced).
+Sharded params (fastopt/distributed/layout.py): a param sharded along dims (DTensor or declared) keeps the rows of
+P and the columns of Q of its own piece (`keeps_local_bases`: all that its products read), flat ranges whole
+bases. A rank's piece is a set of rectangles of the matrices (one for a dim layout, a few for a flat range); the
+SVD takes the whole gradient (assembled on refresh steps only, on one rank per param: `refresh_bases` spreads a
+bucket's SVDs over its ranks), R is the sum over the ranks of each rank's rectangles' products (P_r^T G_r placed
+at the rectangle's columns, G_r Q_r^T at its rows, P_r^T G_r Q_r^T added whole), and each rank writes the
+back-projection's entries of its own rectangles. The moments of a DTensor param are sharded along one dim of their
+(projected) shape over the ranks of its layout's group (`moment_cut`: the first dim with at least as many entries
+as ranks, cut as DTensor's `Shard` cuts it, `Layout.shard_ranges`): the sum of R is a reduce-scatter that leaves
+each rank its slice, Adam runs on it, and an all-gather assembles the whole N (`MomentExchange`); the moments of
+other sharded params are whole on every rank (R all-reduced).
 """
 from __future__ import annotations
 
@@ -123,11 +123,13 @@ def _as_3d(x: Tensor) -> Tensor:
 
 def keeps_local_bases(lay) -> bool:
     """Whether a param of layout `lay` keeps its bases cut like its local piece: P's rows and Q's columns (and
-    the leading dims) are those of the local piece, which is all of them its back-projection reads; for
-    DTensor params (sharded along dims: `lay.mesh`), whose bases are DTensors on the param's mesh, sharded
-    like the param along their kept dims and replicated along the rank-sized one (`GaLoreAdamW._dtensor_forms`).
-    Other params keep whole bases."""
-    return lay is not None and lay.mesh is not None
+    the leading dims) are those of the local piece, which is all of them its back-projection reads; for params
+    sharded along dims: DTensor params (`lay.mesh`), whose bases are DTensors on the param's mesh, sharded like
+    the param along their kept dims and replicated along the rank-sized one (`GaLoreAdamW._dtensor_forms`), and
+    declared dim shards (`declare_shard(dim=...)`, `setup_distributed` without ZeRO), whose bases are plain
+    tensors of the local piece's rows and columns, like their element-wise state. Flat ranges and replicated
+    params keep whole bases."""
+    return lay is not None and not lay.is_flat
 
 
 def basis_piece(basis: Tensor, key: str, lay) -> Tensor:
