@@ -562,8 +562,13 @@ def markdown_table(results: list[dict], machine: dict, copy: dict | None, title:
 
 def plot(results: list[dict], machine: dict, path: Path) -> Path | None:
     """Bar chart: median ms per step (log scale, p20–p80 whiskers) and % of copy bandwidth, per case
-    (bench, set, dtype); one colour per implementation."""
-    import matplotlib
+    (bench, set, dtype); one colour per implementation. None without matplotlib (the JSON and the table are
+    written all the same)."""
+    try:
+        import matplotlib
+    except ImportError as e:
+        print(f"   no plot: {e}", flush=True)
+        return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -56,13 +56,16 @@ GALORE_MIN_8BIT = 512    # GaLoreAdamW8bit: the projected moments of the two fp3
 @dataclass(frozen=True)
 class Config:
     """One optimizer set-up to check. `cls`: the fastopt class `factory(params)` returns; `warmup`: eager,
-    unchecked steps before the no-sync check (and before the graph's own warm-up ends); `why`: the reason."""
+    unchecked steps before the no-sync check (and before the graph's own warm-up ends); `why`: the reason;
+    `amp`: whether step() takes GradScaler's grad_scale/found_inf (the ZeRO wrapper refuses them by design,
+    where `_step_supports_amp_scaling` only makes GradScaler call its step() on every rank)."""
     name: str
     cls: str
     factory: Callable[[list], torch.optim.Optimizer]
     desc: str
     warmup: int = 0
     why: str = ""
+    amp: bool = True
 
 
 def _galore(cls, **kw):
@@ -95,7 +98,7 @@ def configurations() -> list[Config]:
                f"GaLoreAdamW8bit(min_8bit_size={GALORE_MIN_8BIT}): {galore}", warmup=1, why=svd),
         Config("ZeroRedundancyOptimizer", "ZeroRedundancyOptimizer",
                lambda ps: fastopt.ZeroRedundancyOptimizer(fastopt.Adafactor(ps, beta1=0.9)),
-               "ZeroRedundancyOptimizer(Adafactor(params, beta1=0.9)): one rank, no process group"),
+               "ZeroRedundancyOptimizer(Adafactor(params, beta1=0.9)): one rank, no process group", amp=False),
     ]
 
 
@@ -152,7 +155,7 @@ def check_sync(cfg: Config) -> list[dict]:
     first = ("first step (state init, compile)" if not cfg.warmup else
              f"first step after {cfg.warmup} unchecked ({cfg.why})")
     phases = [(first, 1, False), ("4 more steps", 4, False)]
-    if getattr(opt, "_step_supports_amp_scaling", False):
+    if cfg.amp and getattr(opt, "_step_supports_amp_scaling", False):
         phases.append(("steps with grad_scale/found_inf", 3, True))
     for name, steps, scaler in phases:
         if scaler:
@@ -178,7 +181,8 @@ def check_sync(cfg: Config) -> list[dict]:
                             detail=f"{str(e).splitlines()[0]} at {_where(e)}"))
         finally:
             if scaler:
-                del opt.grad_scale, opt.found_inf
+                opt.__dict__.pop("grad_scale", None)
+                opt.__dict__.pop("found_inf", None)
     return out
 
 

@@ -89,7 +89,8 @@ def device(request, backend):
         pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
     if request.param == "cuda" and ops.interpreting():
         pytest.skip("CUDA runs compiled kernels, not the interpreter")
-    return torch.device(request.param)
+    # cuda:N, as tensors report it (torch.device("cuda") != torch.device("cuda:0"))
+    return torch.device("cuda", torch.cuda.current_device()) if request.param == "cuda" else torch.device("cpu")
 
 
 def rel_update_error(ours, ref, init) -> float:

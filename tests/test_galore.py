@@ -49,10 +49,11 @@ def split_batches(xs):
     return out
 
 
-def galore_torch_run(init, grads, proj_type, n_mats, dtype=torch.float64, skip=(), **kw):
-    """galore-torch's GaLoreAdamW on `init` (its first n_mats projected, the rest plain), in `dtype`, skipping
-    the steps in `skip`. Returns (params, optimizer, params list in its order)."""
-    params = [x.to(dtype).clone().requires_grad_() for x in init]
+def galore_torch_run(init, grads, proj_type, n_mats, dtype=torch.float64, skip=(), device="cpu", **kw):
+    """galore-torch's GaLoreAdamW on `init` (its first n_mats projected, the rest plain), in `dtype`, on `device`
+    (ours's: the same fp32 SVDs, cuSOLVER's on CUDA, whose last bits and signs differ from LAPACK's), skipping
+    the steps in `skip`. Returns (params on the CPU, optimizer, params list in its order)."""
+    params = [x.to(device=device, dtype=dtype).clone().requires_grad_() for x in init]
     groups = [{"params": params[:n_mats], "proj_type": proj_type, **GROUP}, {"params": params[n_mats:]}]
     opt = galore_torch.GaLoreAdamW(groups, lr=kw.get("lr", LR), weight_decay=kw.get("weight_decay", WD),
                                    eps=kw.get("eps", 1e-6), betas=kw.get("betas", (0.9, 0.999)),
@@ -61,18 +62,18 @@ def galore_torch_run(init, grads, proj_type, n_mats, dtype=torch.float64, skip=(
         if t in skip:
             continue
         for p, gr in zip(params, step_grads):
-            p.grad = gr.to(dtype)
+            p.grad = gr.to(device=device, dtype=dtype)
         opt.step()
-    return [p.detach() for p in params], opt, params
+    return [p.detach().cpu() for p in params], opt, params
 
 
-def reference(init, grads, proj_type, dtype=torch.float64, skip=(), **kw):
+def reference(init, grads, proj_type, dtype=torch.float64, skip=(), device="cpu", **kw):
     """galore-torch on our problem (batched params split into matrices). Returns (params in our shapes,
     galore-torch's optimizer, for each of our params the list of galore-torch's params it became)."""
     n_mats = len(MATS)
     flat, opt, plist = galore_torch_run(split_batches(init[:n_mats]) + init[n_mats:],
                                         [split_batches(g[:n_mats]) + g[n_mats:] for g in grads], proj_type,
-                                        len(split_batches(init[:n_mats])), dtype, skip, **kw)
+                                        len(split_batches(init[:n_mats])), dtype, skip, device, **kw)
     out, owners, i = [], [], 0
     for j, x in enumerate(init):
         k = x.shape[0] if j < n_mats and x.dim() > 2 else 1
@@ -104,14 +105,14 @@ def step(opt, params, grads):
 
 
 def galore_state(ref_opt, q, key):
-    """galore-torch's state `key` of its param q; 'proj_left' / 'proj_right': its projector's basis."""
+    """galore-torch's state `key` of its param q (on the CPU); 'proj_left' / 'proj_right': its projector's basis."""
     st = ref_opt.state[q]
     if key in ("exp_avg", "exp_avg_sq"):
-        return st[key]
+        return st[key].cpu()
     proj = st["projector"]
     if proj.proj_type == "full":
-        return proj.ortho_matrix[0 if key == "proj_left" else 1]
-    return proj.ortho_matrix
+        return proj.ortho_matrix[0 if key == "proj_left" else 1].cpu()
+    return proj.ortho_matrix.cpu()
 
 
 def basis_keys(shape, proj_type):
@@ -148,7 +149,7 @@ def test_matches_galore_torch(backend, device, proj_type, monkeypatch):
     """Params, moments and bases against galore-torch after 9 steps with refreshes at steps 1, 4, 7; the SVDs
     run on those steps only, and the subspace changes there and only there."""
     init, grads = make_problem(MATS + PLAIN)
-    ref, ref_opt, owners = reference(init, grads, proj_type)
+    ref, ref_opt, owners = reference(init, grads, proj_type, device=device)
     svd_calls = []
     real_svd = torch.linalg.svd
     monkeypatch.setattr(torch.linalg, "svd", lambda *a, **k: svd_calls.append(1) or real_svd(*a, **k))
@@ -175,18 +176,20 @@ PLAIN_8BIT = [(10, 10), (5, 6), (7,)]      # plain: 100 elements (8-bit), 30 and
 
 
 def galore8_reference(init, grads, proj_type, lr=LR, betas=(0.9, 0.999), eps=1e-6, weight_decay=WD,
-                      block_size=64, min_8bit_size=32):
+                      block_size=64, min_8bit_size=32, device="cpu"):
     """GaLore-AdamW as issue 6 states it, in float64, with galore-torch's projector, and m and v stored in the
-    8-bit block-wise format of issue 5 after every step (the update uses the exact m_t, v_t). The first
-    len(MATS_8BIT) params are projected. Returns (params, [(m codes, v codes) or None])."""
+    8-bit block-wise format of issue 5 after every step (the update uses the exact m_t, v_t), on `device` (the
+    SVDs ours runs there). The first len(MATS_8BIT) params are projected. Returns (params, [(m codes, v codes)
+    or None]) on the CPU."""
     beta1, beta2 = betas
-    ps = [x.clone() for x in init]
+    ps = [x.to(device).clone() for x in init]
     projs = [GaLoreProjector(RANK, update_proj_gap=GAP, scale=GROUP["scale"], proj_type=proj_type)
              if i < len(MATS_8BIT) else None for i in range(len(init))]
     ms, vs, codes = [0.0] * len(ps), [0.0] * len(ps), [None] * len(ps)
     for t, step_grads in enumerate(grads, start=1):
         eta = lr * math.sqrt(1 - beta2 ** t) / (1 - beta1 ** t)
         for i, g in enumerate(step_grads):
+            g = g.to(device)
             r = projs[i].project(g, t - 1) if projs[i] is not None else g
             m = beta1 * ms[i] + (1 - beta1) * r
             v = beta2 * vs[i] + (1 - beta2) * r * r
@@ -197,7 +200,7 @@ def galore8_reference(init, grads, proj_type, lr=LR, betas=(0.9, 0.999), eps=1e-
             if m.numel() >= min_8bit_size:
                 m, v, codes[i] = through_8bit(m, v, block_size)
             ms[i], vs[i] = m, v
-    return ps, codes
+    return [p.cpu() for p in ps], [c if c is None else tuple(x.cpu() for x in c) for c in codes]
 
 
 def make_opt8(params, proj_type, **kw):
@@ -213,7 +216,7 @@ def test_8bit_matches_quantized_reference(backend, device, proj_type):
     # full: rank x rank moments (16 elements) are 8-bit too, in one partial block
     kw = dict(betas=(0.85, 0.99), eps=1e-4, weight_decay=0.0, min_8bit_size=16 if proj_type == "full" else 32)
     init, grads = make_problem(MATS_8BIT + PLAIN_8BIT)
-    ref, ref_codes = galore8_reference(init, grads, proj_type, **kw)
+    ref, ref_codes = galore8_reference(init, grads, proj_type, device=device, **kw)
     params = [p.to(device=device, copy=True).requires_grad_() for p in init]
     opt = make_opt8(params, proj_type, **kw)
     step(opt, params, grads)
@@ -240,7 +243,7 @@ TOL_8BIT = 0.017
 def test_8bit_tracks_32bit_galore_torch(backend, device, proj_type):
     init, grads = make_problem(MATS_8BIT + PLAIN_8BIT)
     n_mats = len(MATS_8BIT)
-    truth, *_ = galore_torch_run(init, grads, proj_type, n_mats)
+    truth, *_ = galore_torch_run(init, grads, proj_type, n_mats, device=device)
     params = [p.to(device=device, dtype=torch.float32, copy=True).requires_grad_() for p in init]
     opt = make_opt8(params, proj_type)
     step(opt, params, grads)
@@ -253,8 +256,8 @@ def test_8bit_tracks_32bit_galore_torch(backend, device, proj_type):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_low_precision_tracks_galore_torch(backend, device, dtype):
     init, grads = make_problem(MATS + PLAIN)
-    truth, *_ = reference(init, grads, "std")
-    ref_lowp, *_ = reference(init, grads, "std", dtype=dtype)
+    truth, *_ = reference(init, grads, "std", device=device)
+    ref_lowp, *_ = reference(init, grads, "std", dtype=dtype, device=device)
     ours, opt = run(init, grads, dtype, device)
     assert all(p.dtype == dtype for p in ours)
     assert all(t.dtype == torch.float32 for s in opt.state.values() for t in s.values())
@@ -314,7 +317,7 @@ def test_grad_scaler_and_skipped_overflow(backend, device, nbits, inf_step):
         ref, ref_opt = run(init, kept, torch.float32, device, **kw)
         ref = [p.detach().cpu() for p in ref]
     else:
-        ref, ref_opt, owners = reference(init, kept, "std")
+        ref, ref_opt, owners = reference(init, kept, "std", device=device)
     params = [p.to(device=device, dtype=torch.float32, copy=True).requires_grad_() for p in init]
     opt = make_opt(params, **kw)
     step_with_inf_at(opt, params, grads, inf_step, device)

@@ -101,8 +101,9 @@ def test_two_buckets_of_one_group_keep_their_plans(name, plan, monkeypatch):
     monkeypatch.setattr(cls, "__init__", lambda self, *a, **k: built.append(1) or init(self, *a, **k))
     make = {"adafactor": lambda ps: fastopt.Adafactor(ps, lr=1e-2, relative_step=False),
             "lamb": lambda ps: fastopt.Lamb(ps, lr=1e-2), "came": lambda ps: fastopt.CAME(ps, lr=1e-2)}[name]
+    dev = "cuda" if torch.cuda.is_available() and not ops.interpreting() else "cpu"  # compiled kernels or interpreted
     for mixed in (False, True):
-        a, b = torch.randn(6, 5), torch.randn(6, 5)
+        a, b = torch.randn(6, 5, device=dev), torch.randn(6, 5, device=dev)
         if mixed:
             b = declare_shard(b, (6, 5), "group", flat_offset=0)
         opt = make([a, b])

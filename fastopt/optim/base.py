@@ -266,6 +266,7 @@ class FastOptimizer(torch.optim.Optimizer):
                                          "may appear once in an optimizer (it would be stepped twice)")
                     seen[id(t)] = here
         super().add_param_group(param_group)
+        _warm_maps(self.param_groups[-1])
 
     def _check_group(self, gi: int, group: dict) -> None:
         """A subclass's own step-time checks of a group (after `_check_hyper`)."""
@@ -663,6 +664,18 @@ class FastOptimizer(torch.optim.Optimizer):
         fmt = lambda g: ", ".join(f"{k}={g.get(k)!r}" for k in changed)  # noqa: E731
         return dict(cast_keys=keys, cast_note=f"the state_dict's param_groups have {fmt(group)}, this optimizer "
                                               f"{fmt(own)}")
+
+
+def _warm_maps(group: dict) -> None:
+    """The 8-bit maps (fastopt.reference.quant.dynamic_map) on the CUDA devices of a group that may keep 8-bit
+    state (it has a `block_size`), made when the group is added: the first step then copies nothing from the
+    host (a copy from pageable memory synchronizes, which `torch.cuda.set_sync_debug_mode("error")` refuses)."""
+    if "block_size" not in group:
+        return
+    from ..reference.quant import dynamic_map
+    for dev in {local(p).device for p in group["params"] if isinstance(p, Tensor) and local(p).is_cuda}:
+        dynamic_map(True, dev)
+        dynamic_map(False, dev)
 
 
 def _local_grad(p: Tensor) -> Tensor:

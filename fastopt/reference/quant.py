@@ -65,6 +65,8 @@ _device_maps: dict = {}
 def dynamic_map(signed: bool, device: torch.device | str = "cpu") -> Tensor:
     """The 8-bit map (signed: first moments; unsigned: second moments), cached per device. Do not modify."""
     device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # one map per GPU, however the device is named
+        device = torch.device("cuda", torch.cuda.current_device())
     key = (bool(signed), device)
     m = _device_maps.get(key)
     if m is None:
