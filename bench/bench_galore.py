@@ -5,13 +5,16 @@ as in the GaLore paper; embeddings, LM head and norms are plain AdamW. All rows:
 (0.9, 0.999), eps 1e-6, weight decay 0.01, scale 0.25, proj_type std, at rank 128 and 1024 (divided by
 --scale on reduced CPU sizes, and never above a matrix's smaller dim).
 
-Refresh steps are timed apart from the others:
+Rows:
 
 - `galore-r<rank>`: steps without an SVD (update_proj_gap 10**9: the bases come from the untimed first step).
   The issue's target (H100): fastopt at least 3x galore-torch here.
-- `galore-r<rank>-refresh`: every step refreshes the bases (update_proj_gap 1): the SVD of every matrix,
-  which both implementations run with torch.linalg.svd in fp32, dominates.
 - `galore8-r<rank>`: the 8-bit variants on steps without an SVD (galore-torch's uses bitsandbytes).
+
+The untimed first step of every row computes its bases with a stand-in for `torch.linalg.svd` (orthonormal
+factors from two QR factorizations, `standin_svd`), in both implementations: the timed steps do the same
+work whatever the bases hold, and a full SVD of every matrix (hundreds of them on the 1B set) would take
+minutes on a GPU. Steps that do refresh, whose SVD dominates, are bench_galore_refresh.py's, run last.
 
 Bytes (`min_bytes`, the basis of GB/s and % copy) of a step without an SVD: every param reads g and p and
 writes p (3 s per element); a projected m x n matrix also reads its fp32 basis (4 r n bytes when m >= n,
@@ -27,7 +30,10 @@ object outside the state tensors, so its rows add `projector.ortho_matrix` to th
 """
 from __future__ import annotations
 
+import contextlib
 import math
+
+import torch
 
 try:
     from . import common
@@ -78,6 +84,26 @@ def _bytes(pset, dtype, rank, nbits=32, block_size=256, min_8bit=4096) -> tuple[
     return int(mb), int(mb + kb)
 
 
+def standin_svd(a, full_matrices=False, **_kw):
+    """What the untimed first step uses for `torch.linalg.svd`: (U, S, Vh) of the reduced SVD's shapes and
+    dtype, U's columns and Vh's rows orthonormal (QR factorizations of the leading columns and rows of `a`),
+    S ones. Not the SVD: the bases it gives do not change the work of the steps timed after it."""
+    k = min(a.shape[-2:])
+    u = torch.linalg.qr(a[..., :, :k])[0]
+    vh = torch.linalg.qr(a[..., :k, :].mT)[0].mT
+    return u, torch.ones(*a.shape[:-2], k, dtype=a.dtype, device=a.device), vh
+
+
+@contextlib.contextmanager
+def standin_first_step():
+    real = torch.linalg.svd
+    torch.linalg.svd = standin_svd
+    try:
+        yield
+    finally:
+        torch.linalg.svd = real
+
+
 def _backend(params) -> str:
     return "triton" if ops.use_triton(params[0]) else "torch reference"
 
@@ -118,28 +144,28 @@ def run(args) -> list[dict]:
             for rank0 in RANKS:
                 rank = _rank(args, pset, rank0)
                 tag = f"r{rank0}" + (f"/{args.scale}" if args.scale > 1 else "")
-                for bench, gap in ((f"galore-{tag}", NO_REFRESH), (f"galore-{tag}-refresh", 1)):
-                    mb, kb = _bytes(pset, dtype, rank)
-                    note = f"rank {rank}, " + ("steps without SVD" if gap == NO_REFRESH else "an SVD every step")
-                    out.append(common.measure(
-                        args, bench, "fastopt.GaLoreAdamW", pset, dtype,
-                        lambda ps, r=rank, g=gap: fastopt.GaLoreAdamW(_groups(pset, ps, r, g), **HYPER),
-                        min_bytes=mb, kernel_bytes=kb, ours=True, backend=_backend,
-                        notes=note + "; back-projection fused with the update, full-size update never written"))
-                    ref = _Galore(pset, rank, gap)
-                    out.append(ref.fix(common.measure(args, bench, "galore-torch GaLoreAdamW", pset, dtype, ref.make,
-                                                      min_bytes=mb, step=ref.step, backend="eager",
-                                                      notes=note)))
+                first = standin_first_step
+                note = f"rank {rank}, steps without SVD (first step's bases: standin_svd)"
+                mb, kb = _bytes(pset, dtype, rank)
+                out.append(common.measure(
+                    args, f"galore-{tag}", "fastopt.GaLoreAdamW", pset, dtype,
+                    lambda ps, r=rank: fastopt.GaLoreAdamW(_groups(pset, ps, r, NO_REFRESH), **HYPER),
+                    min_bytes=mb, kernel_bytes=kb, ours=True, backend=_backend, first=first,
+                    notes=note + "; back-projection fused with the update, full-size update never written"))
+                ref = _Galore(pset, rank, NO_REFRESH)
+                out.append(ref.fix(common.measure(args, f"galore-{tag}", "galore-torch GaLoreAdamW", pset, dtype,
+                                                  ref.make, min_bytes=mb, step=ref.step, backend="eager", first=first,
+                                                  notes=note)))
                 mb8, kb8 = _bytes(pset, dtype, rank, nbits=8)
                 out.append(common.measure(
                     args, f"galore8-{tag}", "fastopt.GaLoreAdamW8bit", pset, dtype,
                     lambda ps, r=rank: fastopt.GaLoreAdamW8bit(_groups(pset, ps, r, NO_REFRESH), **HYPER),
-                    min_bytes=mb8, kernel_bytes=kb8, ours=True, backend=_backend,
-                    notes=f"rank {rank}, steps without SVD; 8-bit m, v (blocks of 256, >= 4096 elements)"))
+                    min_bytes=mb8, kernel_bytes=kb8, ours=True, backend=_backend, first=first,
+                    notes=note + "; 8-bit m, v (blocks of 256, >= 4096 elements)"))
                 ref8 = _Galore(pset, rank, NO_REFRESH, eight=True)
                 out.append(ref8.fix(common.measure(args, f"galore8-{tag}", "galore-torch GaLoreAdamW8bit", pset,
                                                    dtype, ref8.make, min_bytes=mb8, step=ref8.step,
-                                                   backend="bitsandbytes", notes=f"rank {rank}, steps without SVD")))
+                                                   backend="bitsandbytes", first=first, notes=note)))
     return out
 
 

@@ -44,6 +44,7 @@ JSON (`"cpu_numbers": true`) and the table say that the numbers are CPU numbers.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import math
@@ -321,10 +322,15 @@ def _over_budget(args) -> bool:
 def measure(args, bench: str, impl: str, pset: ParamSet, dtype: torch.dtype,
             make_opt: Callable[[list[torch.Tensor]], torch.optim.Optimizer], *, min_bytes: float,
             ours: bool = False, kernel_bytes: float | None = None, backend: str | Callable = "", notes: str = "",
-            step: Callable | None = None, seed: int = 0) -> dict:
+            step: Callable | None = None, seed: int = 0, first: Callable | None = None,
+            reps: int | None = None) -> dict:
     """Time one implementation on one parameter set and dtype; see the module docstring.
     `min_bytes` / `kernel_bytes`: bytes one step moves over the whole set (not per parameter).
-    `backend`: a label, or a function of the params returning one (called after the optimizer is made)."""
+    `backend`: a label, or a function of the params returning one (called after the optimizer is made).
+    `first`: a context manager factory around the untimed first step (e.g. a stand-in for its set-up work).
+    `reps`: time exactly this many steps, one at a time (wall clock after a device sync; p20 and p80 are then
+    the fastest and the slowest), and count launches over one, instead of do_bench's warm-up and repetitions:
+    for steps that take seconds."""
     device = torch.device(args.device)
     n = pset.n_params
     base = dict(ours=ours, notes=notes, min_bytes_per_param=min_bytes / n,
@@ -334,7 +340,7 @@ def measure(args, bench: str, impl: str, pset: ParamSet, dtype: torch.dtype,
     if args.only and not any(s in impl for s in args.only):
         return skipped(args, bench, impl, pset, dtype, "not selected (--only)", **base)
     try:
-        return _measure(args, bench, impl, pset, dtype, make_opt, base, backend, step, seed)
+        return _measure(args, bench, impl, pset, dtype, make_opt, base, backend, step, seed, first, reps)
     except Exception as e:  # noqa: BLE001 - one failing implementation must not end the suite; recorded
         msg = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
         return _result(args, bench, impl, pset, dtype, status="error", reason=msg, **base)
@@ -342,7 +348,7 @@ def measure(args, bench: str, impl: str, pset: ParamSet, dtype: torch.dtype,
         _free(device)
 
 
-def _measure(args, bench, impl, pset, dtype, make_opt, base, backend, step, seed) -> dict:
+def _measure(args, bench, impl, pset, dtype, make_opt, base, backend, step, seed, first, reps) -> dict:
     device = torch.device(args.device)
     n = pset.n_params
     params = make_params(pset, dtype, device, seed)
@@ -353,12 +359,18 @@ def _measure(args, bench, impl, pset, dtype, make_opt, base, backend, step, seed
                        **base)
     label = backend(params) if callable(backend) else backend
     fn = (lambda: step(opt, params)) if step is not None else opt.step
-    fn()  # creates the state (and compiles kernels)
+    with first() if first is not None else contextlib.nullcontext():
+        fn()  # creates the state (and compiles kernels)
     _sync(device)
     sbytes = state_bytes(opt)
     scratch = scratch_bytes(opt)
-    q, reps = time_fn(fn, device, args.warmup_ms, args.rep_ms)
-    launches, copies = count_launches(fn, device)
+    if reps is None:
+        q, reps = time_fn(fn, device, args.warmup_ms, args.rep_ms)
+        launches, copies = count_launches(fn, device)
+    else:
+        times = sorted(_wall(fn, device, 1) for _ in range(reps))
+        q = [times[0], statistics.median(times), times[-1]]
+        launches, copies = count_launches(fn, device, steps=1)
     cp = copy_bandwidth(args)
     mb, kb = base["min_bytes_per_param"], base["kernel_bytes_per_param"]
     gbps = mb * n / (q[1] * 1e-3) / 1e9

@@ -24,9 +24,12 @@ except ImportError:
 HERE = Path(__file__).resolve().parent
 
 
+LAST = ("galore_refresh",)  # steps of seconds each (GaLore's SVDs): run after everything else
+
+
 def discover() -> list[str]:
-    """Stems of the bench_<stem>.py files in this folder, sorted."""
-    return sorted(p.stem[len("bench_"):] for p in HERE.glob("bench_*.py"))
+    """Stems of the bench_<stem>.py files in this folder, sorted, those in `LAST` at the end."""
+    return sorted((p.stem[len("bench_"):] for p in HERE.glob("bench_*.py")), key=lambda s: (s in LAST, s))
 
 
 def load(stem: str):

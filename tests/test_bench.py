@@ -414,3 +414,36 @@ def test_targets_judge_each_issue_target(suite):
     assert got[("speed", "adafactor", "fastopt.Adafactor")]["met"] is None
     md = "\n".join(common.targets_table(common.targets(rows), cpu_numbers=False))
     assert "6 of 13 met (3 did not run)" in md and "| **no** |" in md
+
+
+def test_galore_refresh_bench_runs_last_with_its_few_steps(suite, tmp_path, monkeypatch):
+    """GaLore's refresh steps (an SVD per matrix: seconds each on a GPU) are a bench of their own, run after all
+    the others, one decoder layer, fp32, exactly REPS timed steps; the other GaLore rows' untimed first step takes
+    its bases from the QR stand-in, never the SVD."""
+    run, _common, _ = suite
+    found = run.discover()
+    assert found[-1] == "galore_refresh" and "galore" in found[:-1], found
+    refresh = importlib.import_module(run.__package__ + ".bench_galore_refresh")
+    galore = importlib.import_module(run.__package__ + ".bench_galore")
+    a = torch.randn(2, 7, 5, dtype=torch.float64)
+    for x in (a, a.mT):
+        u, s, vh = galore.standin_svd(x)
+        k = min(x.shape[-2:])
+        assert u.shape == (2, x.shape[-2], k) and s.shape == (2, k) and vh.shape == (2, k, x.shape[-1])
+        assert torch.allclose(u.mT @ u, torch.eye(k, dtype=x.dtype).expand(2, k, k))
+        assert torch.allclose(vh @ vh.mT, torch.eye(k, dtype=x.dtype).expand(2, k, k))
+    calls = []
+    real = torch.linalg.svd
+    monkeypatch.setattr(torch.linalg, "svd", lambda *x, **k: calls.append(1) or real(*x, **k))
+    monkeypatch.setenv("FASTOPT_BACKEND", "auto")
+    fbench.main(TINY + ["--dtypes", "fp32", "--sets", "1b", "--only", "fastopt.GaLoreAdamW", "--benches",
+                        "galore,galore_refresh", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "suite-cpu.json").read_text())["results"]
+    plain = [r for r in rows if not r["bench"].endswith("-refresh") and r["status"] == "ok"]
+    fresh = [r for r in rows if r["bench"].endswith("-refresh") and r["status"] == "ok"]
+    assert len(plain) == 4 and len(fresh) == 1, [(r["bench"], r["impl"], r["status"]) for r in rows]
+    assert fresh[0]["n_timed"] == refresh.REPS and fresh[0]["dtype"] == "fp32"
+    assert fresh[0]["ms_p20"] <= fresh[0]["ms_median"] <= fresh[0]["ms_p80"]
+    # every SVD came from the refresh rows: 1 + REPS steps (and one counted for launches off CUDA: none)
+    layer = sum(name.rsplit(".", 1)[-1] in galore.PROJECTED for name, _ in _common.model_shapes(_common.LLAMA_1B, 1))
+    assert len(calls) == (1 + refresh.REPS) * layer, len(calls)
