@@ -34,6 +34,8 @@ BUDGET=${GPU_CHECK_BUDGET_S:-530}
 T0=$(date +%s)
 unset TRITON_INTERPRET
 export FASTOPT_BACKEND=auto PYTHONUNBUFFERED=1 MPLBACKEND=Agg
+# Build caches where they can be written whatever HOME is (kept when set): the extension's and Triton's.
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/fastopt-ext} TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
 WORK=$(mktemp -d /tmp/gpu_check.XXXX)
 declare -A RC SECS
 ORDER=()

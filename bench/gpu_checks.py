@@ -361,6 +361,10 @@ def main(argv=None) -> int:
     # Each configuration's rows are printed and the JSON rewritten as soon as it finishes, so a stage timeout
     # that stops this process loses only the configurations still running (listed under "pending").
     start = _clock()
+    if not args.inline:  # the extension built once here (cached on disk), not raced for by the first children
+        import fastopt.ext
+        if not fastopt.ext.is_available():
+            print(f"gpu_checks: the C++/CUDA extension did not build: {fastopt.ext.load_error()}", flush=True)
     done: dict[str, list[dict]] = {}
 
     def run(cfg: Config) -> list[dict]:
