@@ -33,9 +33,10 @@ whole set (each input read once, each output written once; `common.min_bytes()` 
 and the fraction of the copy bandwidth are computed over it, for every implementation alike, so they
 compare. `kernel_bytes` (optional, ours only) is what our kernels really move, from their passes.
 
-Result dict fields (`FIELDS`): see `_result()` and bench/results/README.md (`n_timed` is do_bench's repeat
-count estimated from one step on CUDA, exact on CPU). The copy bandwidth (`dst.copy_(src)` of a large buffer,
-bytes read plus bytes written) is measured once per process, in the same run, and stored with the results.
+Result dict fields (`FIELDS`): see `_result()` and bench/results/README.md (`n_timed` is do_bench's repeat count
+estimated from one step on CUDA, exact on CPU and in rows timed with `reps`). The copy bandwidth (`dst.copy_(src)`
+of a large buffer, bytes read plus bytes written) is measured once per process, in the same run, and stored with
+the results.
 
 Outputs (`write_outputs`): `<name>-<device>.json` (machine line: device, torch, Triton, git commit), a
 markdown table `.md`, and a PNG bar chart `.png` (matplotlib, Agg). On CPU the sizes are reduced and the

@@ -35,7 +35,8 @@ T0=$(date +%s)
 unset TRITON_INTERPRET
 export FASTOPT_BACKEND=auto PYTHONUNBUFFERED=1 MPLBACKEND=Agg
 # Build caches where they can be written whatever HOME is (kept when set): the extension's and Triton's.
-export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/fastopt-ext} TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/fastopt-ext}
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
 WORK=$(mktemp -d /tmp/gpu_check.XXXX)
 declare -A RC SECS
 ORDER=()

@@ -16,8 +16,8 @@ A param's state, in memory and in a state_dict:
   shard the param, the bases like the param along the dims they share with it; `FastOptimizer._dtensor_forms`);
   DCP and `load_state_dict` treat them as the element-wise ones (a whole plain tensor is cut on load).
 - Whole states (Adafactor's and CAME's row and column statistics; GaLore's bases and projected moments of
-  plain params, declared shards included): plain tensors, identical on every rank, so they load under any
-  layout as they are.
+  plain params and flat ranges, and the projected moments of declared dim shards): plain tensors, identical on
+  every rank, so they load under any layout as they are.
 - 8-bit states (codes + one fp32 absmax per block) come in two forms, under different keys, so that DCP
   (which fills the template's keys from the checkpoint's keys of the same name, casting dtypes silently)
   never copies one form into the other:
@@ -76,7 +76,8 @@ Usage (every rank; the loading side may use another mesh, parallelism or world s
 around `get_optimizer_state_dict` on the side with plain params, for the save and for the template alike.
 
 Not covered: plain tensors sharded by hand (`declare_shard`, `setup_distributed`'s flat ZeRO ranges) keep
-element-wise state of their local piece, which DCP cannot reshard; save those with their own layout.
+element-wise state of their local piece (and declared dim shards GaLore's bases of their piece), which DCP
+cannot reshard; save those with their own layout.
 """
 from __future__ import annotations
 

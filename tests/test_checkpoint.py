@@ -1050,3 +1050,46 @@ def test_dcp_flattened_form_resumes(case, form, monkeypatch, tmp_path):
     _run(twin, t_opt, range(HALF, STEPS))
     assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), twin.parameters()))
     assert _equal_sd(f_opt.state_dict(), t_opt.state_dict())
+
+
+@pytest.mark.parametrize("case", ["adafactor", "adamw8bit", "galore_8bit"])
+def test_dcp_flattened_form_takes_a_param_without_state(case, monkeypatch, tmp_path):
+    """DCP's flattened form gives every trainable param a state, {} for one that has none (a 0-element param
+    never gets any): that loads as no state, as torch's load_state_dict takes a param absent from 'state', and
+    the run resumes bit for bit."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+    monkeypatch.setenv("FASTOPT_BACKEND", "torch")
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+
+    def build():
+        model = MLP()
+        model.empty = torch.nn.Parameter(torch.zeros(0, 3, dtype=DT))
+        opt = make_opt(case, model)
+        return model, opt
+
+    def run(model, opt, steps):
+        for s in steps:
+            gs = grads_for(s)
+            for n, p in model.named_parameters():
+                p.grad = torch.zeros_like(p) if n == "empty" else gs[n].clone()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    (model, opt), (twin, t_opt) = build(), build()
+    run(model, opt, range(HALF))
+    run(twin, t_opt, range(HALF))
+    assert model.empty not in opt.state or not opt.state[model.empty]
+    dcp.save({"optim": get_optimizer_state_dict(model, opt, options=flat)}, checkpoint_id=str(tmp_path),
+             no_dist=True)
+    fresh, f_opt = build()
+    fresh.load_state_dict(model.state_dict())
+    box = {"optim": get_optimizer_state_dict(fresh, f_opt, options=flat)}
+    dcp.load(box, checkpoint_id=str(tmp_path), no_dist=True)
+    assert not any(k.startswith("state.empty.") for k in box["optim"])  # no state saved for it
+    set_optimizer_state_dict(fresh, f_opt, box["optim"], options=flat)
+    run(fresh, f_opt, range(HALF, STEPS))
+    run(twin, t_opt, range(HALF, STEPS))
+    assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), twin.parameters()))
+    assert _equal_sd(f_opt.state_dict(), t_opt.state_dict())

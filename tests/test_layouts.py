@@ -176,7 +176,6 @@ class _ByHand:
         opt = _make_opt(name, list(self.pieces.values()), [tuple(f.shape) for f in self.full.values()])
         if self.mode == "colossal":
             opt.state_dict()  # zero state of the undeclared pieces (none for GaLore's 1-D pieces of projected matrices)
-        if self.mode == "colossal":
             opt.setup_distributed(tp_group=self.tp, dp_group=self.dp, shard_to_working_param=self.working,
                                   padding_map=self.pads, is_zero=True)
         return opt
@@ -619,6 +618,18 @@ def test_declaration_after_construction_is_seen(name):
     p = torch.nn.Parameter(torch.randn(4, 6))
     opt = TWIN_OPTS[name](p)
     declare_shard(p, (8, 6), "group", dim=0, start=0)
+    assert opt._layout(p) is layout_of(p) and opt._global_shape(p) == (8, 6)
+
+
+def test_galore_state_dict_before_a_flat_declaration_keeps_it_visible():
+    """GaLore's state_dict() before the declaration (ColossalAI's order: build, then setup_distributed): an
+    undeclared 1-D piece of a projected matrix gets no zero state, and its layout is not cached, so a flat
+    declaration made afterwards counts."""
+    from fastopt.distributed import declare_shard, layout_of
+    p = torch.nn.Parameter(torch.randn(48))
+    opt = fastopt.GaLoreAdamW([{"params": [p], "rank": 2}], lr=1e-2)
+    assert opt.state_dict()["state"] == {}
+    declare_shard(p, (8, 6), "group", flat_offset=0)
     assert opt._layout(p) is layout_of(p) and opt._global_shape(p) == (8, 6)
 
 

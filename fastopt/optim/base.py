@@ -266,7 +266,9 @@ class FastOptimizer(torch.optim.Optimizer):
                                          "may appear once in an optimizer (it would be stepped twice)")
                     seen[id(t)] = here
         super().add_param_group(param_group)
-        _warm_maps(self.param_groups[-1])
+        group = self.param_groups[-1]
+        if self._quantized_keys(group):  # may keep 8-bit state
+            _warm_maps(group)
 
     def _check_group(self, gi: int, group: dict) -> None:
         """A subclass's own step-time checks of a group (after `_check_hyper`)."""
@@ -519,11 +521,11 @@ class FastOptimizer(torch.optim.Optimizer):
 
     # ---- state_dict -----------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """torch.optim's state_dict (tensors and plain numbers only: loads with `torch.load(weights_only=True)`),
-        with copies of the state tensors, zero state for trainable params that have none yet (created and kept,
-        as torch's `get_optimizer_state_dict` does with a step at lr=0), and DTensor
-        params' state in the form `torch.distributed.checkpoint` reshards (see fastopt/checkpoint.py). The
-        hooks of `register_state_dict_pre_hook` run first, those of `register_state_dict_post_hook` on the
+        """torch.optim's state_dict (tensors, plain numbers and dicts of them: loads with
+        `torch.load(weights_only=True)`), with copies of the state tensors, zero state for trainable params that
+        have none yet (created and kept, as torch's `get_optimizer_state_dict` does with a step at lr=0), and
+        DTensor params' state in the form `torch.distributed.checkpoint` reshards (see fastopt/checkpoint.py).
+        The hooks of `register_state_dict_pre_hook` run first, those of `register_state_dict_post_hook` on the
         finished dict, as in torch."""
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
@@ -633,6 +635,8 @@ class FastOptimizer(torch.optim.Optimizer):
                 problem = f"{where}: state for unknown param id {pid!r}"
                 break
             p, group, own = id_map[pid]
+            if isinstance(st, dict) and not st:
+                continue  # no state (DCP's flattened form gives {} to a trainable param without any): fresh
             spec = self._state_spec(p, group)
             quantized = self._quantized_keys(group)
             try:
@@ -668,10 +672,8 @@ class FastOptimizer(torch.optim.Optimizer):
 
 def _warm_maps(group: dict) -> None:
     """The 8-bit maps (fastopt.reference.quant.dynamic_map) on the CUDA devices of a group that may keep 8-bit
-    state (it has a `block_size`), made when the group is added: the first step then copies nothing from the
-    host (a copy from pageable memory synchronizes, which `torch.cuda.set_sync_debug_mode("error")` refuses)."""
-    if "block_size" not in group:
-        return
+    state, made when the group is added: the first step then copies nothing from the host (a copy from pageable
+    memory synchronizes, which `torch.cuda.set_sync_debug_mode("error")` refuses)."""
     from ..reference.quant import dynamic_map
     for dev in {local(p).device for p in group["params"] if isinstance(p, Tensor) and local(p).is_cuda}:
         dynamic_map(True, dev)

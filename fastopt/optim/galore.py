@@ -164,8 +164,12 @@ class GaLoreAdamW(FastOptimizer):
 
     # ---- state ------------------------------------------------------------------------------------------
     def _state_known(self, p, group):
-        # An undeclared 1-D piece in a projected group: its matrix's shape comes with setup_distributed.
-        return "rank" not in group or len(self._global_shape(p)) >= 2
+        # An undeclared 1-D piece in a projected group: its matrix's shape comes with setup_distributed (read
+        # without caching the layout, as `_check_projected` does before the first step: a declaration may come).
+        if "rank" not in group:
+            return True
+        lay = layout_of(p, owner=self._name)
+        return len(p.shape if lay is None else lay.global_shape) >= 2
 
     def _state_spec(self, p, group):
         """Projected params: bases and moments of the projected shape, for a DTensor param this rank's part of them
