@@ -55,6 +55,11 @@ def _rank(args, pset, rank) -> int:
     return max(1, min([rank // args.scale] + [min(s) for s in mats]))
 
 
+def tag(args, rank0) -> str:
+    """A row's rank label: `r<rank>`, and `/<scale>` on reduced sizes (where the rank is divided by it)."""
+    return f"r{rank0}" + (f"/{args.scale}" if args.scale > 1 else "")
+
+
 def _groups(pset, params, rank, gap):
     proj, plain = [], []
     for (name, _), p in zip(pset.shapes, params):
@@ -139,31 +144,31 @@ class _Galore:
 
 def run(args) -> list[dict]:
     out = []
+    first = standin_first_step
     for pset in common.param_sets(args):
         for dtype in common.dtypes(args):
             for rank0 in RANKS:
                 rank = _rank(args, pset, rank0)
-                tag = f"r{rank0}" + (f"/{args.scale}" if args.scale > 1 else "")
-                first = standin_first_step
+                label = tag(args, rank0)
                 note = f"rank {rank}, steps without SVD (first step's bases: standin_svd)"
                 mb, kb = _bytes(pset, dtype, rank)
                 out.append(common.measure(
-                    args, f"galore-{tag}", "fastopt.GaLoreAdamW", pset, dtype,
+                    args, f"galore-{label}", "fastopt.GaLoreAdamW", pset, dtype,
                     lambda ps, r=rank: fastopt.GaLoreAdamW(_groups(pset, ps, r, NO_REFRESH), **HYPER),
                     min_bytes=mb, kernel_bytes=kb, ours=True, backend=_backend, first=first,
                     notes=note + "; back-projection fused with the update, full-size update never written"))
                 ref = _Galore(pset, rank, NO_REFRESH)
-                out.append(ref.fix(common.measure(args, f"galore-{tag}", "galore-torch GaLoreAdamW", pset, dtype,
+                out.append(ref.fix(common.measure(args, f"galore-{label}", "galore-torch GaLoreAdamW", pset, dtype,
                                                   ref.make, min_bytes=mb, step=ref.step, backend="eager", first=first,
                                                   notes=note)))
                 mb8, kb8 = _bytes(pset, dtype, rank, nbits=8)
                 out.append(common.measure(
-                    args, f"galore8-{tag}", "fastopt.GaLoreAdamW8bit", pset, dtype,
+                    args, f"galore8-{label}", "fastopt.GaLoreAdamW8bit", pset, dtype,
                     lambda ps, r=rank: fastopt.GaLoreAdamW8bit(_groups(pset, ps, r, NO_REFRESH), **HYPER),
                     min_bytes=mb8, kernel_bytes=kb8, ours=True, backend=_backend, first=first,
                     notes=note + "; 8-bit m, v (blocks of 256, >= 4096 elements)"))
                 ref8 = _Galore(pset, rank, NO_REFRESH, eight=True)
-                out.append(ref8.fix(common.measure(args, f"galore8-{tag}", "galore-torch GaLoreAdamW8bit", pset,
+                out.append(ref8.fix(common.measure(args, f"galore8-{label}", "galore-torch GaLoreAdamW8bit", pset,
                                                    dtype, ref8.make, min_bytes=mb8, step=ref8.step,
                                                    backend="bitsandbytes", first=first, notes=note)))
     return out

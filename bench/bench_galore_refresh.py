@@ -36,7 +36,7 @@ def run(args) -> list[dict]:
     small.layers_7b = small.layers_1b = LAYERS
     for pset in common.param_sets(small):
         rank = galore._rank(args, pset, RANK)
-        bench = f"galore-r{RANK}" + (f"/{args.scale}" if args.scale > 1 else "") + "-refresh"
+        bench = f"galore-{galore.tag(args, RANK)}-refresh"
         mb, kb = galore._bytes(pset, torch.float32, rank)
         note = f"rank {rank}, an SVD of every matrix every step; {LAYERS} decoder layer, {REPS} timed steps"
         out.append(common.measure(

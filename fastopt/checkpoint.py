@@ -196,24 +196,22 @@ def requantize(x: Tensor, block_size: int, signed: bool) -> tuple[Tensor, Tensor
     blocks cut the same way), this finds such a pair, so that dequantizing gives `x` back bit for bit; the
     plain nearest quantization (`quantize_blockwise`) cannot always, because the signed map's most negative
     value is not -1: a block whose largest magnitude is negative comes back with a smaller absmax. The scale
-    is the largest magnitude over the map value it was coded as: 1, or the signed map's -map[0] (0.99297),
-    which codes a block's negative absmax and may code its largest positive value too (map[254] = -map[0]:
-    then the largest magnitude is positive, but not a). Other blocks get the nearest quantization."""
+    is the block's largest magnitude over the map value that coded it: 1, or (signed map) -map[0] = 0.99297,
+    which codes a negative absmax and may code the largest positive value too (map[254] = -map[0]), so both are
+    tried whatever the sign. Other blocks get the nearest quantization."""
     x = x.to(torch.float32)
     codes, absmax = q.quantize_blockwise(x, block_size, signed)
     if x.numel() == 0:
         return codes, absmax
     blocks = q._blocks(x, block_size)
     m = q.dynamic_map(signed, x.device)
-    mag, arg = blocks.abs().max(dim=1)
-    extreme = blocks.gather(1, arg[:, None]).squeeze(1)
-    top = torch.where(extreme < 0, -m[0], m[-1])  # the map value the largest magnitude was coded as, mostly
+    mag = blocks.abs().amax(dim=1)
     done = torch.zeros(blocks.shape[0], dtype=torch.bool, device=x.device)
     flat_codes = codes.reshape(-1).clone()
     n = x.numel()
     cands = []
-    for t in ([top, torch.where(extreme < 0, m[-1], -m[0])] if signed else [top]):
-        a0 = mag / t
+    for top in ([m[-1], -m[0]] if signed else [m[-1]]):
+        a0 = mag / top
         up, down = torch.full_like(a0, float("inf")), torch.zeros_like(a0)
         up1, down1 = torch.nextafter(a0, up), torch.nextafter(a0, down)
         # mag / top may round an ulp or two away from the scale the values were made with
