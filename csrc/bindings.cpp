@@ -8,9 +8,18 @@
 //   quantize_blockwise_multi_(xs, codes, absmax, map, block_size, found_inf?)   in place, one launch
 //   dequantize_blockwise_multi_(codes, absmax, out, map, block_size)           in place, one launch
 //   adamw8bit_step_(params, grads, state1, state2, absmax1, absmax2, steps, map1, map2, lr, beta1, beta2, eps,
-//                   weight_decay, block_size, inv_scale?, found_inf?)
+//                   weight_decay, block_size, inv_scale?, found_inf?, table?)
 //   adamw32_step_(params, grads, exp_avg, exp_avg_sq, steps, lr, beta1, beta2, eps, weight_decay,
-//                 inv_scale?, found_inf?)
+//                 inv_scale?, found_inf?, table?)
+//   adamw8bit_table(params, grads, state1, state2, absmax1, absmax2, steps, block_size) -> Tensor int64
+//   adamw32_table(params, grads, exp_avg, exp_avg_sq, steps) -> Tensor int64
+//
+// The AdamW steps read a table of the tensors' addresses on the device. Without `table` each call builds it
+// and copies it from pinned memory; a caller that steps the same tensors again (the optimizer, keyed by their
+// addresses) builds it once with the *_table op and passes it: such a step copies nothing from the host, so a
+// CUDA graph captured after warm-up replays with a table that stays valid (a per-call copy from a pinned
+// buffer would replay reading whatever reused that buffer). A table is checked against the call's tensors:
+// in full on CPU, by dtype, device and size on CUDA (reading it there would sync).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -93,6 +102,36 @@ struct Tables {
   }
   const int64_t* host_tile_start() const { return buf.data(); }
   const Entry* host_entries() const { return reinterpret_cast<const Entry*>(buf.data() + n + 1); }
+
+  // `table`, built earlier by a *_table op, replaces the copy to_device would make (see the top of the file).
+  void adopt(const Tensor& table, const at::Device& device, const char* op) {
+    TORCH_CHECK_VALUE(table.scalar_type() == at::kLong && table.dim() == 1 && table.is_contiguous() &&
+                          table.numel() == (int64_t)buf.size() && table.device() == device,
+                      "fastopt.", op, ": table must be a contiguous int64 vector of ", buf.size(), " elements on ",
+                      device, " (from the matching *_table op), got ", table.scalar_type(), " ", table.sizes(),
+                      " on ", table.device());
+    TORCH_CHECK_VALUE(!device.is_cpu() ||
+                          std::memcmp(table.data_ptr<int64_t>(), buf.data(), buf.size() * sizeof(int64_t)) == 0,
+                      "fastopt.", op, ": table was built for other tensors (an address or a size differs): build ",
+                      "it again with the matching *_table op");
+    device_copy = table;
+  }
+
+  // The table on `device`: for a later call's `table` argument.
+  Tensor on(const at::Device& device) {
+    if (device.is_cpu()) {
+      Tensor t = at::empty({(int64_t)buf.size()}, at::TensorOptions().dtype(at::kLong));
+      if (!buf.empty()) std::memcpy(t.data_ptr<int64_t>(), buf.data(), buf.size() * sizeof(int64_t));
+      return t;
+    }
+#ifdef FASTOPT_WITH_CUDA
+    c10::cuda::CUDAGuard guard(device);
+    to_device(device);
+    return device_copy;
+#else
+    TORCH_CHECK(false, "fastopt: this build of the extension has no CUDA kernels (device ", device, ")");
+#endif
+  }
 
 #ifdef FASTOPT_WITH_CUDA
   void to_device(const at::Device& device) {
@@ -262,24 +301,19 @@ void check_params(TensorList params, TensorList grads, TensorList steps, const a
   }
 }
 
-void adamw8bit_step_(TensorList params, TensorList grads, TensorList state1, TensorList state2, TensorList absmax1,
-                     TensorList absmax2, TensorList steps, const Tensor& map1, const Tensor& map2, double lr,
-                     double beta1, double beta2, double eps, double weight_decay, int64_t block_size,
-                     const c10::optional<Tensor>& inv_scale, const c10::optional<Tensor>& found_inf) {
-  const char* op = "adamw8bit_step_";
+// The 8-bit AdamW step's entries, its arguments checked; `device` and `dt` are the params' (params non-empty).
+std::vector<AdamWEntry> adamw8bit_entries(TensorList params, TensorList grads, TensorList state1, TensorList state2,
+                                          TensorList absmax1, TensorList absmax2, TensorList steps,
+                                          int64_t block_size, const char* op) {
   check_block_size(block_size, op);
   TORCH_CHECK(state1.size() == params.size() && state2.size() == params.size() && absmax1.size() == params.size() &&
                   absmax2.size() == params.size(),
               "fastopt.", op, ": every list must have one entry per param");
-  if (params.empty()) return;
-  const at::Device device = params[0].device();
-  const DType dt = dtype_of(params[0], op, "params[0]");
-  check_params(params, grads, steps, device, op);
-  check_map(map1, device, op, "map1");
-  check_map(map2, device, op, "map2");
-  check_scalar(inv_scale, device, op, "inv_scale");
-  check_scalar(found_inf, device, op, "found_inf");
   std::vector<AdamWEntry> entries(params.size());
+  if (params.empty()) return entries;
+  const at::Device device = params[0].device();
+  dtype_of(params[0], op, "params[0]");
+  check_params(params, grads, steps, device, op);
   for (size_t i = 0; i < params.size(); ++i) {
     const int64_t n = params[i].numel(), nb = ceil_div(n, block_size);
     const Tensor* st[4] = {&state1[i], &state2[i], &absmax1[i], &absmax2[i]};
@@ -294,9 +328,67 @@ void adamw8bit_step_(TensorList params, TensorList grads, TensorList state1, Ten
     entries[i] = AdamWEntry{params[i].data_ptr(), grads[i].data_ptr(), state1[i].data_ptr(), state2[i].data_ptr(),
                             absmax1[i].data_ptr<float>(), absmax2[i].data_ptr<float>(), steps[i].data_ptr<float>(), n};
   }
+  return entries;
+}
+
+// The fp32/fp64-state AdamW step's entries, its arguments checked.
+std::vector<AdamWEntry> adamw32_entries(TensorList params, TensorList grads, TensorList exp_avg,
+                                        TensorList exp_avg_sq, TensorList steps, const char* op) {
+  TORCH_CHECK(exp_avg.size() == params.size() && exp_avg_sq.size() == params.size(), "fastopt.", op,
+              ": every list must have one entry per param");
+  std::vector<AdamWEntry> entries(params.size());
+  if (params.empty()) return entries;
+  const at::Device device = params[0].device();
+  const at::ScalarType state_t = dtype_of(params[0], op, "params[0]") == DType::F64 ? at::kDouble : at::kFloat;
+  check_params(params, grads, steps, device, op);
+  for (size_t i = 0; i < params.size(); ++i) {
+    const int64_t n = params[i].numel();
+    check_tensor(exp_avg[i], device, op, "exp_avg", i);
+    check_tensor(exp_avg_sq[i], device, op, "exp_avg_sq", i);
+    TORCH_CHECK(exp_avg[i].scalar_type() == state_t && exp_avg_sq[i].scalar_type() == state_t &&
+                    exp_avg[i].numel() == n && exp_avg_sq[i].numel() == n,
+                "fastopt.", op, ": exp_avg[", i, "] and exp_avg_sq[", i, "] must be ", state_t, " with ", n,
+                " elements");
+    entries[i] = AdamWEntry{params[i].data_ptr(), grads[i].data_ptr(), exp_avg[i].data_ptr(),
+                            exp_avg_sq[i].data_ptr(), nullptr, nullptr, steps[i].data_ptr<float>(), n};
+  }
+  return entries;
+}
+
+at::Device device_of(TensorList params) { return params.empty() ? at::Device(at::kCPU) : params[0].device(); }
+
+Tensor adamw8bit_table(TensorList params, TensorList grads, TensorList state1, TensorList state2,
+                       TensorList absmax1, TensorList absmax2, TensorList steps, int64_t block_size) {
+  Tables<AdamWEntry> tab(adamw8bit_entries(params, grads, state1, state2, absmax1, absmax2, steps, block_size,
+                                           "adamw8bit_table"),
+                         quant_tile(block_size));
+  return tab.on(device_of(params));
+}
+
+Tensor adamw32_table(TensorList params, TensorList grads, TensorList exp_avg, TensorList exp_avg_sq,
+                     TensorList steps) {
+  Tables<AdamWEntry> tab(adamw32_entries(params, grads, exp_avg, exp_avg_sq, steps, "adamw32_table"), kTile32);
+  return tab.on(device_of(params));
+}
+
+void adamw8bit_step_(TensorList params, TensorList grads, TensorList state1, TensorList state2, TensorList absmax1,
+                     TensorList absmax2, TensorList steps, const Tensor& map1, const Tensor& map2, double lr,
+                     double beta1, double beta2, double eps, double weight_decay, int64_t block_size,
+                     const c10::optional<Tensor>& inv_scale, const c10::optional<Tensor>& found_inf,
+                     const c10::optional<Tensor>& table) {
+  const char* op = "adamw8bit_step_";
+  Tables<AdamWEntry> tab(adamw8bit_entries(params, grads, state1, state2, absmax1, absmax2, steps, block_size, op),
+                         quant_tile(block_size));
+  if (params.empty()) return;
+  const at::Device device = params[0].device();
+  const DType dt = dtype_of(params[0], op, "params[0]");
+  check_map(map1, device, op, "map1");
+  check_map(map2, device, op, "map2");
+  check_scalar(inv_scale, device, op, "inv_scale");
+  check_scalar(found_inf, device, op, "found_inf");
   const AdamWHyper h = hyper(lr, beta1, beta2, eps, weight_decay);
-  Tables<AdamWEntry> tab(entries, quant_tile(block_size));
   if (tab.total == 0) return;
+  if (table.has_value()) tab.adopt(*table, device, op);
   if (device.is_cpu()) {
     if (host_scalar(found_inf, 0.0f) != 0.0f) return;
     const float inv = host_scalar(inv_scale, 1.0f);
@@ -311,7 +403,7 @@ void adamw8bit_step_(TensorList params, TensorList grads, TensorList state1, Ten
 #ifdef FASTOPT_WITH_CUDA
   TORCH_CHECK(device.is_cuda(), "fastopt.", op, ": unsupported device ", device);
   c10::cuda::CUDAGuard guard(device);
-  tab.to_device(device);
+  if (!table.has_value()) tab.to_device(device);
   C10_CUDA_CHECK(cuda::adamw8bit(dt, tab.dev_tile_start(), tab.dev_entries(), tab.n, tab.total, block_size,
                                  map1.data_ptr<float>(), map2.data_ptr<float>(), h, dev_ptr(inv_scale),
                                  dev_ptr(found_inf), c10::cuda::getCurrentCUDAStream().stream()));
@@ -322,32 +414,18 @@ void adamw8bit_step_(TensorList params, TensorList grads, TensorList state1, Ten
 
 void adamw32_step_(TensorList params, TensorList grads, TensorList exp_avg, TensorList exp_avg_sq, TensorList steps,
                    double lr, double beta1, double beta2, double eps, double weight_decay,
-                   const c10::optional<Tensor>& inv_scale, const c10::optional<Tensor>& found_inf) {
+                   const c10::optional<Tensor>& inv_scale, const c10::optional<Tensor>& found_inf,
+                   const c10::optional<Tensor>& table) {
   const char* op = "adamw32_step_";
-  TORCH_CHECK(exp_avg.size() == params.size() && exp_avg_sq.size() == params.size(), "fastopt.", op,
-              ": every list must have one entry per param");
+  Tables<AdamWEntry> tab(adamw32_entries(params, grads, exp_avg, exp_avg_sq, steps, op), kTile32);
   if (params.empty()) return;
   const at::Device device = params[0].device();
   const DType dt = dtype_of(params[0], op, "params[0]");
-  const at::ScalarType state_t = dt == DType::F64 ? at::kDouble : at::kFloat;
-  check_params(params, grads, steps, device, op);
   check_scalar(inv_scale, device, op, "inv_scale");
   check_scalar(found_inf, device, op, "found_inf");
-  std::vector<AdamWEntry> entries(params.size());
-  for (size_t i = 0; i < params.size(); ++i) {
-    const int64_t n = params[i].numel();
-    check_tensor(exp_avg[i], device, op, "exp_avg", i);
-    check_tensor(exp_avg_sq[i], device, op, "exp_avg_sq", i);
-    TORCH_CHECK(exp_avg[i].scalar_type() == state_t && exp_avg_sq[i].scalar_type() == state_t &&
-                    exp_avg[i].numel() == n && exp_avg_sq[i].numel() == n,
-                "fastopt.", op, ": exp_avg[", i, "] and exp_avg_sq[", i, "] must be ", state_t, " with ", n,
-                " elements");
-    entries[i] = AdamWEntry{params[i].data_ptr(), grads[i].data_ptr(), exp_avg[i].data_ptr(),
-                            exp_avg_sq[i].data_ptr(), nullptr, nullptr, steps[i].data_ptr<float>(), n};
-  }
   const AdamWHyper h = hyper(lr, beta1, beta2, eps, weight_decay);
-  Tables<AdamWEntry> tab(entries, kTile32);
   if (tab.total == 0) return;
+  if (table.has_value()) tab.adopt(*table, device, op);
   if (device.is_cpu()) {
     if (host_scalar(found_inf, 0.0f) != 0.0f) return;
     const float inv = host_scalar(inv_scale, 1.0f);
@@ -359,7 +437,7 @@ void adamw32_step_(TensorList params, TensorList grads, TensorList exp_avg, Tens
 #ifdef FASTOPT_WITH_CUDA
   TORCH_CHECK(device.is_cuda(), "fastopt.", op, ": unsupported device ", device);
   c10::cuda::CUDAGuard guard(device);
-  tab.to_device(device);
+  if (!table.has_value()) tab.to_device(device);
   C10_CUDA_CHECK(cuda::adamw32(dt, tab.dev_tile_start(), tab.dev_entries(), tab.n, tab.total, h, dev_ptr(inv_scale),
                                dev_ptr(found_inf), c10::cuda::getCurrentCUDAStream().stream()));
 #else
@@ -388,10 +466,14 @@ TORCH_LIBRARY(fastopt, m) {
   m.def("adamw8bit_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] state1, Tensor(c!)[] state2, "
         "Tensor(d!)[] absmax1, Tensor(e!)[] absmax2, Tensor[] steps, Tensor map1, Tensor map2, float lr, "
         "float beta1, float beta2, float eps, float weight_decay, int block_size, Tensor? inv_scale=None, "
-        "Tensor? found_inf=None) -> ()");
+        "Tensor? found_inf=None, Tensor? table=None) -> ()");
   m.def("adamw32_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avg, Tensor(c!)[] exp_avg_sq, "
         "Tensor[] steps, float lr, float beta1, float beta2, float eps, float weight_decay, "
-        "Tensor? inv_scale=None, Tensor? found_inf=None) -> ()");
+        "Tensor? inv_scale=None, Tensor? found_inf=None, Tensor? table=None) -> ()");
+  m.def("adamw8bit_table(Tensor[] params, Tensor[] grads, Tensor[] state1, Tensor[] state2, Tensor[] absmax1, "
+        "Tensor[] absmax2, Tensor[] steps, int block_size) -> Tensor");
+  m.def("adamw32_table(Tensor[] params, Tensor[] grads, Tensor[] exp_avg, Tensor[] exp_avg_sq, Tensor[] steps) "
+        "-> Tensor");
   m.def("has_cuda() -> bool", &fastopt::has_cuda);
 }
 
@@ -401,7 +483,9 @@ TORCH_LIBRARY(fastopt, m) {
   m.impl("quantize_blockwise_multi_", &fastopt::quantize_blockwise_multi_);    \
   m.impl("dequantize_blockwise_multi_", &fastopt::dequantize_blockwise_multi_);\
   m.impl("adamw8bit_step_", &fastopt::adamw8bit_step_);                        \
-  m.impl("adamw32_step_", &fastopt::adamw32_step_);
+  m.impl("adamw32_step_", &fastopt::adamw32_step_);                            \
+  m.impl("adamw8bit_table", &fastopt::adamw8bit_table);                        \
+  m.impl("adamw32_table", &fastopt::adamw32_table);
 
 TORCH_LIBRARY_IMPL(fastopt, CPU, m) { FASTOPT_REGISTER(m) }
 

@@ -196,6 +196,14 @@ def _register_fakes() -> None:
     for op in ("quantize_blockwise_multi_", "dequantize_blockwise_multi_", "adamw8bit_step_", "adamw32_step_"):
         lib.register_fake(f"fastopt::{op}")(lambda *args, **kwargs: None)
 
+    @lib.register_fake("fastopt::adamw8bit_table")
+    def _(params, grads, state1, state2, absmax1, absmax2, steps, block_size):
+        return params[0].new_empty((len(params) * 9 + 1,), dtype=torch.int64)  # tile starts, 8 words per entry
+
+    @lib.register_fake("fastopt::adamw32_table")
+    def _(params, grads, exp_avg, exp_avg_sq, steps):
+        return params[0].new_empty((len(params) * 9 + 1,), dtype=torch.int64)
+
 
 def load(verbose: bool | None = None) -> None:
     """Build (first use) and load the extension; after it returns, `torch.ops.fastopt.*` exist.

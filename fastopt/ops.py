@@ -213,10 +213,12 @@ def quantize_blockwise_(xs: list, codes: list, absmax: list, *, block_size: int 
 
 
 def adamw8bit_step(params, grads, states, *, lr, betas, eps, weight_decay, block_size, inv_scale=None,
-                   found_inf=None):
+                   found_inf=None, cache=None):
     """One AdamW step over a bucket (same device and dtype): 8-bit states (keys state1, state2, absmax1,
     absmax2) and full-precision ones (state1, state2) alike; each state's `step` is already advanced.
-    The extension runs one fused launch for the 8-bit params and one for the others."""
+    The extension runs one fused launch for the 8-bit params and one for the others. `cache` (a dict the
+    caller keeps per bucket) holds their address tables on the device, rebuilt only when a tensor moved: a
+    step of tensors that stayed put copies nothing from the host (what a CUDA graph of the step needs)."""
     if not use_extension():
         from .reference import adamw8bit as r
         r.adamw8bit_step(params, grads, states, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
@@ -230,16 +232,35 @@ def adamw8bit_step(params, grads, states, *, lr, betas, eps, weight_decay, block
     full = [i for i, s in enumerate(states) if "absmax1" not in s]
     if eight:
         dev = params[0].device
-        fo.adamw8bit_step_([work[i] for i in eight], [grads[i] for i in eight],
-                           [states[i]["state1"] for i in eight], [states[i]["state2"] for i in eight],
-                           [states[i]["absmax1"] for i in eight], [states[i]["absmax2"] for i in eight],
-                           [states[i]["step"] for i in eight], q.dynamic_map(True, dev), q.dynamic_map(False, dev),
-                           lr, beta1, beta2, eps, weight_decay, block_size, inv_scale, found_inf)
+        lists = ([work[i] for i in eight], [grads[i] for i in eight], [states[i]["state1"] for i in eight],
+                 [states[i]["state2"] for i in eight], [states[i]["absmax1"] for i in eight],
+                 [states[i]["absmax2"] for i in eight], [states[i]["step"] for i in eight])
+        table = _ext_table(cache, "adamw8bit_table", lists, block_size)
+        fo.adamw8bit_step_(*lists, q.dynamic_map(True, dev), q.dynamic_map(False, dev),
+                           lr, beta1, beta2, eps, weight_decay, block_size, inv_scale, found_inf, table)
     if full:
-        fo.adamw32_step_([work[i] for i in full], [grads[i] for i in full], [states[i]["state1"] for i in full],
-                         [states[i]["state2"] for i in full], [states[i]["step"] for i in full],
-                         lr, beta1, beta2, eps, weight_decay, inv_scale, found_inf)
+        lists = ([work[i] for i in full], [grads[i] for i in full], [states[i]["state1"] for i in full],
+                 [states[i]["state2"] for i in full], [states[i]["step"] for i in full])
+        table = _ext_table(cache, "adamw32_table", lists)
+        fo.adamw32_step_(*lists, lr, beta1, beta2, eps, weight_decay, inv_scale, found_inf, table)
     _write_back(params, work)
+
+
+def _ext_table(cache: dict | None, op: str, lists: tuple, *args):
+    """The extension's address table of `lists` (torch.ops.fastopt.<op>), from `cache` while none of the
+    tensors moved or changed size; None without a cache (the step op then builds and copies its own)."""
+    if cache is None:
+        return None
+    key = (tuple((t.data_ptr(), t.numel()) for ts in lists for t in ts), *args)
+    hit = cache.get(op)
+    if hit is None or hit[0] != key:
+        hit = cache[op] = (key, build_ext_table(op, lists, *args))
+    return hit[1]
+
+
+def build_ext_table(op: str, lists: tuple, *args) -> torch.Tensor:
+    """torch.ops.fastopt.<op>(*lists, *args): a copy from the host (tests count these calls)."""
+    return getattr(_ext_ops(), op)(*lists, *args)
 
 
 # ---- GaLore: low-rank projection (fastopt/reference/galore.py, kernels/galore.py) ------------------------

@@ -183,6 +183,51 @@ def test_one_fused_call_per_bucket(built, monkeypatch):
     assert names.count("fastopt::adamw8bit_step_") == 1 and names.count("fastopt::adamw32_step_") == 1
 
 
+def _op_lists(dtype=torch.float32):
+    """The extension's AdamW step arguments for two 8-bit params and one with fp32 state (fresh tensors)."""
+    g = torch.Generator().manual_seed(3)
+    ns = [300, 1000]
+    p8 = [torch.randn(n, generator=g, dtype=dtype) for n in ns]
+    codes = [torch.zeros(n, dtype=torch.uint8) for n in ns]
+    eight = (p8, [torch.randn(n, generator=g, dtype=dtype) for n in ns], codes, [c.clone() for c in codes],
+             [torch.zeros(-(-n // 64)) for n in ns],
+             [torch.zeros(-(-n // 64)) for n in ns], [torch.ones(()) for _ in ns])
+    full = ([torch.randn(7, generator=g, dtype=dtype)], [torch.randn(7, generator=g, dtype=dtype)],
+            [torch.zeros(7)], [torch.zeros(7)], [torch.ones(())])
+    return eight, full
+
+
+def _op_step(eight, full, t8=None, t32=None):
+    from fastopt.reference import quant as q
+    fo = torch.ops.fastopt
+    fo.adamw8bit_step_(*eight, q.dynamic_map(True), q.dynamic_map(False), 1e-2, 0.9, 0.999, 1e-8, 1e-2, 64,
+                       None, None, t8)
+    fo.adamw32_step_(*full, 1e-2, 0.9, 0.999, 1e-8, 1e-2, None, None, t32)
+
+
+def test_extension_table_argument(built):
+    """A table from adamw8bit_table / adamw32_table steps exactly like the table the step op builds itself;
+    one built for other tensors (a grad moved) or of the wrong kind is refused, naming the op (on CPU the
+    whole table is compared; on CUDA its dtype, device and size)."""
+    fo = torch.ops.fastopt
+    mine, theirs = _op_lists(), _op_lists()
+    t8, t32 = fo.adamw8bit_table(*mine[0], 64), fo.adamw32_table(*mine[1])
+    assert t8.dtype == torch.int64 and t8.shape == (2 * 9 + 1,) and t32.shape == (9 + 1,)
+    for _ in range(3):
+        _op_step(*mine, t8, t32)
+        _op_step(*theirs)
+    for a, b in zip(mine[0] + mine[1], theirs[0] + theirs[1]):
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
+    mine[0][1][1] = mine[0][1][1].clone()  # a grad moved
+    with pytest.raises(ValueError, match=r"adamw8bit_step_: table was built for other tensors"):
+        _op_step(*mine, t8, t32)
+    with pytest.raises(ValueError, match=r"adamw32_step_: table must be a contiguous int64 vector of 10 elements"):
+        _op_step(*mine, fo.adamw8bit_table(*mine[0], 64), t32.int())
+    meta = fo.adamw8bit_table(*[[t.to("meta") for t in ts] for ts in mine[0]], 64)  # torch.compile's fake
+    assert meta.shape == t8.shape and meta.dtype == torch.int64
+
+
 def test_state_dict_roundtrip_weights_only(impl):
     """Save midway, reload with weights_only=True into a fresh optimizer: the continued runs are bitwise equal."""
     init, grads = _problem(seed=3, steps=10)

@@ -22,15 +22,20 @@ OPTS = {
     "lamb8": lambda ps: fastopt.Lamb(ps, lr=1e-2, nbits=8, min_8bit_size=1),
     "galore": lambda ps: fastopt.GaLoreAdamW([{"params": ps[:1], "rank": 2, "update_proj_gap": 100},
                                               {"params": ps[1:]}], lr=1e-2),
+    # the compiled extension's tables: two 8-bit params and one with fp64 state, one launch each kind
+    "adamw8bit": lambda ps: fastopt.AdamW8bit(ps, lr=1e-2, min_8bit_size=8, block_size=64),
 }
 SHAPES = [(6, 5), (7,), (2, 3, 4)]
 NO_GRAD_TABLE = {"galore"}  # launches per param with the gradient tensor itself: no pointer table to rebuild
 
 
 def _host_copies(monkeypatch) -> list:
-    """Every host-to-device table copy of the kernels (kernels.common.to_device, wherever it was imported)."""
+    """Every host-to-device table copy of the kernels (kernels.common.to_device, wherever it was imported, and
+    the extension's tables: ops.build_ext_table)."""
     import importlib
     calls = []
+    orig_ext = ops.build_ext_table
+    monkeypatch.setattr(ops, "build_ext_table", lambda op, *a: calls.append(op) or orig_ext(op, *a))
     for mod in ("common", "adafactor", "came", "lamb", "factored", "galore"):
         m = importlib.import_module(f"fastopt.kernels.{mod}")
         if hasattr(m, "to_device"):

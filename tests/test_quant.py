@@ -263,7 +263,8 @@ def test_extension_registers_ops(built):
     assert ext.is_available() and ext.load_error() is None
     assert ext.how_loaded() in ("built", "waited", "cache")
     for op in ("quantize_blockwise", "dequantize_blockwise", "quantize_blockwise_multi_",
-               "dequantize_blockwise_multi_", "adamw8bit_step_", "adamw32_step_"):
+               "dequantize_blockwise_multi_", "adamw8bit_step_", "adamw32_step_", "adamw8bit_table",
+               "adamw32_table"):
         assert hasattr(torch.ops.fastopt, op)
     assert ext.has_cuda_kernels() == (torch.cuda.is_available() and torch.version.cuda is not None)
     # Fake (meta) kernels: shapes for torch.compile.

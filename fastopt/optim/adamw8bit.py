@@ -68,7 +68,8 @@ class AdamW8bit(FastOptimizer):
                                               {"absmax1": bs, "absmax2": bs})
         ops.adamw8bit_step(params, grads, states, lr=host_value(group["lr"]), betas=group["betas"], eps=group["eps"],
                            weight_decay=group["weight_decay"], block_size=group["block_size"],
-                           inv_scale=scaler.inv_scale, found_inf=scaler.found_inf)
+                           inv_scale=scaler.inv_scale, found_inf=scaler.found_inf,
+                           cache=self._plan_cache(group, params))
 
     def _quantized_keys(self, group):
         bs = group["block_size"]
