@@ -64,12 +64,13 @@ class AdamW8bit(FastOptimizer):
 
     def _step_group(self, group, params, grads, states, scaler, layouts=None, reduce=None):
         bs = group["block_size"]
+        cache = self._plan_cache(group, params)  # keyed by the params as declared, before they are cut down
         params, grads, states = real_elements(params, grads, states, layouts, self._elementwise_state,
                                               {"absmax1": bs, "absmax2": bs})
         ops.adamw8bit_step(params, grads, states, lr=host_value(group["lr"]), betas=group["betas"], eps=group["eps"],
                            weight_decay=group["weight_decay"], block_size=group["block_size"],
                            inv_scale=scaler.inv_scale, found_inf=scaler.found_inf,
-                           cache=self._plan_cache(group, params))
+                           cache=cache)
 
     def _quantized_keys(self, group):
         bs = group["block_size"]
