@@ -1007,9 +1007,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         mine = {id(p): i for i, p in enumerate(self._params)}
         ddp_type = torch.nn.parallel.DistributedDataParallel
         for o in gc.get_objects():
-            if not issubclass(type(o), ddp_type):
+            module = o.__dict__.get("_modules", {}).get("module") if issubclass(type(o), ddp_type) else None
+            if module is None:  # not a DDP, or one whose construction failed
                 continue
-            both = sorted({mine[id(p)] for p in o.module.parameters() if id(p) in mine})
+            both = sorted({mine[id(p)] for p in module.parameters() if id(p) in mine})
             if both:
                 raise RuntimeError(
                     f"{_NAME}: params #{both[0]} {tuple(self._params[both[0]].shape)} (the wrapper's order) and "
