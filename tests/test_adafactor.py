@@ -221,7 +221,6 @@ def test_bad_arguments_name_themselves(kwargs, name):
 # A param group's own settings, each bad in one way; the default group is relative-step (lr=None).
 BAD_GROUPS = [
     (dict(lr=-1.0), "lr"),
-    (dict(lr=1e-2), "lr"),  # an lr with relative_step=True
     (dict(relative_step=False), "lr"),  # relative_step=False with lr=None
     (dict(lr=True, relative_step=False), "lr"),
     (dict(lr=float("inf"), relative_step=False), "lr"),
@@ -242,6 +241,41 @@ BAD_GROUPS = [
 @pytest.mark.parametrize("bad, key", BAD_GROUPS)
 def test_bad_group_names_itself_and_changes_nothing(bad, key, how):
     check_bad_group_refused(fastopt.Adafactor, dict(beta1=0.9), bad, key, how)
+
+
+@pytest.mark.parametrize("how", ["constructor", "add_param_group"])
+def test_group_lr_with_relative_step_is_refused_when_added(how):
+    """Like the constructor's lr; set later (a scheduler's), it is ignored, as in transformers."""
+    check_bad_group_refused(fastopt.Adafactor, dict(beta1=0.9), dict(lr=1e-2), "lr", how)
+
+
+def test_adafactor_schedule_logs_the_lr_and_steps_like_transformers(backend, device):
+    """transformers' AdafactorSchedule (what its Trainer logs with relative-step Adafactor) writes the lr it
+    reads from `_get_lr` into the groups, which relative_step ignores: params track transformers', and each
+    logged lr is transformers' up to the change of the param's RMS in one step (at most the relative step size:
+    the update's RMS is clipped to 1 and scaled by RMS(p) times that size)."""
+    from transformers.optimization import AdafactorSchedule
+    init, grads = make_problem(shapes=[(4, 6), (5,)], steps=12)
+    results, logged = [], []
+    for cls, dev in ((fastopt.Adafactor, device), (HFAdafactor, "cpu")):
+        params = [p.detach().clone().to(dev).requires_grad_() for p in init]
+        opt = cls(params, warmup_init=True)
+        sched = AdafactorSchedule(opt)
+        lrs = []
+        for step_grads in grads:
+            for p, gr in zip(params, step_grads):
+                p.grad = gr.to(dev)
+            opt.step()
+            sched.step()
+            lrs.append(float(sched.get_last_lr()[0]))
+        results.append([p.detach().cpu() for p in params])
+        logged.append(lrs)
+    assert_tracks(results[0], results[1], init, torch.float64)
+    ours, theirs = logged
+    for t, (a, b) in enumerate(zip(ours, theirs), start=1):
+        rel_step = 1e-6 * t
+        assert b > 0 and abs(a - b) <= rel_step * b, (t, a, b)
+    assert ours[-1] > 5 * ours[0]  # the warm-up shows
 
 
 def test_sparse_and_complex_refused_before_any_change(backend, device):

@@ -12,7 +12,8 @@ projected group, AdamW8bit) on both back ends:
 - a 0-dim CPU tensor lr, changed in place between steps, steps like the same float lrs; a CUDA (here: meta)
   tensor lr is refused;
 - a param twice in one group, or in two groups, is refused;
-- the kernels' plans of groups replaced by load_state_dict are dropped.
+- the kernels' plans of groups replaced by load_state_dict are dropped;
+- torch.compile of a training step runs step() eagerly (a graph break), bit for bit the eager run.
 Float64 params (unless a test is about dtypes) and fresh random gradients at every step.
 """
 from __future__ import annotations
@@ -651,3 +652,34 @@ def test_galore_skips_empty_params_in_projected_groups(backend, device):
         set_grads([ps[0], empty], t)
         opt.step()
     assert empty not in opt.state and opt.state[ps[0]]["step"].item() == 2
+
+
+# ---- torch.compile ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("case", list(CASES))
+def test_compiled_training_step_runs_the_step_eagerly(case, backend, device):
+    """A compiled function that sets the grads and calls opt.step(): dynamo captures the function's own ops and
+    none of the step's (it traced into the Triton launches and failed; inductor miscompiled the 8-bit reference's
+    partial last block, pytorch/pytorch#195582, giving NaN params), and four steps equal the eager run bit for bit."""
+    import operator
+    torch._dynamo.reset()
+    traced = []
+
+    def capture(gm, example_inputs):
+        traced.extend(n.target for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    def train(opt, params, grads):
+        for p, g in zip(params, grads):
+            p.grad = g * 2.0
+        opt.step()
+
+    ps, twin = make_params(device), make_params(device)
+    opt, ref = make(case, ps), make(case, twin)
+    compiled = torch.compile(train, backend=capture)
+    for t in range(4):
+        grads = [torch.randn(p.shape, generator=torch.Generator().manual_seed(t), dtype=F64).to(device) for p in ps]
+        compiled(opt, ps, grads)
+        train(ref, twin, [g.clone() for g in grads])
+    assert_same(opt, ref)
+    assert traced and set(traced) == {operator.mul}, set(traced)
+

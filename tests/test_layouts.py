@@ -274,6 +274,11 @@ def _model_case(rank, world, mode, name):
     err = float(num / den)
     assert err <= APPROX.get(name, TOL_REL), (mode, name, err)
 
+    if isinstance(opt, fastopt.Adafactor):  # the lr transformers' AdafactorSchedule logs: the RMS of every piece
+        for g, rg in zip(opt.param_groups, ref_opt.param_groups):
+            lr, want = opt._get_lr(g, opt.state[g["params"][0]]), ref_opt._get_lr(rg, ref_opt.state[rg["params"][0]])
+            assert want > g["eps"][1] * g["lr"] and abs(lr - want) <= 1e-12 * want, (mode, lr, want)
+
     opt_params = list(by_hand.pieces.values()) if by_hand else list(inner.parameters())
     checked = cut_bases = 0
     for p, p_ref in zip(opt_params, ref_model.parameters()):

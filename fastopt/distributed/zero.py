@@ -764,6 +764,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 if k not in _NOT_HYPER:
                     dict.__setitem__(gw, k, v)
 
+    @torch.compiler.disable  # eager under torch.compile, like the wrapped optimizer's step (collectives, hooks)
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None):
         loss = None

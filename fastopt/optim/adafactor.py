@@ -1,6 +1,10 @@
 """fastopt.Adafactor: transformers' Adafactor, fused (math: fastopt/reference/adafactor.py)."""
 from __future__ import annotations
 
+import math
+
+import torch
+
 from .. import ops
 from ..distributed.layout import local
 from .base import FLAG, NONNEG, POSITIVE, FastOptimizer, check, eps_pair, is_number, lr_rule
@@ -15,7 +19,8 @@ class Adafactor(FastOptimizer):
 
     Args:
         params: iterable of params or param-group dicts.
-        lr: external learning rate; must be None when `relative_step=True`.
+        lr: external learning rate; must be None when `relative_step=True` (a group's lr is then ignored, as in
+            transformers: its `AdafactorSchedule` writes the lr it logs there; see `_get_lr`).
         eps: (eps1, eps2): regularizer added to g^2, and the floor of the param RMS used as scale.
         clip_threshold: d, the RMS above which the update is scaled down.
         decay_rate: c in beta2_t = 1 - t^c (negative).
@@ -64,13 +69,49 @@ class Adafactor(FastOptimizer):
         if {"lr", "relative_step", "warmup_init"} & set(hp):
             full = hp if where is None else {**self.defaults, **hp}
             lr, relative = full["lr"], full["relative_step"]
-            if lr is not None and relative:
+            if lr is not None and relative and (where is None or self._adding):
                 raise ValueError(f"{n}: {name('lr')}={lr!r} cannot be combined with relative_step=True; "
                                  "pass lr=None, or relative_step=False with an lr")
             check(relative or lr is not None, name("lr"), n, lr, "be a finite number >= 0 when relative_step=False")
             check(relative or not full["warmup_init"], name("warmup_init"), n, full["warmup_init"],
                   "be False when relative_step=False (warm-up scales the relative step)")
         return out
+
+    _adding = False
+
+    def add_param_group(self, param_group: dict) -> None:
+        """A group given an lr of its own with relative_step=True is refused, like the constructor's lr: once
+        added, a group's lr is ignored under relative_step (schedulers may write it)."""
+        self._adding = True
+        try:
+            super().add_param_group(param_group)
+        finally:
+            self._adding = False
+
+    @torch.no_grad()
+    def _get_lr(self, param_group: dict, param_state: dict) -> float:
+        """transformers' `Adafactor._get_lr`, which its `AdafactorSchedule` calls to log the lr (and writes into
+        the group, where relative_step ignores it): the relative step size of the param's step (the group's lr
+        without relative_step), times max(eps[1], RMS of the param) with scale_parameter. The RMS is of the
+        param as it is now, over all its shards (a collective for a sharded param: every rank must call it, as
+        every rank steps its scheduler); transformers' is from before the last step, an O(lr) difference."""
+        t = max(1.0, float(param_state["step"])) if "step" in param_state else 1.0
+        rel = param_group["lr"]
+        if param_group["relative_step"]:
+            rel = min(1e-6 * t if param_group["warmup_init"] else 1e-2, 1.0 / math.sqrt(t))
+        if not param_group["scale_parameter"]:
+            return rel
+        p = next((q for q in param_group["params"] if self.state.get(q) is param_state), param_group["params"][0])
+        lay = self._layout(p)
+        x = local(p).detach()
+        if lay is None:
+            sq, n = x.double().square().sum(), x.numel()
+        else:
+            sq = lay.local_view(x).double().square().sum().reshape(1)
+            lay.reduce(sq)
+            n = lay.numel
+        rms = math.sqrt(float(sq) / n) if n else 0.0
+        return max(param_group["eps"][1], rms) * rel
 
     def _state_spec(self, p, group):
         """Row and column factors span the whole (global) matrix, identical on every rank that holds a piece

@@ -494,6 +494,10 @@ class FastOptimizer(torch.optim.Optimizer):
         else:
             torch._foreach_add_(steps, 1.0 - scaler.found_inf)
 
+    # torch.compile of a training step runs this step eagerly (a graph break): the step is fused kernels already,
+    # dynamo cannot trace the Triton launches, and inductor miscompiled the reference's 8-bit dequantization of a
+    # partial last block (pytorch/pytorch#195582: NaN and wrong params on CPU).
+    @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None):
         loss = None
