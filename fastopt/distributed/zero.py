@@ -57,7 +57,13 @@ Gradient accumulation: run several backward passes, then `step()`. ZeRO-1 reduce
 overlap: once per backward, an all-reduce of the running sums, which stays exact because the earlier part is
 already identical on every rank). ZeRO-2 reduces every backward's fresh gradient into the owner's accumulator;
 before a backward adds to an owner's exposed `.grad`, a tensor hook detaches it, so accumulator + fresh
-gradient is never counted twice. Not calling `zero_grad()` between steps accumulates across steps, as in torch.
+gradient is never counted twice (it is given back when no accumulation follows: `torch.autograd.grad` fires the
+hook too). Not calling `zero_grad()` between steps accumulates across steps, as in torch. Gradients cleared
+without the wrapper (`model.zero_grad()`, as transformers' Trainer does, or `p.grad = None`) are cleared too: at
+the start of the next round the owner finds its exposed `.grad` gone (or replaced by hand) and drops that sum,
+and a split param's sum (its piece is no module param) is reset when any rank found such a cleared gradient
+(a vote carried in the split bucket's reduce-scatter; a model of split params alone must use the wrapper's
+`zero_grad()`). `add_param_group` between backward and `step()` keeps the sums and reductions made so far.
 
 The wrapper is the data-parallel reduction: a model also wrapped in DistributedDataParallel is refused (at the
 first `step()` or `clip_grad_norm_()`, on every rank), as its gradients would be reduced twice and DDP's writes
@@ -176,10 +182,12 @@ class _Bucket:
     0 means that no rank produced a gradient for that param. `seen[k]`: this rank packed one for param k into
     the current accumulator (its count is then known to be > 0 without reading it back).
 
-    A split bucket (ZeRO-2, one split param, `bounds` its ranges): `staging` holds world blocks of (chunk + 1)
-    elements, chunk the longest range; block r holds range r of the gradient and a count in its last slot.
-    It is reduce-scattered into `recv` (chunk + 1 elements: this rank's range, padded, and the count summed
-    over the ranks), which is added into `acc`; `numel` is chunk, so `acc[numel:]` is the count as above."""
+    A split bucket (ZeRO-2, one split param, `bounds` its ranges): `staging` holds world blocks of (chunk + 2)
+    elements, chunk the longest range; block r holds range r of the gradient, a count, and a vote: 1 where the
+    rank found the owners' gradients cleared since the last round (`_begin_round`). It is reduce-scattered into
+    `recv` (chunk + 2 elements: this rank's range, padded, and the count and the votes summed over the ranks);
+    `acc` (chunk + 1) is reset when any rank voted, and `recv`'s first chunk + 1 are added into it; `numel` is
+    chunk, so `acc[numel:]` is the count as above."""
 
     __slots__ = ("params", "gidx", "offsets", "numel", "size", "owner", "device", "dtype",
                  "staging", "filled", "pending", "acc", "seen", "work", "bounds", "recv")
@@ -200,7 +208,7 @@ class _Bucket:
         if bounds is not None:
             chunk = max(b - a for a, b in zip(bounds, bounds[1:]))
             self.numel = chunk
-            self.size = (len(bounds) - 1) * (chunk + 1)
+            self.size = (len(bounds) - 1) * (chunk + 2)
         self.device = params[0].device
         self.dtype = params[0].dtype
         self.staging: Tensor | None = None
@@ -266,6 +274,16 @@ def _chunks(items: list[int], params: list[Tensor], cap_bytes: int) -> list[list
     if cur:
         out.append(cur)
     return out
+
+
+def _same(a, b) -> bool:
+    """Whether two hyperparameter values are the same: tensors by identity (no host read), others by ==."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return a is b
+    try:
+        return bool(a == b)
+    except (TypeError, ValueError, RuntimeError):  # values without a truth value for ==
+        return a is b
 
 
 def _hook_post(ref, gidx):
@@ -470,9 +488,14 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         to the rank with the fewest elements (split params' ranges counted)."""
         split = self.__dict__.setdefault("_split", {})
         base = len(self._params)
+        first: dict[int, int] = {}
+        for k, p in enumerate(params):  # before anything changes
+            j = self._gidx.get(id(p), first.get(id(p)))
+            if j is not None:
+                where = f"param {j}" if id(p) in self._gidx else f"its params[{j}]"
+                raise ValueError(f"{_NAME}: a param appears twice: the group's params[{k}] is {where} already")
+            first[id(p)] = k
         for k, p in enumerate(params):
-            if id(p) in self._gidx:
-                raise ValueError(f"{_NAME}: a param appears twice (param {base + k})")
             self._gidx[id(p)] = base + k
             self._params.append(p)
             self._owner.append(-1)
@@ -635,6 +658,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._group_of = {self._gidx[id(p)]: gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
         self._views: dict[int, Tensor] = {}
         self._consumed: set = set()  # ZeRO-2: params whose gradient a hook took since the last step
+        self._stashed: dict[int, Tensor] = {}  # ZeRO-2: owners' views a tensor hook took away (`_detach_exposed`)
+        self._cleared = False  # ZeRO-2: this round found an owner's gradient cleared (`_begin_round`)
         self._ddp_checked = False  # looked for a DDP module over these params (at the next step)
         self._next = 0
         self._round = False
@@ -750,9 +775,22 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self.optim.add_param_group({**full, "params": list(full["params"])})
         self._restrict_inner_group(gi)
         self.param_groups[gi] = self._wrap_group(full, gi)
-        self._build()
+        self._rebuild()  # carries ZeRO-2's sums and views over, and redoes ZeRO-1's reduction
 
     def _push_hyper(self) -> None:
+        """The wrapper's hyperparameters into the wrapped optimizer's groups; one set there directly since the
+        last step (an LR scheduler built on the wrapped optimizer: the wrapper's groups would overwrite it) is
+        refused, naming it."""
+        seen = self.__dict__.get("_hyper_seen", [])
+        for gi_, (gw, gi, last) in enumerate(zip(self.param_groups, self.optim.param_groups, seen)):
+            for k, v in gi.items():
+                if k in _NOT_HYPER or k not in last or _same(v, last[k]) or _same(v, gw.get(k)):
+                    continue
+                raise ValueError(f"{_NAME}: the wrapped optimizer's param_groups[{gi_}][{k!r}] was set to {v!r} "
+                                 f"since the last step, and the wrapper's param_groups[{gi_}][{k!r}] is "
+                                 f"{gw.get(k)!r}: the wrapper's groups drive the wrapped optimizer (their values are "
+                                 "copied into it at every step), so build LR schedulers on the wrapper, and set "
+                                 "hyperparameters in its param_groups")
         for gw, gi in zip(self.param_groups, self.optim.param_groups):
             for k, v in gw.items():
                 if k not in _NOT_HYPER:
@@ -763,6 +801,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             for k, v in gi.items():
                 if k not in _NOT_HYPER:
                     dict.__setitem__(gw, k, v)
+        self._hyper_seen = [{k: v for k, v in gi.items() if k not in _NOT_HYPER} for gi in self.optim.param_groups]
 
     @torch.compiler.disable  # eager under torch.compile, like the wrapped optimizer's step (collectives, hooks)
     @torch.no_grad()
@@ -827,6 +866,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         if set_to_none:
             self._views = {}
             self._consumed = set()
+            self._stashed = {}
         for g in self.param_groups:
             for p in g["params"]:
                 if p.grad is None:
@@ -848,12 +888,39 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         v = self._views.get(gidx)
         if v is not None and p.grad is v:
             p.grad = None
+            self._stashed[gidx] = v  # given back if no accumulation follows (torch.autograd.grad fires this too)
+
+    def _begin_round(self) -> None:
+        """A round of reductions starts (the first hook of a backward, or a step's flush). ZeRO-2: an owner's
+        exposed gradient that is no longer the view of its accumulator was cleared (`model.zero_grad()`,
+        `p.grad = None`) or replaced by hand since: its sum so far is dropped, as torch drops a cleared
+        gradient, and this rank votes, in every split bucket it packs, for resetting the split params' sums
+        too (their pieces are not module params: no `model.zero_grad()` reaches them)."""
+        self._round = True
+        if not self.partition_grad:
+            return
+        cleared = False
+        for gidx, v in list(self._views.items()):
+            if gidx in self._split:
+                continue
+            if self._params[gidx].grad is v or self._stashed.get(gidx) is v:  # as exposed, or taken by the hook
+                continue
+            b, k = self._slot[gidx]
+            if b.acc is not None:
+                b.slot(b.acc, k).zero_()
+                b.acc[b.numel + k] = 0
+            b.seen[k] = False
+            del self._views[gidx]
+            self._stashed.pop(gidx, None)
+            cleared = True
+        self._cleared = cleared
 
     def _on_grad(self, gidx: int) -> None:
         """Post-accumulate-grad hook: pack the gradient into its bucket; launch the buckets that are full."""
         if not self._round:
-            self._round = True
+            self._begin_round()
             torch.autograd.Variable._execution_engine.queue_callback(_end_of_backward(weakref.ref(self)))
+        self._stashed.pop(gidx, None)  # backward added into it: the gradient is this backward's now
         b, k = self._slot[gidx]
         if b.work is not None:  # reduced already in this round (a second backward inside this one)
             return
@@ -871,8 +938,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         if b.staging is None:
             b.staging = torch.zeros(b.size, dtype=b.dtype, device=b.device)
         g = p.grad
+        if b.bounds is not None:
+            b.staging.view(len(b.bounds) - 1, b.numel + 2)[:, b.numel + 1] = float(self._cleared)
         if g is not None and b.bounds is not None:  # block r: range r of the gradient, then its count
-            flat, blocks = g.reshape(-1), b.staging.view(len(b.bounds) - 1, b.numel + 1)
+            flat, blocks = g.reshape(-1), b.staging.view(len(b.bounds) - 1, b.numel + 2)
             for r, (lo, hi) in enumerate(zip(b.bounds, b.bounds[1:])):
                 blocks[r, :hi - lo].add_(flat[lo:hi], alpha=self._inv_world)
             blocks[:, b.numel] = 1
@@ -892,7 +961,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         if b.staging is None:
             b.staging = torch.zeros(b.size, dtype=b.dtype, device=b.device)
         if b.bounds is not None:
-            b.recv = torch.empty(b.numel + 1, dtype=b.dtype, device=b.device)
+            b.recv = torch.empty(b.numel + 2, dtype=b.dtype, device=b.device)
             b.work = collective("reduce_scatter_single", "reduce_scatter_tensor")(
                 b.recv, b.staging, group=self._pg, async_op=True)
         elif self.partition_grad:
@@ -909,8 +978,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def _complete(self, b: _Bucket) -> None:
         b.work.wait()
-        if b.bounds is not None:
-            b.acc = b.recv if b.acc is None else b.acc.add_(b.recv)
+        if b.bounds is not None:  # a vote (recv's last element) resets the sum so far, on the device
+            got, votes = b.recv[:-1], b.recv[-1:]
+            b.acc = got if b.acc is None else b.acc.mul_(votes == 0).add_(got)
             b.recv = None
         elif self.partition_grad:
             if b.owner == self.rank:
@@ -932,7 +1002,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     def _flush(self) -> None:
         """Finish the round: pack what the hooks did not (hand-set or missing gradients), reduce every bucket
         not reduced yet, wait for all, and expose the owner's accumulated gradients (ZeRO-2)."""
-        self._round = True
+        if not self._round:
+            self._begin_round()
         for b in self._red[self._next:]:
             for k in range(len(b.params)):
                 if not b.filled[k]:
@@ -946,6 +1017,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             b.reset_round()
         self._next = 0
         self._round = False
+        self._cleared = False
         if self.partition_grad:
             mine = [b for b in self._red if b.owner == self.rank and b.acc is not None]
             # Params that got a gradient on no rank keep `.grad = None`. The counts are read back (one host sync
@@ -987,6 +1059,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             return
         if not self._ddp_checked:
             self._check_no_ddp()
+        for gidx, v in self._stashed.items():  # detached by a tensor hook no accumulation followed
+            if self._params[gidx].grad is None and self._views.get(gidx) is v:
+                self._params[gidx].grad = v
+        self._stashed = {}
         if self._round:
             self._flush()
         if self.partition_grad:
@@ -1048,8 +1124,12 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                     continue
                 has = b.counts(b.acc) if not all(b.seen) else b.seen
                 for k, gidx in enumerate(b.gidx):
+                    v = self._views.get(gidx)
+                    if b.bounds is None and v is not None and self._params[gidx].grad is not v \
+                            and self._stashed.get(gidx) is not v:
+                        continue  # cleared since it was exposed (model.zero_grad()): nothing to carry
                     if has[k] and self._params[gidx].requires_grad:
-                        carry[gidx] = self._views.get(gidx)
+                        carry[gidx] = v
                         if carry[gidx] is None:  # summed, not exposed (zero_grad(set_to_none=False) zeroed it)
                             a, c = self._range(gidx) if b.bounds is not None else (0, self._params[gidx].numel())
                             carry[gidx] = b.slot(b.acc, k) if b.bounds is None else b.acc[:c - a]
