@@ -1109,7 +1109,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             raise RuntimeError(
                 f"{_NAME}(partition_grad=True): params {shown} (the wrapper's order) got a gradient after backward "
                 "had handed theirs to the wrapper, which reduces and frees them as backward runs. A gradient set by "
-                "hand replaces a backward pass (call zero_grad() first); it cannot follow one.")
+                "hand replaces a backward pass (call the wrapper's zero_grad() first); it cannot follow one.")
 
     @torch.no_grad()
     def _rebuild(self) -> None:
