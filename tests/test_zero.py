@@ -1135,6 +1135,15 @@ def _bad_input(rank, world, case):
         with pytest.raises(ValueError, match=r"param \d is declared a shard of a larger tensor .*wrapping Adafactor"):
             ZeroRedundancyOptimizer(make_opt("Adafactor", model))
         return type(ZeroRedundancyOptimizer(make_opt("AdamW", model))).__name__
+    elif case == "hyper":  # an lr that differs on one rank, at construction and in add_param_group
+        mats, vecs = model.groups()
+        lr = 2e-2 if rank == 3 else 1e-2
+        with pytest.raises(ValueError, match=r"param_groups\[0\]\['lr'\] is 0.0[12] on rank \d and 0.0[12] on"):
+            ZeroRedundancyOptimizer(torch.optim.AdamW(mats, lr=lr))
+        opt = ZeroRedundancyOptimizer(torch.optim.AdamW(mats, lr=1e-2))
+        with pytest.raises(ValueError, match=r"param_groups\[1\]\['weight_decay'\] is"):
+            opt.add_param_group({"params": vecs, "weight_decay": 0.1 * (rank == 0)})
+        return len(opt.param_groups)
     elif case == "group_type":
         opt = ZeroRedundancyOptimizer(make_opt("AdamW", model))
         with pytest.raises(TypeError, match="process_group=str"):
@@ -1143,9 +1152,11 @@ def _bad_input(rank, world, case):
     return "ok"
 
 
-@pytest.mark.parametrize("case", ["values", "shapes", "group", "group_type", "declared"])
+@pytest.mark.parametrize("case", ["values", "shapes", "group", "group_type", "declared", "hyper"])
 def test_bad_input_distributed(pool, case):
     results = pool.run(_bad_input, case)
+    if case == "hyper":
+        assert results == [1] * WORLD  # the refused group was not added
     if case == "group":
         assert results[2] == results[3] == "refused"
         assert all(torch.equal(a, b) for a, b in zip(results[0], results[1]))

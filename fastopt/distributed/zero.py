@@ -326,7 +326,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         bucket_size_mb: upper bound of one flat communication bucket, in MiB.
 
     Construction is collective: it checks that every rank passes the same params (count, shapes, dtypes and
-    values) and raises the same `ValueError` on every rank when they differ.
+    values) and the same hyperparameters (all but tensor values; `add_param_group` checks its group too), and
+    raises the same `ValueError` on every rank when they differ.
 
     Partition. A trainable param p is split when all of these hold: p.numel() > ceil(T / world), where T is the
     trainable numel of all the wrapper's params; p.numel() >= world * 4096; p is contiguous; and the optimizer
@@ -364,7 +365,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         params = [p for g in optimizer.param_groups for p in g["params"]]
         self._check_params(params, optimizer)
         if self.world_size > 1:
-            self._check_replicas(params, optimizer, [len(g["params"]) for g in optimizer.param_groups])
+            self._check_replicas(params, optimizer, [len(g["params"]) for g in optimizer.param_groups],
+                                 optimizer.param_groups)
 
         self._params: list[Tensor] = []
         self._gidx: dict[int, int] = {}
@@ -440,15 +442,24 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             raise ValueError(f"{_NAME}: process_group uses gloo, which cannot reduce CUDA tensors "
                              "(partition_grad=True); pass an nccl group")
 
-    def _check_replicas(self, params: list[Tensor], optimizer, group_sizes: list[int]) -> None:
-        """Same params on every rank (count, groups, shapes, dtypes, values), else ValueError on every rank."""
+    def _check_replicas(self, params: list[Tensor], optimizer, group_sizes: list[int], groups: list[dict],
+                        first: int = 0) -> None:
+        """Same params on every rank (count, groups, shapes, dtypes, values) and the same hyperparameters in
+        `groups` (all but tensor values; `first`: the index of groups[0]), else ValueError on every rank."""
         meta = (type(optimizer).__name__, group_sizes,
-                [(tuple(p.shape), str(p.dtype), bool(p.requires_grad)) for p in params])
+                [(tuple(p.shape), str(p.dtype), bool(p.requires_grad)) for p in params],
+                [sorted((k, repr(v)) for k, v in g.items() if k not in _NOT_HYPER and not isinstance(v, Tensor))
+                 for g in groups])
         metas: list = [None] * self.world_size
         dist.all_gather_object(metas, meta, group=self._pg)
         for r, m in enumerate(metas):
             if m == meta:
                 continue
+            if m[:3] == meta[:3]:
+                gi, (k, v), (_, mine) = next((gi, a, b) for gi, (x, y) in enumerate(zip(m[3], meta[3]))
+                                             for a, b in zip(x, y) if a != b)
+                raise ValueError(f"{_NAME}: param_groups[{first + gi}][{k!r}] is {v} on rank {r} and {mine} on rank "
+                                 f"{self.rank}: every rank must step with the same hyperparameters")
             if m[0] != meta[0] or m[1] != meta[1]:
                 raise ValueError(f"{_NAME}: rank {r} wraps {m[0]} with param groups of sizes {m[1]}, rank "
                                  f"{self.rank} wraps {meta[0]} with {meta[1]}: every rank must pass the same "
@@ -767,7 +778,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         params = [params] if isinstance(params, Tensor) else list(params)
         self._check_params(params, self.optim)
         if self.world_size > 1:
-            self._check_replicas(params, self.optim, [len(params)])
+            self._check_replicas(params, self.optim, [len(params)], [param_group], len(self.param_groups))
         self._assign(params, self.world_size > 1 and _can_split(self.optim))
         super().add_param_group({**param_group, "params": params})
         gi = len(self.param_groups) - 1
