@@ -768,20 +768,27 @@ def test_ddp_wrapped_model_is_refused_on_every_rank(pool, partition_grad, overla
 
 def _late_grad(rank, world, overlap):
     """ZeRO-2: gradients set by hand after a backward pass (on every rank) are refused on every rank, the owners'
-    too; after zero_grad() the same gradients set by hand are reduced and stepped."""
+    too; after zero_grad(), gradients set by hand (fresh, full rank, a different one on each rank) are averaged
+    and stepped like one process stepping on their mean, over several steps."""
     ref_model, ref_opt, model, opt, init = _ref_and_zero("AdamW", True, overlap)
     x, y = batch(0, world)
     _local_backward(model, x, y, rank, 1, False)
-    grads = [torch.full_like(p, 0.1) for p in model.parameters()]
-    for p, g in zip(model.parameters(), grads):
-        p.grad = g.clone()
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
     with pytest.raises(RuntimeError, match=r"got a gradient after backward had handed theirs to the wrapper"):
         opt.step()
-    opt.zero_grad()
-    for p, r, g in zip(model.parameters(), ref_model.parameters(), grads):
-        p.grad, r.grad = g.clone(), g.clone()
-    opt.step()
-    ref_opt.step()
+    for step in range(4):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        per_rank = []
+        for r in range(world):
+            g = torch.Generator().manual_seed(100 * step + r)
+            per_rank.append([torch.randn(p.shape, generator=g, dtype=p.dtype) for p in model.parameters()])
+        for k, (p, q) in enumerate(zip(model.parameters(), ref_model.parameters())):
+            p.grad = per_rank[rank][k].clone()
+            q.grad = sum(gs[k] for gs in per_rank) / world
+        opt.step()
+        ref_opt.step()
     return rel_update_error(list(model.parameters()), list(ref_model.parameters()), init)
 
 

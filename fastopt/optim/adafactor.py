@@ -1,8 +1,6 @@
 """fastopt.Adafactor: transformers' Adafactor, fused (math: fastopt/reference/adafactor.py)."""
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .. import ops
@@ -95,23 +93,24 @@ class Adafactor(FastOptimizer):
         without relative_step), times max(eps[1], RMS of the param) with scale_parameter. The RMS is of the
         param as it is now, over all its shards (a collective for a sharded param: every rank must call it, as
         every rank steps its scheduler); transformers' is from before the last step, an O(lr) difference."""
-        t = max(1.0, float(param_state["step"])) if "step" in param_state else 1.0
-        rel = param_group["lr"]
-        if param_group["relative_step"]:
-            rel = min(1e-6 * t if param_group["warmup_init"] else 1e-2, 1.0 / math.sqrt(t))
-        if not param_group["scale_parameter"]:
-            return rel
-        p = next((q for q in param_group["params"] if self.state.get(q) is param_state), param_group["params"][0])
-        lay = self._layout(p)
-        x = local(p).detach()
-        if lay is None:
-            sq, n = x.double().square().sum(), x.numel()
-        else:
-            sq = lay.local_view(x).double().square().sum().reshape(1)
-            lay.reduce(sq)
-            n = lay.numel
-        rms = math.sqrt(float(sq) / n) if n else 0.0
-        return max(param_group["eps"][1], rms) * rel
+        from ..reference.adafactor import step_size
+        step = param_state.get("step")
+        t = torch.ones((), dtype=torch.float64) if step is None else local(step).detach().double().cpu().clamp(min=1)
+        sq, n = torch.zeros((), dtype=torch.float64), 1
+        if param_group["scale_parameter"]:
+            p = next((q for q in param_group["params"] if self.state.get(q) is param_state),
+                     param_group["params"][0])
+            lay, x = self._layout(p), local(p).detach()
+            if lay is None:
+                sq, n = x.double().square().sum(), max(1, x.numel())
+            else:
+                sq = lay.local_view(x).double().square().sum().reshape(1)
+                lay.reduce(sq)
+                n = max(1, lay.numel)
+        lr = self._values(param_group, ("lr",))["lr"]
+        return float(step_size(t, sq.cpu().reshape(()), n, lr=lr, eps2=param_group["eps"][1],
+                               relative_step=param_group["relative_step"], warmup_init=param_group["warmup_init"],
+                               scale_parameter=param_group["scale_parameter"]))
 
     def _state_spec(self, p, group):
         """Row and column factors span the whole (global) matrix, identical on every rank that holds a piece
