@@ -50,8 +50,12 @@ def use_triton(t: torch.Tensor) -> bool:
         return True
     if t.device.type == "cpu" and interpreting():
         return True
-    raise RuntimeError(f"FASTOPT_BACKEND=triton cannot run on {t.device.type} tensors: on CPU set "
-                       "TRITON_INTERPRET=1 before Python starts (Triton's interpreter), or use FASTOPT_BACKEND=torch")
+    if t.device.type == "cpu":
+        raise RuntimeError("FASTOPT_BACKEND=triton cannot run on cpu tensors without Triton's interpreter: set "
+                           "TRITON_INTERPRET=1 before Python starts, or use FASTOPT_BACKEND=torch")
+    raise RuntimeError(f"FASTOPT_BACKEND=triton runs Triton kernels on cuda tensors (and cpu ones under "
+                       f"TRITON_INTERPRET=1), not on {t.device.type} tensors: use FASTOPT_BACKEND=auto or torch, "
+                       f"which step them with the torch reference")
 
 
 def _dense(params: list, grads: list) -> tuple[list, list]:

@@ -248,6 +248,36 @@ def test_param_dtype_changed_between_steps_is_refused(case, reloaded, backend, d
                for p in ps for k, v in fresh.state[p].items())
 
 
+@pytest.mark.parametrize("case", list(CASES))
+def test_param_dtype_changed_after_state_dict_before_any_step(case, backend, device):
+    """state_dict() before the first step makes zero state (kept, as torch's DCP does); model.double() after it
+    (p.data replaced by an fp64 copy) then steps like an optimizer built on the fp64 params, as torch's AdamW
+    takes it. Once a step has run, or the state was loaded, a change is refused (the tests above)."""
+    ps = make_params(device, F32)
+    opt = make(case, ps)
+    sd = opt.state_dict()
+    assert len(sd["state"]) == len(ps)
+    for p in ps:
+        p.data = p.data.double()
+    ref_ps = make_params(device, F64)
+    ref = make(case, ref_ps)
+    run(opt, ps, range(3))
+    run(ref, ref_ps, range(3))
+    assert_same(opt, ref)
+    assert all(v.dtype in (F64, torch.uint8) or k == "step" or "absmax" in k
+               for p in ps for k, v in opt.state[p].items())
+    # state_dict() before the first step, then a step: the state is the optimizer's own now, and is kept
+    ps = make_params(device, F32)
+    opt = make(case, ps)
+    opt.state_dict()
+    run(opt, ps, range(1))
+    for p in ps:
+        p.data = p.data.double()
+    set_grads(ps, 1)
+    with pytest.raises(ValueError, match=r"is now torch.float64 of shape"):
+        opt.step()
+
+
 # ---- 3. CAME: lr 0 in groups ------------------------------------------------------------------------------------
 def test_came_groups_take_lr_zero_the_constructor_does_not(backend, device, monkeypatch):
     """A warm-up from 0 (LambdaLR t/4) then a cosine to 0 (CosineAnnealingLR, eta_min=0), against the
@@ -464,6 +494,28 @@ def test_lr_tensor_off_the_host_is_refused(case):
     with pytest.raises(ValueError, match=re.escape(f"{name}: param_groups[0]['lr']=") + ".*host sync"):
         opt.step()
     assert_unchanged(opt, before)
+
+
+@pytest.mark.parametrize("forced", ["auto", "torch", "triton"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_meta_params_step_as_torch_adamw_steps_them(case, forced, monkeypatch):
+    """Shape-only dry runs on the meta device (torch.optim.AdamW steps them): the torch reference steps them, state
+    on meta; FASTOPT_BACKEND=triton refuses them, pointing to auto/torch (not to
+    TRITON_INTERPRET, which does not help). AdamW8bit's extension has meta kernels and steps them either way."""
+    monkeypatch.setenv("FASTOPT_BACKEND", forced)
+    ps = [torch.empty(s, device="meta", dtype=F64, requires_grad=True) for s in SHAPES]
+    opt = make(case, ps)
+    for p in ps:
+        p.grad = torch.empty_like(p)
+    if forced == "triton" and case != "adamw8bit":
+        with pytest.raises(RuntimeError, match="not on meta tensors: use FASTOPT_BACKEND=auto or torch"):
+            opt.step()
+        return
+    opt.step()
+    opt.step()
+    devices = {v.device.type for st in opt.state.values() for v in st.values()}
+    assert devices == {"meta"} and len(opt.state) == len(ps)
+    assert sorted(opt.state_dict()["state"]) == list(range(len(ps)))
 
 
 # ---- 7. duplicate params ------------------------------------------------------------------------------------------

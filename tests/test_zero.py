@@ -948,6 +948,27 @@ def test_frozen_params_do_not_count_in_the_balance():
 
 
 # ---- state_dict ------------------------------------------------------------------------------------------
+def _rewrapped(rank, world, partition_grad, overlap):
+    """A second wrapper built over the same params while the first is still alive (a notebook cell run twice, a
+    scheduler still holding the first): the newer one trains like one process (the older one's hooks no longer
+    act), and stepping the older one is refused on every rank, naming why."""
+    ref_model, ref_opt, model, old, init = _ref_and_zero("AdamW", partition_grad, overlap)
+    opt = ZeroRedundancyOptimizer(make_opt("AdamW", model), partition_grad=partition_grad,
+                                  overlap_communication=overlap, bucket_size_mb=BUCKET_MB)
+    ours, ref = _continue(model, opt, rank, world, 0, 4), _reference(ref_model, ref_opt, world, 0, 4)
+    err = rel_update_error(ours, ref, init)
+    with pytest.raises(RuntimeError, match=r"param #0 \(11, 6\) .* is managed by a newer ZeroRedundancyOptimizer"):
+        old.step()
+    return err
+
+
+@pytest.mark.parametrize("partition_grad, overlap", [(False, False), (False, True), (True, False), (True, True)],
+                         ids=["zero1", "zero1-overlap", "zero2", "zero2-overlap"])
+def test_a_second_wrapper_over_the_same_params(pool, partition_grad, overlap):
+    for err in pool.run(_rewrapped, partition_grad, overlap):
+        assert err <= TOL[DT], err
+
+
 def _continue(model, opt, rank, world, first, last, partition_grad=True):
     for step in range(first, last):
         x, y = batch(step, world, n_in=getattr(model, "N_IN", 11))
@@ -1151,6 +1172,15 @@ def _bad_input(rank, world, case):
         with pytest.raises(ValueError, match=r"param_groups\[1\]\['weight_decay'\] is"):
             opt.add_param_group({"params": vecs, "weight_decay": 0.1 * (rank == 0)})
         return len(opt.param_groups)
+    elif case == "sparse":  # nn.Embedding(sparse=True) under torch's SGD (which steps sparse gradients)
+        torch.manual_seed(0)
+        emb = torch.nn.Embedding(10, 4, sparse=True).to(DT)
+        for pg in (False, True):
+            opt = ZeroRedundancyOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1), partition_grad=pg)
+            with pytest.raises(RuntimeError, match=r"param #0 \(10, 4\) .*has a torch.sparse_coo gradient"):
+                emb(torch.tensor([rank, rank + 1])).sum().backward()
+                opt.step()
+        return "refused"
     elif case == "group_type":
         opt = ZeroRedundancyOptimizer(make_opt("AdamW", model))
         with pytest.raises(TypeError, match="process_group=str"):
@@ -1159,9 +1189,11 @@ def _bad_input(rank, world, case):
     return "ok"
 
 
-@pytest.mark.parametrize("case", ["values", "shapes", "group", "group_type", "declared", "hyper"])
+@pytest.mark.parametrize("case", ["values", "shapes", "group", "group_type", "declared", "hyper", "sparse"])
 def test_bad_input_distributed(pool, case):
     results = pool.run(_bad_input, case)
+    if case == "sparse":
+        assert results == ["refused"] * WORLD
     if case == "hyper":
         assert results == [1] * WORLD  # the refused group was not added
     if case == "group":

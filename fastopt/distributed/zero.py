@@ -69,7 +69,9 @@ The wrapper is the data-parallel reduction: a model also wrapped in DistributedD
 first `step()` or `clip_grad_norm_()`, on every rank), as its gradients would be reduced twice and DDP's writes
 of its averaged gradients race with the wrapper's (measured: ZeRO-2 37% off, ZeRO-1 with overlap 1.7-5.1% off).
 Under ZeRO-2, a gradient written after backward handed it to the wrapper (set by hand after a backward pass) is
-refused likewise, instead of being counted on top of it.
+refused likewise, instead of being counted on top of it. A second wrapper built over the same params while the
+first is alive takes them over (`_CLAIMS`): the first one's hooks stop acting on them, and its `step()` and
+`clip_grad_norm_()` are refused (on every rank: all build them in the same order). Sparse gradients are refused.
 
 Like DDP, every rank must run the same sequence: the same backward passes over the same params, and every
 `step()`, `clip_grad_norm_()`, consolidated `state_dict()` and `add_param_group()` together. A parameter that
@@ -122,6 +124,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import checkpoint as ckpt
 from .layout import collective, layout_of
@@ -129,6 +132,9 @@ from .layout import collective, layout_of
 __all__ = ["ZeroRedundancyOptimizer"]
 
 _NAME = "ZeroRedundancyOptimizer"
+# param -> weakref of the newest wrapper built over it: an older wrapper still alive over the same params (a
+# notebook cell run twice, a scheduler holding it) leaves them alone, and refuses to step.
+_CLAIMS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _NOT_HYPER = ("params", "param_names")
 # A split param's ranges start at multiples of this many elements: every 8-bit block size (a power of two up to
 # 4096) then cuts the pieces into the blocks of the whole param.
@@ -289,7 +295,7 @@ def _same(a, b) -> bool:
 def _hook_post(ref, gidx):
     def hook(_p):
         z = ref()
-        if z is not None:
+        if z is not None and not z._superseded(gidx):
             z._on_grad(gidx)
     return hook
 
@@ -297,15 +303,15 @@ def _hook_post(ref, gidx):
 def _hook_pre(ref, gidx):
     def hook(_grad):
         z = ref()
-        if z is not None:
+        if z is not None and not z._superseded(gidx):
             z._detach_exposed(gidx)
     return hook
 
 
-def _hook_mark(ref):
+def _hook_mark(ref, gidx):
     def hook(_p):
         z = ref()
-        if z is not None:
+        if z is not None and not z._superseded(gidx):
             z._synced = False
     return hook
 
@@ -394,6 +400,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._synced = False
         self._handles: list = []
         self._build()
+        self._claim(self._params)
 
     # ---- construction helpers --------------------------------------------------------------------
     @staticmethod
@@ -708,7 +715,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             if hooks_reduce:
                 self._handles.append(p.register_post_accumulate_grad_hook(_hook_post(ref, i)))
             else:
-                self._handles.append(p.register_post_accumulate_grad_hook(_hook_mark(ref)))
+                self._handles.append(p.register_post_accumulate_grad_hook(_hook_mark(ref, i)))
             if self.partition_grad and self._owner[i] == self.rank and i not in self._split:
                 self._handles.append(p.register_hook(_hook_pre(ref, i)))
 
@@ -751,6 +758,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             b.acc, b.seen = acc, seen
         for gidx in exposed:  # the owner's .grad: a view of the accumulator again, not a copy of one
             self._expose(gidx)
+        self._claim(self._params)
 
     # ---- torch.optim.Optimizer surface -------------------------------------------------------------
     @property
@@ -787,6 +795,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._restrict_inner_group(gi)
         self.param_groups[gi] = self._wrap_group(full, gi)
         self._rebuild()  # carries ZeRO-2's sums and views over, and redoes ZeRO-1's reduction
+        self._claim(params)
 
     def _push_hyper(self) -> None:
         """The wrapper's hyperparameters into the wrapped optimizer's groups; one set there directly since the
@@ -949,6 +958,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         if b.staging is None:
             b.staging = torch.zeros(b.size, dtype=b.dtype, device=b.device)
         g = p.grad
+        if g is not None and g.layout != torch.strided:  # the same on every rank: a property of the model
+            raise RuntimeError(f"{_NAME}: param #{b.gidx[k]} {tuple(p.shape)} (the wrapper's order) has a "
+                               f"{g.layout} gradient (nn.Embedding(sparse=True)?); the wrapper averages dense "
+                               "gradients: make it dense (sparse=False)")
         if b.bounds is not None:
             b.staging.view(len(b.bounds) - 1, b.numel + 2)[:, b.numel + 1] = float(self._cleared)
         if g is not None and b.bounds is not None:  # block r: range r of the gradient, then its count
@@ -1066,6 +1079,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
     def _reduce_grads(self) -> None:
         """Make the gradients averaged (ZeRO-1) / owned and averaged (ZeRO-2), whatever produced them."""
+        self._check_newest()
         if self.world_size == 1:
             return
         if not self._ddp_checked:
@@ -1086,6 +1100,25 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 self._flush()
         elif not self._synced:
             self._flush()
+
+    def _claim(self, params: list[Tensor]) -> None:
+        ref = weakref.ref(self)
+        for p in params:
+            _CLAIMS[p] = ref
+
+    def _superseded(self, gidx: int) -> bool:
+        """Whether a newer wrapper, still alive, was built over param gidx."""
+        ref = _CLAIMS.get(self._params[gidx])
+        z = ref() if ref is not None else None
+        return z is not None and z is not self
+
+    def _check_newest(self) -> None:
+        newer = [i for i in range(len(self._params)) if self._superseded(i)]
+        if newer:
+            i = newer[0]
+            raise RuntimeError(f"{_NAME}: param #{i} {tuple(self._params[i].shape)} (the wrapper's order) is managed "
+                               f"by a newer {_NAME} built over the same params since this one; step that one "
+                               "(this one's hooks no longer act on them)")
 
     def _check_no_ddp(self) -> None:
         """Refuse params that a DistributedDataParallel module reduces too (looked for once, at the first step or

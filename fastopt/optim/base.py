@@ -143,6 +143,7 @@ class FastOptimizer(torch.optim.Optimizer):
         its declaration, and the optimizer's own cache of them is not copied, so a copy would otherwise step its
         pieces as whole tensors. Layouts are shared by `copy.deepcopy` and refuse to pickle (process groups)."""
         state = super().__getstate__()
+        state.pop("_unstepped", None)  # the copy's state dicts are new: its zero state is not known to be unstepped
         from ..distributed.layout import _ATTR
         declared = [None if ckpt.is_dtensor(p) or self._layout(p) is None else
                     (self._layout(p), getattr(p, _ATTR, None) is self._layout(p))
@@ -156,6 +157,7 @@ class FastOptimizer(torch.optim.Optimizer):
         kernels' plans of groups that are gone with their scratch buffers, the layout signatures); the declared
         layouts of a copy are given to its params (`__getstate__`)."""
         state = dict(state)
+        self.__dict__.pop("_unstepped", None)
         declared = state.pop("_fastopt_layouts", None)
         defaults = state.get("defaults", self.__dict__.get("defaults", {}))
         differentiable = "differentiable" in defaults
@@ -329,6 +331,9 @@ class FastOptimizer(torch.optim.Optimizer):
                     if k != "step" and isinstance(v, Tensor)}
             want = {k: (tuple(s), d, dev) for k, (s, d) in spec.items()}
             if have == want:
+                continue
+            if self.__dict__.get("_unstepped", {}).get(id(p)) is st:
+                st.clear()  # zero state state_dict() made before any step: made again for the param as it is now
                 continue
             n = self._name
             pw = f"{where}['params'][{pi}]"
@@ -505,6 +510,7 @@ class FastOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._check_grads()
+        self.__dict__.pop("_unstepped", None)
         scalers: dict = {}
         for group in self.param_groups:
             for (device, _dtype, group_key), params in self._buckets(group["params"]).items():
@@ -548,7 +554,10 @@ class FastOptimizer(torch.optim.Optimizer):
                 if (p in self.state and self.state[p]) or (p.requires_grad and p.numel() > 0
                                                            and self._state_known(p, group)):
                     # A trainable param without state gets its zero state here, kept (as torch's DCP makes it with
-                    # a step at lr=0): DCP's flattened form rebuilds a param's state from the keys it has.
+                    # a step at lr=0): DCP's flattened form rebuilds a param's state from the keys it has. Until a
+                    # step, it is made again if the param changes (`model.double()`; torch's AdamW takes that).
+                    if not self.state.get(p):
+                        self.__dict__.setdefault("_unstepped", {})[id(p)] = self.state[p]
                     state[index] = ckpt.export_state(self._init_state(p, group), quantized, force)
                 index += 1
         sd = {"state": state, "param_groups": groups}
