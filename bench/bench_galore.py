@@ -9,7 +9,8 @@ Rows:
 
 - `galore-r<rank>`: steps without an SVD (update_proj_gap 10**9: the bases come from the untimed first step).
   The issue's target (H100): fastopt at least 3x galore-torch here.
-- `galore8-r<rank>`: the 8-bit variants on steps without an SVD (galore-torch's uses bitsandbytes).
+- `galore8-r<rank>`: the 8-bit variants on steps without an SVD (galore-torch's uses bitsandbytes' CUDA
+  kernels: a `skipped` row on CPU).
 
 The untimed first step of every row computes its bases with a stand-in for `torch.linalg.svd` (orthonormal
 factors from two QR factorizations, `standin_svd`), in both implementations: the timed steps do the same
@@ -48,6 +49,7 @@ HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01)
 RANKS = (128, 1024)
 PROJECTED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 NO_REFRESH = 10 ** 9
+NEEDS_CUDA_8BIT = "needs CUDA (bitsandbytes' 8-bit kernels)"
 
 
 def _rank(args, pset, rank) -> int:
@@ -167,10 +169,15 @@ def run(args) -> list[dict]:
                     lambda ps, r=rank: fastopt.GaLoreAdamW8bit(_groups(pset, ps, r, NO_REFRESH), **HYPER),
                     min_bytes=mb8, kernel_bytes=kb8, ours=True, backend=_backend, first=first,
                     notes=note + "; 8-bit m, v (blocks of 256, >= 4096 elements)"))
-                ref8 = _Galore(pset, rank, NO_REFRESH, eight=True)
-                out.append(ref8.fix(common.measure(args, f"galore8-{label}", "galore-torch GaLoreAdamW8bit", pset,
-                                                   dtype, ref8.make, min_bytes=mb8, step=ref8.step,
-                                                   backend="bitsandbytes", first=first, notes=note)))
+                if torch.device(args.device).type != "cuda":  # its step asserts CUDA (bitsandbytes' kernels)
+                    out.append(common.skipped(args, f"galore8-{label}", "galore-torch GaLoreAdamW8bit", pset, dtype,
+                                              NEEDS_CUDA_8BIT, backend="bitsandbytes", notes=note,
+                                              min_bytes_per_param=mb8 / pset.n_params))
+                else:
+                    ref8 = _Galore(pset, rank, NO_REFRESH, eight=True)
+                    out.append(ref8.fix(common.measure(args, f"galore8-{label}", "galore-torch GaLoreAdamW8bit",
+                                                       pset, dtype, ref8.make, min_bytes=mb8, step=ref8.step,
+                                                       backend="bitsandbytes", first=first, notes=note)))
     return out
 
 

@@ -68,6 +68,7 @@ RESULTS_DIR = BENCH_DIR / "results"
 QUANTILES = (0.2, 0.5, 0.8)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+CPU_NOTE = "CPU numbers at reduced sizes: they prove the harness runs, not GPU speed."  # JSON, console
 
 FIELDS = (
     "bench", "impl", "ours", "set", "set_label", "n_params", "n_tensors", "dtype", "device", "backend", "status",
@@ -396,10 +397,11 @@ def machine_info(args) -> dict:
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         props = torch.cuda.get_device_properties(device)
-        extra = dict(sm_count=props.multi_processor_count, memory_gib=round(props.total_memory / 2**30, 1))
+        extra = dict(sm_count=props.multi_processor_count, memory_gib=round(props.total_memory / 2**30, 1),
+                     cpu_threads=None)
     else:
         name = platform.processor() or platform.machine()
-        extra = dict(cpu_count=os.cpu_count())
+        extra = dict(cpu_count=os.cpu_count(), cpu_threads=torch.get_num_threads())
     try:
         import triton
         triton_v = triton.__version__
@@ -640,7 +642,7 @@ def write_outputs(results: list[dict], args, name: str, *, machine: dict | None 
                              scale=args.scale, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, copy_mb=args.copy_mb),
                fields=list(FIELDS), results=results, targets=targets(results))
     if machine["cpu_numbers"]:
-        doc["note"] = "CPU numbers at reduced sizes: they prove the harness runs, not GPU speed."
+        doc["note"] = CPU_NOTE
     paths = {"json": out / f"{stem}.json", "md": out / f"{stem}.md"}
     paths["json"].write_text(json.dumps(doc, indent=1) + "\n")
     paths["md"].write_text(markdown_table(results, machine, copy, title=f"fastopt benchmark: {name}"))
@@ -655,29 +657,75 @@ def _csv(s: str) -> list[str]:
     return [x.strip() for x in s.split(",") if x.strip()]
 
 
+def _csv_of(choices) -> Callable[[str], list[str]]:
+    """argparse type: a comma-separated, non-empty list of names from `choices`."""
+    def parse(s: str) -> list[str]:
+        items = _csv(s)
+        if not items:
+            raise argparse.ArgumentTypeError(f"{s!r}: give at least one of {', '.join(choices)}")
+        for x in items:
+            if x not in choices:
+                raise argparse.ArgumentTypeError(f"{x!r} is not one of {', '.join(choices)}")
+        return items
+    return parse
+
+
+def _number(kind: type, lo: float, hi: float | None = None, *, lo_open: bool = False,
+            why: str = "") -> Callable[[str], float]:
+    """argparse type: a finite `kind` (int or float) >= lo (> lo with `lo_open`) and <= hi. A bad value is an
+    argparse error (exit code 2) that names the flag, the value and the range."""
+    rng = (f"in [{lo:g}, {hi:g}]" if hi is not None else f"{'>' if lo_open else '>='} {lo:g}") + why
+
+    def parse(s: str):
+        try:
+            x = kind(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{s}: not {'an integer' if kind is int else 'a number'}, must be "
+                                             f"{rng}") from None
+        if not (math.isfinite(x) and (x > lo if lo_open else x >= lo) and (hi is None or x <= hi)):
+            raise argparse.ArgumentTypeError(f"{s}: must be {rng}")
+        return x
+    return parse
+
+
+def _device(s: str) -> str:
+    try:
+        kind = torch.device(s).type
+    except RuntimeError:
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"{s!r}: must be cpu or cuda (cuda:N)")
+    return s
+
+
 def parser(description: str = "fastopt benchmark") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description)
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    p.add_argument("--sets", type=_csv, default=["7b", "1b"], help="parameter sets: 7b,1b")
-    p.add_argument("--dtypes", type=_csv, default=["fp32", "bf16"], help="param dtypes: fp32,bf16[,fp16]")
-    p.add_argument("--layers-7b", type=int, default=None,
-                   help="decoder layers of the 7B set (of 32; default 4 on CUDA, 1 on CPU)")
-    p.add_argument("--layers-1b", type=int, default=None, help="decoder layers of the 1B set (of 22; default 22 "
-                   "on CUDA, 1 on CPU)")
-    p.add_argument("--scale", type=int, default=None, help="divide every dimension by this (default 1 on CUDA, "
-                   "16 on CPU)")
-    p.add_argument("--warmup-ms", type=float, default=None, help="warm-up per timing (default 50 CUDA, 20 CPU)")
-    p.add_argument("--rep-ms", type=float, default=None, help="timed time per measurement (default 300 CUDA, "
-                   "200 CPU)")
-    p.add_argument("--copy-mb", type=int, default=None, help="copy-bandwidth buffer, MiB (default 2048 CUDA, 64 CPU)")
+    n7, n1 = LLAMA_7B.layers, LLAMA_1B.layers
+    p.add_argument("--device", type=_device, default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--sets", type=_csv_of(MODELS), default=["7b", "1b"], help="parameter sets: 7b,1b")
+    p.add_argument("--dtypes", type=_csv_of(DTYPES), default=["fp32", "bf16"],
+                   help="param dtypes: fp32,bf16[,fp16,fp64]")
+    p.add_argument("--layers-7b", type=_number(int, 1, n7, why=f" (the 7B set has {n7} layers)"), default=None,
+                   help=f"decoder layers of the 7B set (1 to {n7}; default 4 on CUDA, 1 on CPU)")
+    p.add_argument("--layers-1b", type=_number(int, 1, n1, why=f" (the 1B set has {n1} layers)"), default=None,
+                   help=f"decoder layers of the 1B set (1 to {n1}; default {n1} on CUDA, 1 on CPU)")
+    p.add_argument("--scale", type=_number(int, 1), default=None, help="divide every dimension by this, >= 1 "
+                   "(default 1 on CUDA, 16 on CPU)")
+    p.add_argument("--warmup-ms", type=_number(float, 0), default=None,
+                   help="warm-up per timing, >= 0 (default 50 CUDA, 20 CPU)")
+    p.add_argument("--rep-ms", type=_number(float, 0, lo_open=True), default=None,
+                   help="timed time per measurement, > 0 (default 300 CUDA, 200 CPU)")
+    p.add_argument("--copy-mb", type=_number(int, 1), default=None,
+                   help="copy-bandwidth buffer, MiB, >= 1 (default 2048 CUDA, 64 CPU)")
     p.add_argument("--only", type=_csv, default=[], help="time only implementations whose name contains one of these")
-    p.add_argument("--budget-s", type=float, default=None, help="stop timing (rows become 'skipped') after this")
+    p.add_argument("--budget-s", type=_number(float, 0, lo_open=True), default=None,
+                   help="stop timing (rows become 'skipped') after this many seconds, > 0")
     p.add_argument("--out", default=None, help="output folder (default bench/results/)")
     return p
 
 
 def finish_args(args) -> argparse.Namespace:
-    """Fill the device-dependent defaults and the deadline."""
+    """Fill the device-dependent defaults and the deadline (the values themselves are checked by `parser()`)."""
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     cuda = torch.device(args.device).type == "cuda"
@@ -687,32 +735,59 @@ def finish_args(args) -> argparse.Namespace:
                            ("rep_ms", 300.0, 200.0), ("copy_mb", 2048, 64)):
         if getattr(args, name) is None:
             setattr(args, name, gpu if cuda else cpu)
-    for d in args.dtypes:
-        if d not in DTYPES:
-            raise SystemExit(f"--dtypes: {d!r} is not one of {', '.join(DTYPES)}")
-    for s in args.sets:
-        if s not in MODELS:
-            raise SystemExit(f"--sets: {s!r} is not one of {', '.join(MODELS)}")
     args.deadline = None if args.budget_s is None else time.monotonic() + args.budget_s
     return args
 
 
+@contextlib.contextmanager
+def cpu_mode(args):
+    """Around a whole run. In CPU mode (no CUDA device, or --device cpu): print first that the numbers are CPU
+    numbers, and step with one torch thread unless OMP_NUM_THREADS says otherwise: torch's default of one
+    thread per core ran a loaded 2-core machine 10-100x slower (740 ms/step against 6.6 ms with one thread).
+    The thread count goes to the JSON's `machine.cpu_threads`; the previous count is restored on the way out."""
+    if torch.device(args.device).type == "cuda":
+        yield
+        return
+    before = torch.get_num_threads()
+    omp = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if not omp:
+        torch.set_num_threads(1)
+    n = torch.get_num_threads()
+    threads = f"{n} torch thread{'s' if n != 1 else ''} " + (
+        f"(OMP_NUM_THREADS={omp})" if omp else "(OMP_NUM_THREADS unset: set it to use more)")
+    try:
+        from fastopt import ops
+        triton = ("Triton on, through its interpreter" if ops.use_triton(torch.empty(0))
+                  else "Triton off (fastopt on its torch reference path)")
+    except Exception as e:  # noqa: BLE001 - FASTOPT_BACKEND=triton without the interpreter: each row says why
+        triton = f"Triton: {type(e).__name__}"
+    why = "no CUDA device" if not torch.cuda.is_available() else "--device cpu"
+    print(f"CPU mode ({why}): dimensions /{args.scale}, {triton}, {threads}. {CPU_NOTE}", flush=True)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def print_results(results: list[dict]) -> None:
+    """One line per row; our rows show their speedup, which `add_speedups()` (run by `write_outputs()`) fills."""
+    w = max([10] + [len(r["bench"]) for r in results])
     for r in results:
+        head = f"  {r['bench']:{w}s} {r['set']:3s} {r['dtype']:5s} {r['impl']:32s}"
         if r["status"] == "ok":
             sp = f"  {r['speedup']:.2f}x vs {r['baseline']}" if r.get("speedup") else ""
-            print(f"  {r['bench']:10s} {r['set']:3s} {r['dtype']:5s} {r['impl']:32s} {r['ms_median']:9.3f} ms "
-                  f"{r['gbps']:8.1f} GB/s {100 * r['frac_copy']:5.1f}% copy{sp}", flush=True)
-        else:
-            print(f"  {r['bench']:10s} {r['set']:3s} {r['dtype']:5s} {r['impl']:32s} {r['status']}: {r['reason']}",
+            print(f"{head} {r['ms_median']:9.3f} ms {r['gbps']:8.1f} GB/s {100 * r['frac_copy']:5.1f}% copy{sp}",
                   flush=True)
+        else:
+            print(f"{head} {r['status']}: {r['reason']}", flush=True)
 
 
 def main(stem: str, run: Callable, argv=None) -> dict[str, Path]:
     """Entry point of a single `bench_<stem>.py` run as a script."""
     args = finish_args(parser(f"fastopt benchmark: {stem}").parse_args(argv))
-    results = run(args)
-    paths = write_outputs(results, args, stem)
+    with cpu_mode(args):
+        results = run(args)
+        paths = write_outputs(results, args, stem)
     print_results(results)
     for p in paths.values():
         print(f"wrote {p}")

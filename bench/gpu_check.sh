@@ -10,14 +10,16 @@
 #   2. the whole pytest suite on CUDA, compiled Triton (TRITON_INTERPRET unset)   -> $OUT/pytest.log
 #      (all but the gloo `dist` tests first, then those with the time left)
 #   3. bench/gpu_checks.py: no host sync in step(), CUDA-graph capture + replay   -> $OUT/gpu_checks.json
-#   4. the benchmark suite (bench/run.py) with the time that is left              -> $OUT/suite-<gpu>.{json,md,png}
+#   4. the demo on the GPU, every optimizer, DEMO_STEPS (30) steps                 -> demo/ in results.tar.gz
+#   5. the benchmark suite (bench/run.py) with the time that is left              -> $OUT/suite-<gpu>.{json,md,png}
 # Everything printed goes to $OUT/gpu_check.log; the per-bench files go into $OUT/results.tar.gz (the
 # device returns at most 8 files). Unpack that into bench/results/ to commit it.
-# Wheels in .whl/ (carried) are installed to /tmp/site first: the image lacks some test dependencies.
+# Wheels in .whl/ (carried) are installed to /tmp/site first: the image lacks some test dependencies (the
+# install stage fails, saying which, when one is still missing: its comparison tests would skip).
 # Knobs: PYTHON, GPU_CHECK_BUDGET_S, PYTEST_WORKERS (default 4 with pytest-xdist, 0: serial),
 # PYTEST_ARGS, BENCH_ARGS, FASTOPT_COMMIT, and for splitting the work over
 # several device calls (each at most 10 minutes; the machine stays warm only 30 s between them):
-#   GPU_CHECK_STAGES   the stages to run, of: info install tests gpu_checks bench (default: all five)
+#   GPU_CHECK_STAGES   the stages to run, of: info install tests gpu_checks demo bench (default: all six)
 #   TESTS_MAX_S        the tests stage's cap (default 270; e.g. 500 when a call runs info install tests alone)
 #   CHECKS_MAX_S       the gpu_checks stage's cap (default 240: ten configurations, up to 6 at a time; each
 #                      is killed at what is left of the stage, and gpu_checks.json is rewritten as each ends)
@@ -25,7 +27,8 @@
 # device gets the tree without .git: write it before the call, `git rev-parse HEAD > .fastopt_commit`, and
 # carry it; it is git-ignored). Without any of them the results say "commit": "unknown" and this warns.
 # e.g. call 1: GPU_CHECK_STAGES="info install tests" TESTS_MAX_S=500 bash bench/gpu_check.sh
-#      call 2: GPU_CHECK_STAGES="info install gpu_checks bench" bash bench/gpu_check.sh
+#      call 2: GPU_CHECK_STAGES="info install gpu_checks demo" bash bench/gpu_check.sh
+#      call 3: GPU_CHECK_STAGES="info install bench" bash bench/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the folder that receives the results}"
@@ -83,12 +86,27 @@ print('device:', torch.cuda.get_device_name(), '| SMs', torch.cuda.get_device_pr
 install() {
   # Test dependencies the device image lacks (came-pytorch, galore-torch, ...) can travel as wheels in .whl/
   # (see the device notes: pip download --no-deps --only-binary=:all: ... -d .whl NAME==VERSION; carry .whl).
+  # Missing ones make their comparison tests skip (test_galore.py entirely): said loudly, and the stage exits 3.
+  local deps=0
   if compgen -G ".whl/*.whl" >/dev/null; then
-    timeout -k 5 "$T" "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
-      && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+    if timeout -k 5 "$T" "$PY" -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site \
+        .whl/*.whl; then
+      export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+    else
+      echo "WARNING: installing the carried wheels (.whl/) failed"
+      deps=3
+    fi
+  else
+    echo "WARNING: no .whl/ carried: the comparisons with the packages below that the image lacks will skip"
   fi
+  "$PY" -c "
+import importlib.util as u
+missing = [m for m in ('transformers', 'came_pytorch', 'galore_torch', 'bitsandbytes') if u.find_spec(m) is None]
+for m in missing:
+    print('WARNING: test dependency', m, 'is missing: the tests comparing with it skip')
+raise SystemExit(1 if missing else 0)" || deps=3
   if timeout -k 5 "$T" "$PY" -m pip install -q --no-deps --no-build-isolation --no-index -e . ; then
-    "$PY" -c "import fastopt, fastopt.kernels; print('fastopt from', fastopt.__file__)" && return 0
+    "$PY" -c "import fastopt, fastopt.kernels; print('fastopt from', fastopt.__file__)" && return $deps
   fi
   # Without the install, the repository's own fastopt/ (no kernels/ inside) comes first on sys.path whenever
   # the current folder does (python -c, -m pytest), whatever PYTHONPATH says. So the later stages run from a
@@ -101,7 +119,8 @@ install() {
   done
   cp -r kernels "$src/fastopt/kernels" && cp -r csrc "$src/fastopt/csrc" && cd "$src" || return 1
   export PYTHONPATH="$src${PYTHONPATH:+:$PYTHONPATH}" FASTOPT_BENCH_DIR="$src/bench"
-  "$PY" -c "import fastopt, fastopt.kernels; print('fastopt from', fastopt.__file__)"
+  "$PY" -c "import fastopt, fastopt.kernels; print('fastopt from', fastopt.__file__)" || return 1
+  return $deps
 }
 
 tests() {
@@ -127,7 +146,9 @@ tests() {
   timeout -k 10 "$left" "$PY" -m pytest tests -q -ra -p no:cacheprovider --continue-on-collection-errors \
     "${par[@]}" -m dist --junitxml="$WORK/junit-dist.xml" ${PYTEST_ARGS:-} 2>&1 | tee -a "$OUT/pytest.log"
   rc2=${PIPESTATUS[0]}
-  [ "$rc1" = 5 ] && rc1=0  # pytest: no tests collected (PYTEST_ARGS may select one kind only)
+  # pytest's 5: no tests collected (PYTEST_ARGS may select one kind only); in both passes: nothing ran
+  [ "$rc1" = 5 ] && [ "$rc2" = 5 ] && return 5
+  [ "$rc1" = 5 ] && rc1=0
   [ "$rc2" = 5 ] && rc2=0
   [ "$rc1" = 0 ] && return "$rc2"
   return "$rc1"
@@ -139,10 +160,19 @@ checks() {
   timeout -k 10 "$T" "$PY" bench/gpu_checks.py --json "$OUT/gpu_checks.json" --budget-s $((T - 15))
 }
 
+demo() {
+  # The demo on the GPU (one device: one process, NCCL not exercised), every optimizer, a few steps.
+  timeout -k 10 "$T" "$PY" -m fastopt.demo --steps "${DEMO_STEPS:-30}" \
+    --optim adafactor,came,lamb,galore,adamw8bit,adamw --out "$WORK/results/demo" 2>&1 | tail -n 30
+  return "${PIPESTATUS[0]}"
+}
+
 bench() {
   # run.py starts no new measurement after --budget-s; the timeout leaves it 45 s to finish the last one.
+  local budget=$((T - 45))
+  [ "$budget" -lt 5 ] && budget=5
   # shellcheck disable=SC2086
-  timeout -k 10 "$T" "$PY" bench/run.py --out "$WORK/results" --budget-s $((T - 45)) ${BENCH_ARGS:-}
+  timeout -k 10 "$T" "$PY" bench/run.py --out "$WORK/results" --budget-s "$budget" ${BENCH_ARGS:-}
 }
 
 main() {
@@ -159,7 +189,7 @@ main() {
 WARNING: \"commit\": \"unknown\". Before the device call: git rev-parse HEAD > .fastopt_commit, and carry it."
     echo "$nocommit"
   fi
-  local want=" ${GPU_CHECK_STAGES:-info install tests gpu_checks bench} "
+  local want=" ${GPU_CHECK_STAGES:-info install tests gpu_checks demo bench} "
   # The reserves keep time for the stages after each one, counted only when those stages run.
   local r_tests=0 r_checks=0 r_bench=0
   [[ $want == *" bench "* ]] && r_bench=90
@@ -167,10 +197,11 @@ WARNING: \"commit\": \"unknown\". Before the device call: git rev-parse HEAD > .
   [[ $want == *" tests "* ]] && r_tests=100
   [[ $want == *" info "* ]] && stage info 60 $((r_tests + r_checks + r_bench + 60)) info
   [[ $want == *" install "* ]] && stage install 90 $((r_tests + r_checks + r_bench + 30)) install
-  [[ $want == *" install "* && "${RC[install]}" != 0 ]] && \
+  [[ $want == *" install "* && "${RC[install]}" != 0 && "${RC[install]}" != 3 ]] && \
     echo "WARNING: install failed; the stages below will fail to import fastopt"
   [[ $want == *" tests "* ]] && stage tests "${TESTS_MAX_S:-270}" $((r_checks + r_bench)) tests
   [[ $want == *" gpu_checks "* ]] && stage gpu_checks "${CHECKS_MAX_S:-240}" "$r_bench" checks
+  [[ $want == *" demo "* ]] && stage demo 90 "$r_bench" demo
   [[ $want == *" bench "* ]] && stage bench 600 10 bench
 
   # The suite files go to $OUT as they are, everything else into one tarball (at most 8 files come back).

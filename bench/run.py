@@ -55,10 +55,17 @@ def main(argv=None) -> dict:
         print("\n".join(found))
         return {}
     stems = found if args.benches is None else args.benches
+    if not stems:
+        p.error("argument --benches: give at least one stem (found: " + (", ".join(found) or "none") + ")")
     missing = [s for s in stems if s not in found]
     if missing:
-        raise SystemExit(f"--benches: no bench/bench_{missing[0]}.py (found: {', '.join(found) or 'none'})")
+        p.error(f"argument --benches: no bench/bench_{missing[0]}.py (found: {', '.join(found) or 'none'})")
     args = common.finish_args(args)
+    with common.cpu_mode(args):  # first line on CPU: CPU numbers, one torch thread unless OMP_NUM_THREADS is set
+        return _run(args, stems)
+
+
+def _run(args, stems: list[str]) -> dict:
     machine = common.machine_info(args)
     print(f"machine: {common.machine_line(machine)}", flush=True)
     cp = common.copy_bandwidth(args)
@@ -75,8 +82,8 @@ def main(argv=None) -> dict:
         except Exception as e:  # noqa: BLE001 - one broken bench must not end the suite; recorded as a row
             traceback.print_exc()
             rows = _error_rows(args, stem, f"{type(e).__name__}: {e}")
+        common.write_outputs(rows, args, stem, machine=machine)  # fills the speedups that print_results shows
         common.print_results(rows)
-        common.write_outputs(rows, args, stem, machine=machine)
         suite += rows
         paths = common.write_outputs(suite, args, "suite", machine=machine)
         print(f"   ({time.monotonic() - t0:.1f} s)", flush=True)

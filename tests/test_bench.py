@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -21,9 +22,21 @@ def suite():
         importlib.import_module(run.__package__ + ".bench_adafactor")
 
 
-def test_suite_end_to_end_on_cpu(tmp_path, monkeypatch):
+def test_suite_end_to_end_on_cpu(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("FASTOPT_BACKEND", "auto")
-    paths = fbench.main(TINY + ["--benches", "adafactor", "--out", str(tmp_path)])
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # CPU mode then steps with one torch thread
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        paths = fbench.main(TINY + ["--benches", "adafactor", "--out", str(tmp_path)])
+        assert torch.get_num_threads() == 2  # restored after the run
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("CPU mode (") and "1 torch thread (OMP_NUM_THREADS unset" in out[0], out[0]
+    assert "Triton off" in out[0] and "they prove the harness runs, not GPU speed" in out[0]
+    ours = [ln for ln in out if "fastopt.Adafactor" in ln]
+    assert len(ours) == 4 and all(re.search(r" \d+\.\d\dx vs \S", ln) for ln in ours), ours  # speedups shown
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == sorted(f"{s}-cpu.{e}" for s in ("suite", "adafactor") for e in ("json", "md", "png"))
     assert set(paths) == {"json", "md", "png"}
@@ -31,6 +44,7 @@ def test_suite_end_to_end_on_cpu(tmp_path, monkeypatch):
     doc = json.loads((tmp_path / "suite-cpu.json").read_text())
     assert doc["cpu_numbers"] is True and "CPU numbers" in doc["note"]
     m = doc["machine"]
+    assert m["cpu_threads"] == 1
     assert m["torch"] == torch.__version__ and m["commit"] and m["device"] == "cpu" and "triton" in m
     assert doc["copy"]["gbps"] > 0 and doc["copy"]["bytes"] == 2 * 4 * 2**20
     rows = doc["results"]
@@ -56,6 +70,46 @@ def test_suite_end_to_end_on_cpu(tmp_path, monkeypatch):
     assert "**CPU numbers**" in md and "| bench | params | dtype | impl |" in md
     assert md.count("**fastopt.Adafactor**") == 4
     assert (tmp_path / "suite-cpu.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("flag,value,says", [
+    ("--scale", "0", "0: must be >= 1"),
+    ("--scale", "-3", "must be >= 1"),
+    ("--scale", "2.5", "not an integer"),
+    ("--layers-7b", "99", "99: must be in [1, 32] (the 7B set has 32 layers)"),
+    ("--layers-7b", "0", "must be in [1, 32]"),
+    ("--layers-1b", "0", "0: must be in [1, 22] (the 1B set has 22 layers)"),
+    ("--layers-1b", "23", "must be in [1, 22]"),
+    ("--warmup-ms", "-1", "must be >= 0"),
+    ("--rep-ms", "0", "must be > 0"),
+    ("--rep-ms", "nan", "must be > 0"),
+    ("--copy-mb", "0", "must be >= 1"),
+    ("--budget-s", "-5", "must be > 0"),
+    ("--budget-s", "inf", "must be > 0"),
+    ("--sets", "13b", "'13b' is not one of 7b, 1b"),
+    ("--sets", ",", "give at least one of 7b, 1b"),
+    ("--dtypes", "fp8", "'fp8' is not one of fp32"),
+    ("--device", "tpu", "must be cpu or cuda"),
+    ("--benches", "nope", "no bench/bench_nope.py"),
+])
+def test_bad_arguments_are_argparse_errors(flag, value, says, capsys):
+    """Out-of-range values fail at parsing (exit code 2, the flag, the value and the range in stderr), before
+    anything runs: `--scale 0` was a ZeroDivisionError, `--layers-7b 99` silently 32, `--layers-1b 0` accepted."""
+    listing = [] if flag == "--benches" else ["--list"]  # --list returns before anything is checked after parsing
+    with pytest.raises(SystemExit) as e:
+        fbench.main(["--device", "cpu", flag, value] + listing)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}: " in err and says in err, err
+
+
+def test_help_still_works(capsys):
+    for argv in (["--help"], ["--help", "--scale", "0"]):
+        with pytest.raises(SystemExit) as e:
+            fbench.main(argv)
+        assert e.value.code == 0
+        out = capsys.readouterr().out
+        assert "--layers-7b" in out and "1 to 32" in out and "--benches" in out
 
 
 def test_param_sets_have_llama_shapes(suite):
@@ -442,6 +496,10 @@ def test_galore_refresh_bench_runs_last_with_its_few_steps(suite, tmp_path, monk
     plain = [r for r in rows if not r["bench"].endswith("-refresh") and r["status"] == "ok"]
     fresh = [r for r in rows if r["bench"].endswith("-refresh") and r["status"] == "ok"]
     assert len(plain) == 4 and len(fresh) == 1, [(r["bench"], r["impl"], r["status"]) for r in rows]
+    # galore-torch's 8-bit optimizer runs bitsandbytes' CUDA kernels: skipped on CPU, saying so (was an error row)
+    eight = [r for r in rows if r["impl"] == "galore-torch GaLoreAdamW8bit"]
+    assert len(eight) == 2 and all(r["status"] == "skipped" and r["reason"] == galore.NEEDS_CUDA_8BIT
+                                   and r["reason"] == "needs CUDA (bitsandbytes' 8-bit kernels)" for r in eight), eight
     assert fresh[0]["n_timed"] == refresh.REPS and fresh[0]["dtype"] == "fp32"
     assert fresh[0]["ms_p20"] <= fresh[0]["ms_median"] <= fresh[0]["ms_p80"]
     # every SVD came from the refresh rows: 1 + REPS steps (and one counted for launches off CUDA: none)
