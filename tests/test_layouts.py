@@ -175,9 +175,14 @@ class _ByHand:
     def make_opt(self, name):
         opt = _make_opt(name, list(self.pieces.values()), [tuple(f.shape) for f in self.full.values()])
         if self.mode == "colossal":
+            # The last piece (the head's weight, a TP shard) comes in a group added after setup_distributed,
+            # which declares it from the same dicts (as ColossalAI's own add_param_group does not).
+            last = opt.param_groups[-1]
+            added = {**{k: v for k, v in last.items() if k != "params"}, "params": [last["params"].pop()]}
             opt.state_dict()  # zero state of the undeclared pieces (none for GaLore's 1-D pieces of projected matrices)
             opt.setup_distributed(tp_group=self.tp, dp_group=self.dp, shard_to_working_param=self.working,
                                   padding_map=self.pads, is_zero=True)
+            opt.add_param_group(added)
         return opt
 
     def scatter_grads(self):

@@ -143,6 +143,7 @@ class FastOptimizer(torch.optim.Optimizer):
         its declaration, and the optimizer's own cache of them is not copied, so a copy would otherwise step its
         pieces as whole tensors. Layouts are shared by `copy.deepcopy` and refuse to pickle (process groups)."""
         state = super().__getstate__()
+        state.pop("_colossal", None)  # process groups, and the ids of these params
         state.pop("_unstepped", None)  # the copy's state dicts are new: its zero state is not known to be unstepped
         from ..distributed.layout import _ATTR
         declared = [None if ckpt.is_dtensor(p) or self._layout(p) is None else
@@ -269,6 +270,15 @@ class FastOptimizer(torch.optim.Optimizer):
                     seen[id(t)] = here
         super().add_param_group(param_group)
         group = self.param_groups[-1]
+        spec = self.__dict__.get("_colossal")
+        if spec is not None:  # declared like the groups setup_distributed saw, or not added at all
+            try:
+                self._declare_group(len(self.param_groups) - 1, spec)
+            except ValueError:
+                cache = self.__dict__.get("_layout_cache", {})
+                for p in self.param_groups.pop()["params"]:
+                    cache.pop(id(p), None)
+                raise
         if self._quantized_keys(group):  # may keep 8-bit state
             _warm_maps(group)
 
@@ -443,46 +453,20 @@ class FastOptimizer(torch.optim.Optimizer):
                 param so that it splits evenly over dp_group (default: inferred from the sizes, and checked).
             is_zero: p holds the range [rank * p.numel(), (rank + 1) * p.numel()) of the flattened (padded)
                 working param, rank = its rank in dp_group (ColossalAI's low-level ZeRO).
+
+        Groups added later (`add_param_group`) are declared the same way, from the same (live) dicts.
         """
-        from ..distributed.layout import make_layout
         n = f"{self._name}.setup_distributed"
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(f"{n}: torch.distributed is not initialized (init_process_group first)")
         if is_zero and dp_group is None:
             raise ValueError(f"{n}: is_zero=True needs dp_group (the ZeRO process group); fastopt never assumes "
                              "the whole world")
-        mapping = shard_to_working_param or {}
-        pads = padding_map or {}
-        cache = self.__dict__.setdefault("_layout_cache", {})
-        for gi, group in enumerate(self.param_groups):
-            for pi, p in enumerate(group["params"]):
-                where = f"param_groups[{gi}]['params'][{pi}]"
-                working = mapping.get(id(p), p)
-                tp_lay = _working_layout(working, tp_group, n, where)
-                if not is_zero:
-                    if tuple(local(working).shape) != tuple(local(p).shape):
-                        raise ValueError(f"{n}: shard_to_working_param maps {where} of shape {tuple(p.shape)} to a "
-                                         f"working param of shape {tuple(working.shape)}; without is_zero=True "
-                                         "they must be the same tensor")
-                    cache[id(p)] = (p, tp_lay)
-                    continue
-                if id(p) not in mapping:
-                    raise ValueError(f"{n}: is_zero=True but shard_to_working_param has no entry for {where} "
-                                     f"(shape {tuple(p.shape)}); map id(shard) to the working param")
-                total = tp_lay.count if tp_lay is not None else working.numel()
-                world, rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
-                chunk = p.numel()
-                pad = pads.get(id(p), pads.get(id(working)))
-                if pad is None:
-                    pad = chunk * world - total
-                if pad < 0 or chunk * world != total + pad:
-                    raise ValueError(f"{n}: padding_map gives {pad} for {where}, but {world} ranks of dp_group x "
-                                     f"{chunk} elements each must equal the working param's {total} elements plus "
-                                     "the padding")
-                global_shape = tp_lay.global_shape if tp_lay is not None else tuple(working.shape)
-                lay = make_layout((chunk,), global_shape, dp_group, flat_offset=min(rank * chunk, total),
-                                  base=tp_lay, owner=n)
-                cache[id(p)] = (p, lay)
+        spec = (tp_group, dp_group, {} if shard_to_working_param is None else shard_to_working_param,
+                {} if padding_map is None else padding_map, is_zero)
+        for gi in range(len(self.param_groups)):
+            self._declare_group(gi, spec)
+        self.__dict__["_colossal"] = spec  # for add_param_group; not copied (process groups, ids of these params)
         # State made before this declaration (the zero state a state_dict() makes) has the undeclared params'
         # shapes: dropped while no step has used it (step 0), the first step makes it again. A host read, here only.
         for group in self.param_groups:
@@ -490,6 +474,42 @@ class FastOptimizer(torch.optim.Optimizer):
                 st = self.state.get(p)
                 if st and "step" in st and float(local(st["step"])) == 0:
                     del self.state[p]
+
+    def _declare_group(self, gi: int, spec: tuple) -> None:
+        """`setup_distributed`'s declaration of the params of param_groups[gi]."""
+        from ..distributed.layout import make_layout
+        n = f"{self._name}.setup_distributed"
+        tp_group, dp_group, mapping, pads, is_zero = spec
+        cache = self.__dict__.setdefault("_layout_cache", {})
+        group = self.param_groups[gi]
+        for pi, p in enumerate(group["params"]):
+            where = f"param_groups[{gi}]['params'][{pi}]"
+            working = mapping.get(id(p), p)
+            tp_lay = _working_layout(working, tp_group, n, where)
+            if not is_zero:
+                if tuple(local(working).shape) != tuple(local(p).shape):
+                    raise ValueError(f"{n}: shard_to_working_param maps {where} of shape {tuple(p.shape)} to a "
+                                     f"working param of shape {tuple(working.shape)}; without is_zero=True "
+                                     "they must be the same tensor")
+                cache[id(p)] = (p, tp_lay)
+                continue
+            if id(p) not in mapping:
+                raise ValueError(f"{n}: is_zero=True but shard_to_working_param has no entry for {where} "
+                                 f"(shape {tuple(p.shape)}); map id(shard) to the working param")
+            total = tp_lay.count if tp_lay is not None else working.numel()
+            world, rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
+            chunk = p.numel()
+            pad = pads.get(id(p), pads.get(id(working)))
+            if pad is None:
+                pad = chunk * world - total
+            if pad < 0 or chunk * world != total + pad:
+                raise ValueError(f"{n}: padding_map gives {pad} for {where}, but {world} ranks of dp_group x "
+                                 f"{chunk} elements each must equal the working param's {total} elements plus "
+                                 "the padding")
+            global_shape = tp_lay.global_shape if tp_lay is not None else tuple(working.shape)
+            lay = make_layout((chunk,), global_shape, dp_group, flat_offset=min(rank * chunk, total),
+                              base=tp_lay, owner=n)
+            cache[id(p)] = (p, lay)
 
     @staticmethod
     def _advance_steps(steps: list[Tensor], scaler: ScalerArgs) -> None:
