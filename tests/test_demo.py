@@ -204,7 +204,15 @@ def test_run_sh_setup_follows_fastopt_torch(tmp_path):
         log.unlink(missing_ok=True)
         return calls
 
-    first = ["-m pip install -q --upgrade pip", "-m pip install -q torch==2.13.0", "-m pip install -q -e .[test]"]
+    first = ["-m pip install -q --upgrade pip", "-m pip install -q torch==2.13.0",
+             f"-m pip install -q -e {ROOT}[test]"]
     assert setup("torch==2.13.0") == first
     assert setup("torch==2.13.0") == []
     assert setup("torch>=2.14") == [first[0], "-m pip install -q torch>=2.14", first[2]]
+    # `./run.sh demo` runs in the caller's folder (a relative --out lands there), set up already
+    stub.write_text(f'#!/bin/sh\necho "$(pwd) $*" >>"{log}"\n')
+    env = dict(os.environ, FASTOPT_VENV=str(venv), FASTOPT_TORCH="torch>=2.14")
+    p = subprocess.run(["bash", os.path.join(ROOT, "run.sh"), "demo", "--out", "rel"], env=env, cwd=tmp_path,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert log.read_text().splitlines() == [f"{tmp_path} -m fastopt.demo --out rel"]
