@@ -591,12 +591,15 @@ class FastOptimizer(torch.optim.Optimizer):
         """Load after checking everything; on any mismatch raise and leave the optimizer as it was (on every
         rank: with DTensor params, the ranks agree on the verdict, so call it on all of them, as DCP does).
 
-        Takes this optimizer's state_dicts from any layout: DTensor states are redistributed to the params'
-        placements, plain full-size element-wise states are cut to the local piece, dequantized 8-bit states
-        are requantized into the local blocks (fastopt/checkpoint.py). State tensors move to their param's
+        Takes this optimizer's state_dicts from another layout of the same kind: DTensor states (on the params'
+        device mesh) are redistributed to the params' placements, plain full-size element-wise states are cut
+        to the local piece, dequantized 8-bit states are requantized into the local blocks
+        (fastopt/checkpoint.py). State tensors move to their param's
         device, and float states take the dtype this optimizer keeps for the param (`state_dtype`: fp64 for
         fp64 params, fp32 for the others; 8-bit codes stay uint8, `step` fp32), as torch casts them to the
-        param's. The hooks of `register_load_state_dict_pre_hook` see (and may replace) a shallow copy of
+        param's. Across meshes, or between DTensor and plain params, go through torch.distributed.checkpoint
+        (`get_/set_optimizer_state_dict`), which reshards; a direct load is refused, naming the key. The hooks of
+        `register_load_state_dict_pre_hook` see (and may replace) a shallow copy of
         `state_dict` before anything else; those of `register_load_state_dict_post_hook` run once it is loaded.
         """
         if isinstance(state_dict, dict):
