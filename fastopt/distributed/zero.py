@@ -295,7 +295,7 @@ def _same(a, b) -> bool:
 def _hook_post(ref, gidx):
     def hook(_p):
         z = ref()
-        if z is not None and not z._superseded(gidx):
+        if z is not None and gidx not in z._lost:
             z._on_grad(gidx)
     return hook
 
@@ -303,7 +303,7 @@ def _hook_post(ref, gidx):
 def _hook_pre(ref, gidx):
     def hook(_grad):
         z = ref()
-        if z is not None and not z._superseded(gidx):
+        if z is not None and gidx not in z._lost:
             z._detach_exposed(gidx)
     return hook
 
@@ -311,7 +311,7 @@ def _hook_pre(ref, gidx):
 def _hook_mark(ref, gidx):
     def hook(_p):
         z = ref()
-        if z is not None and not z._superseded(gidx):
+        if z is not None and gidx not in z._lost:
             z._synced = False
     return hook
 
@@ -399,6 +399,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._inv_world = 1.0 / self.world_size
         self._synced = False
         self._handles: list = []
+        self._lost: set = set()  # params a newer wrapper took over (`_claim`)
         self._build()
         self._claim(self._params)
 
@@ -753,6 +754,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self.param_groups = [self._wrap_group(g, i) for i, g in enumerate(self.param_groups)]
         self._initialized = True
         self._handles = []
+        self._lost = set()
         self._build()  # the same buckets, in the same order
         for b, (acc, seen) in zip(self._red, accs):
             b.acc, b.seen = acc, seen
@@ -1102,20 +1104,19 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             self._flush()
 
     def _claim(self, params: list[Tensor]) -> None:
+        """Take `params` over from an older wrapper still alive: marked in its `_lost` (its hooks skip them, its
+        step() is refused), so that hooks and steps test a set instead of looking params up."""
         ref = weakref.ref(self)
         for p in params:
+            old = _CLAIMS.get(p)
+            z = old() if old is not None else None
+            if z is not None and z is not self:
+                z._lost.add(z._gidx[id(p)])
             _CLAIMS[p] = ref
 
-    def _superseded(self, gidx: int) -> bool:
-        """Whether a newer wrapper, still alive, was built over param gidx."""
-        ref = _CLAIMS.get(self._params[gidx])
-        z = ref() if ref is not None else None
-        return z is not None and z is not self
-
     def _check_newest(self) -> None:
-        newer = [i for i in range(len(self._params)) if self._superseded(i)]
-        if newer:
-            i = newer[0]
+        if self._lost:
+            i = min(self._lost)
             raise RuntimeError(f"{_NAME}: param #{i} {tuple(self._params[i].shape)} (the wrapper's order) is managed "
                                f"by a newer {_NAME} built over the same params since this one; step that one "
                                "(this one's hooks no longer act on them)")
