@@ -413,6 +413,8 @@ def agreement_groups(params: list, layouts: list) -> list:
     for p, lay in zip(params, layouts):
         if is_dtensor(p):
             mesh = p.device_mesh
+            if mesh.get_coordinate() is None:  # a mesh without this rank: it holds nothing of p
+                continue
             for d in range(mesh.ndim):
                 add(mesh.get_group(d))
         elif lay is not None:

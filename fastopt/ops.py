@@ -12,7 +12,10 @@ import os
 
 import torch
 
-__all__ = ["backend", "use_triton", "triton_available", "adafactor_step", "lamb_step", "came_step"]
+from .distributed.phases import drive
+
+__all__ = ["backend", "use_triton", "triton_available", "adafactor_step", "lamb_step", "came_step", "adafactor_phases",
+           "lamb_phases", "came_phases"]
 
 _BACKENDS = ("auto", "torch", "triton")
 
@@ -72,53 +75,67 @@ def _write_back(params: list, work: list) -> None:
             p.copy_(w)
 
 
-def adafactor_step(params, grads, states, *, inv_scale=None, found_inf=None, reduce=None, cache=None, layouts=None,
-                   **hyper):
-    """One Adafactor step over a bucket (same device and dtype) of local tensors. `layouts[i]` maps param i's
-    local elements onto its global tensor (None: it is all here); `reduce(buf)` sums a flat buffer across the
-    ranks that share these params (None: single process); `cache` keeps the kernels' tables (and the index
-    maps of sharded params) between steps."""
+def adafactor_phases(params, grads, states, *, inv_scale=None, found_inf=None, sharded=False, cache=None,
+                     layouts=None, **hyper):
+    """One Adafactor step over a bucket (same device and dtype) of local tensors, as a generator
+    (fastopt.distributed.phases): with `sharded`, it yields each phase's flat buffer to be summed across the
+    ranks that share these params and goes on once it is. `layouts[i]` maps param i's local elements onto its
+    global tensor (None: it is all here); `cache` keeps the kernels' tables (and the index maps of sharded
+    params) between steps."""
     from .distributed.layout import real_elements
     params, grads, states = real_elements(params, grads, states, layouts, ("exp_avg", "exp_avg_sq"))
     if use_triton(params[0]):
         from .kernels import adafactor as k
         work, grads = _dense(params, grads)
-        k.adafactor_step(work, grads, states, inv_scale=inv_scale, found_inf=found_inf, reduce=reduce,
-                         cache=cache, layouts=layouts, **hyper)
+        yield from k.adafactor_phases(work, grads, states, inv_scale=inv_scale, found_inf=found_inf,
+                                      sharded=sharded, cache=cache, layouts=layouts, **hyper)
         _write_back(params, work)
     else:
         from .reference import adafactor as r
-        r.adafactor_step(params, grads, states, inv_scale=inv_scale, found_inf=found_inf, reduce=reduce,
-                         layouts=layouts, **hyper)
+        yield from r.adafactor_phases(params, grads, states, inv_scale=inv_scale, found_inf=found_inf,
+                                      sharded=sharded, layouts=layouts, **hyper)
 
 
-def lamb_step(params, grads, states, *, inv_scale=None, found_inf=None, reduce=None, cache=None, layouts=None,
-              **hyper):
-    """One LAMB step over a bucket (same device and dtype). `reduce(buf)` sums the flat buffer of per-param
-    squared norms [||p_0||^2, ||a_0||^2, ...] across the ranks that share these params (None: single
-    process); `cache` keeps the kernels' tables between steps. The norms are sums over elements, so any
-    layout works on the local elements alone; `layouts` only cuts the padding off flat shards."""
+def adafactor_step(params, grads, states, *, reduce=None, **kw):
+    """`adafactor_phases` run through: `reduce(buf)` sums each buffer across the ranks that share these params
+    (None: a single process)."""
+    drive(adafactor_phases(params, grads, states, sharded=reduce is not None, **kw), reduce)
+
+
+def lamb_phases(params, grads, states, *, inv_scale=None, found_inf=None, sharded=False, cache=None, layouts=None,
+                **hyper):
+    """One LAMB step over a bucket (same device and dtype), as a generator (see `adafactor_phases`): with
+    `sharded`, it yields the flat buffer of per-param squared norms [||p_0||^2, ||a_0||^2, ...] to be summed
+    across the ranks that share these params; `cache` keeps the kernels' tables between steps. The norms are
+    sums over elements, so any layout works on the local elements alone; `layouts` only cuts the padding off
+    flat shards."""
     from .distributed.layout import real_elements
-    bs = hyper.get("block_size", 256)  # lamb_step's default
+    bs = hyper.get("block_size", 256)  # lamb_phases' default
     absmax = {"exp_avg_absmax": bs, "exp_avg_sq_absmax": bs}
     params, grads, states = real_elements(params, grads, states, layouts, ("exp_avg", "exp_avg_sq"), absmax)
     if use_triton(params[0]):
         from .kernels import lamb as k
         work, grads = _dense(params, grads)
-        k.lamb_step(work, grads, states, inv_scale=inv_scale, found_inf=found_inf, reduce=reduce, cache=cache,
-                    **hyper)
+        yield from k.lamb_phases(work, grads, states, inv_scale=inv_scale, found_inf=found_inf, sharded=sharded,
+                                 cache=cache, **hyper)
         _write_back(params, work)
     else:
         from .reference import lamb as r
-        r.lamb_step(params, grads, states, inv_scale=inv_scale, found_inf=found_inf, reduce=reduce, **hyper)
+        yield from r.lamb_phases(params, grads, states, inv_scale=inv_scale, found_inf=found_inf, sharded=sharded,
+                                 **hyper)
 
 
-def came_step(params, grads, states, *, inv_scale=None, found_inf=None, reduce=None, cache=None, layouts=None,
-              **hyper):
-    """One CAME step over a bucket (same device and dtype). `reduce(buf)` sums a flat buffer across the ranks
-    that share these params, once per phase: the G^2 row/column sums, the per-param sums of U^2, the
-    instability row/column sums (None: single process); `cache` keeps the kernels' tables between steps.
-    `layouts` as in `adafactor_step`."""
+def lamb_step(params, grads, states, *, reduce=None, **kw):
+    """`lamb_phases` run through: `reduce(buf)` sums the norms across the ranks (None: a single process)."""
+    drive(lamb_phases(params, grads, states, sharded=reduce is not None, **kw), reduce)
+
+
+def came_phases(params, grads, states, *, inv_scale=None, found_inf=None, sharded=False, cache=None, layouts=None,
+                **hyper):
+    """One CAME step over a bucket (same device and dtype), as a generator (see `adafactor_phases`): with
+    `sharded`, it yields a flat buffer to be summed across the ranks that share these params once per phase:
+    the G^2 row/column sums, the per-param sums of U^2, the instability row/column sums; `cache` keeps the
+    kernels' tables between steps. `layouts` as in `adafactor_phases`."""
     from .distributed.layout import real_elements
     from .reference.came import QBLOCK
     params, grads, states = real_elements(params, grads, states, layouts, ("exp_avg", "exp_avg_sq"),
@@ -126,13 +143,18 @@ def came_step(params, grads, states, *, inv_scale=None, found_inf=None, reduce=N
     if use_triton(params[0]):
         from .kernels import came as k
         work, grads = _dense(params, grads)
-        k.came_step(work, grads, states, inv_scale=inv_scale, found_inf=found_inf, reduce=reduce, cache=cache,
-                    layouts=layouts, **hyper)
+        yield from k.came_phases(work, grads, states, inv_scale=inv_scale, found_inf=found_inf, sharded=sharded,
+                                 cache=cache, layouts=layouts, **hyper)
         _write_back(params, work)
     else:
         from .reference import came as r
-        r.came_step(params, grads, states, inv_scale=inv_scale, found_inf=found_inf, reduce=reduce,
-                    layouts=layouts, **hyper)
+        yield from r.came_phases(params, grads, states, inv_scale=inv_scale, found_inf=found_inf, sharded=sharded,
+                                 layouts=layouts, **hyper)
+
+
+def came_step(params, grads, states, *, reduce=None, **kw):
+    """`came_phases` run through: `reduce(buf)` sums each buffer across the ranks (None: a single process)."""
+    drive(came_phases(params, grads, states, sharded=reduce is not None, **kw), reduce)
 
 
 # ---- 8-bit block-wise state: the compiled extension (csrc/, built by fastopt.ext) ------------------------
@@ -268,7 +290,7 @@ def build_ext_table(op: str, lists: tuple, *args) -> torch.Tensor:
 
 
 # ---- GaLore: low-rank projection (fastopt/reference/galore.py, kernels/galore.py) ------------------------
-__all__ += ["galore_refresh", "galore_step"]
+__all__ += ["galore_refresh", "galore_step", "galore_phases"]
 
 
 def galore_refresh(grads, states, refresh, *, rank, inv_scale=None, found_inf=None, layouts=None):
@@ -282,13 +304,14 @@ def galore_refresh(grads, states, refresh, *, rank, inv_scale=None, found_inf=No
     r.refresh_bases(grads, states, refresh, rank=rank, inv_scale=inv_scale, found_inf=found_inf, layouts=layouts)
 
 
-def galore_step(params, grads, states, *, inv_scale=None, found_inf=None, cache=None, layouts=None, reduce=None,
-                **hyper):
+def galore_phases(params, grads, states, *, inv_scale=None, found_inf=None, cache=None, layouts=None,
+                  sharded=False, **hyper):
     """One GaLore-AdamW step over a bucket (same device and dtype) with bases already refreshed: projection,
     Adam on the projected moments (fp32 or 8-bit block-wise), back-projection fused with the parameter update.
-    Params without bases take plain AdamW (flat shards: real elements only). Sharded projected params: the
-    local products go into one flat buffer that `reduce(buf)` sums over the ranks (one collective per step
-    for the bucket). `cache` keeps the kernels' small tables between steps."""
+    Params without bases take plain AdamW (flat shards: real elements only). A generator (see
+    `adafactor_phases`): with `sharded`, the local products go into one flat buffer that it yields to be summed
+    across the ranks (one collective per step for the bucket; DTensors' sharded moments: a reduce-scatter and
+    an all-gather). `cache` keeps the kernels' small tables between steps."""
     from .distributed.layout import real_elements
     absmax = {"exp_avg_absmax": hyper["block_size"], "exp_avg_sq_absmax": hyper["block_size"]}
     if layouts is not None:  # flat shards of params without a projection: cut the padding off
@@ -296,9 +319,14 @@ def galore_step(params, grads, states, *, inv_scale=None, found_inf=None, cache=
         params, grads, states = real_elements(params, grads, states, plain, ("exp_avg", "exp_avg_sq"), absmax)
     if use_triton(params[0]):
         from .kernels import galore as k
-        k.galore_step(params, grads, states, inv_scale=inv_scale, found_inf=found_inf, cache=cache,
-                      layouts=layouts, reduce=reduce, **hyper)
+        yield from k.galore_phases(params, grads, states, inv_scale=inv_scale, found_inf=found_inf, cache=cache,
+                                   layouts=layouts, sharded=sharded, **hyper)
     else:
         from .reference import galore as r
-        r.galore_step(params, grads, states, inv_scale=inv_scale, found_inf=found_inf, layouts=layouts,
-                      reduce=reduce, **hyper)
+        yield from r.galore_phases(params, grads, states, inv_scale=inv_scale, found_inf=found_inf, layouts=layouts,
+                                   sharded=sharded, **hyper)
+
+
+def galore_step(params, grads, states, *, reduce=None, **kw):
+    """`galore_phases` run through: `reduce(buf)` sums the buffer across the ranks (None: a single process)."""
+    drive(galore_phases(params, grads, states, sharded=reduce is not None, **kw), reduce)

@@ -5,11 +5,11 @@ Launches per step, each covering every param of the bucket (their number does no
   factored (ndim >= 2)                      unfactored (vectors, scalars)
   1 _sq_stats_kernel   rows/col partials    -
   2 _col_reduce_kernel col sums             -
-    [reduce(stats): one collective]
+    [yield stats: summed over the ranks, one collective]
   3 _factor_kernel     R_t, C_t, factors    -
   4 _usq_kernel        sum U^2, sum X^2     4' _vec_stats_kernel  V_t, sum U^2, sum X^2
   5 _segment_sum_kernel per-param sums of both
-    [reduce(sums): one collective]
+    [yield sums: summed over the ranks, one collective]
   6 _apply_kernel      clip, momentum,      6' _vec_apply_kernel
                        decay, write X
 
@@ -18,8 +18,8 @@ U^2 over the whole (possibly sharded) matrix before any element of X may be writ
 
 Sharded buckets (`layouts`) run the same launches with the factored kernels MAPPED (kernels/factored.py: local
 elements, global statistics through int64 row/column maps built once per layout and cached with the plan), plus
-one zero-fill of the statistics buffer before launch 1; RMS and step sizes use global numels. The buffers handed
-to `reduce` are float64 as in the reference (a float64 copy of them when the kernels accumulate in fp32).
+one zero-fill of the statistics buffer before launch 1; RMS and step sizes use global numels. The buffers yielded
+to be summed are float64 as in the reference (a float64 copy of them when the kernels accumulate in fp32).
 """
 from __future__ import annotations
 
@@ -264,9 +264,11 @@ class AdafactorPlan:
         return self._hyper
 
 
-def adafactor_step(params, grads, states, *, lr, eps, clip_threshold, decay_rate, beta1, weight_decay,
-                   scale_parameter, relative_step, warmup_init, bf16_stochastic_round=False, inv_scale=None,
-                   found_inf=None, reduce=None, cache=None, layouts=None):
+def adafactor_phases(params, grads, states, *, lr, eps, clip_threshold, decay_rate, beta1, weight_decay,
+                     scale_parameter, relative_step, warmup_init, bf16_stochastic_round=False, inv_scale=None,
+                     found_inf=None, sharded=False, cache=None, layouts=None):
+    """One step over a bucket, a generator that yields each buffer to be summed over the ranks that share the
+    params when `sharded` (fastopt.distributed.phases)."""
     device = params[0].device
     acc_dtype = torch.float64 if params[0].dtype == torch.float64 else torch.float32
     key = ("adafactor",) + tuple((p.data_ptr(), tuple(p.shape)) for p in params) + tuple(
@@ -291,8 +293,8 @@ def adafactor_step(params, grads, states, *, lr, eps, clip_threshold, decay_rate
     fp = plan.fplan
     if fp is not None:
         launch_sq_stats(g_ptrs, g_ref, fp, plan.stats, plan.parts, inv_scale, aligned=al)
-        if reduce is not None:
-            common.reduce_fp64(reduce, plan.stats)
+        if sharded:
+            yield from common.sum_fp64(plan.stats)
         launch_factors(fp, plan.stats, plan.row_ptrs, plan.col_ptrs, plan.step_ptrs, found_inf,
                        beta_from_step=True, hyper=hyper)
         launch_usq(g_ptrs, g_ref, plan.p_ptrs, fp, plan.stats, plan.part2, inv_scale, width=2,
@@ -305,8 +307,8 @@ def adafactor_step(params, grads, states, *, lr, eps, clip_threshold, decay_rate
                                             SCALE_PARAM=scale_parameter, ALIGNED=al and plan.vec_sizes_aligned,
                                             BLOCK=BLOCK_V, **flags)
     segment_sum(plan.part2, plan.seg_start, plan.seg_len, plan.sums, 2)
-    if reduce is not None:
-        common.reduce_fp64(reduce, plan.sums)
+    if sharded:
+        yield from common.sum_fp64(plan.sums)
     consts = dict(RELATIVE=relative_step, WARMUP=warmup_init, SCALE_PARAM=scale_parameter, HAS_MOM=beta1 is not None,
                   HAS_WD=weight_decay != 0, SR=bf16_stochastic_round and params[0].dtype == torch.bfloat16, **flags)
     if fp is not None:

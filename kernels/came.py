@@ -5,15 +5,15 @@ Launches per step, each covering every param of the bucket (their number does no
   factored (ndim >= 2)                           unfactored (vectors, scalars)
   1 _sq_stats_kernel   G^2 rows/col partials     -
   2 _col_reduce_kernel col sums                  -
-    [reduce(stats): one collective]
+    [yield stats: summed over the ranks, one collective]
   3 _factor_kernel     R_t, C_t, factors (b2)    -
   4 _usq_kernel        partial sums of U^2       4' _vec_stats_kernel  V_t, partial sums of U^2
   5 _segment_sum_kernel per-param sums of U^2
-    [reduce(sums): one collective]
+    [yield sums: summed over the ranks, one collective]
   6 _res_stats_kernel  clip, M_t (stored),       6' _vec_apply_kernel  clip, M_t, decay, write X
                        (U-M)^2 rows/col partials
   7 _col_reduce_kernel col sums of (U-M)^2
-    [reduce(res): one collective]
+    [yield res: summed over the ranks, one collective]
   8 _factor_kernel     R'_t, C'_t, factors (b3)
   9 _apply_kernel      decay, write X
 
@@ -31,8 +31,8 @@ The codes are those of fastopt.reference.quant, bit for bit.
 
 Sharded buckets (`layouts`) run the same launches with the factored kernels MAPPED (kernels/factored.py: local
 elements, global statistics through int64 row/column maps built once per layout and cached with the plan), plus a
-zero-fill of each row/column statistics buffer before it is written; RMS uses global numels. The buffers handed to
-`reduce` are float64 as in the reference (a float64 copy of them when the kernels accumulate in fp32). 8-bit
+zero-fill of each row/column statistics buffer before it is written; RMS uses global numels. The buffers yielded to
+be summed are float64 as in the reference (a float64 copy of them when the kernels accumulate in fp32). 8-bit
 blocks are those of the local piece, as in the reference.
 """
 from __future__ import annotations
@@ -405,8 +405,10 @@ class CAMEPlan:
         return self._hyper
 
 
-def came_step(params, grads, states, *, lr, eps, clip_threshold, betas, weight_decay, bf16_stochastic_round=False,
-              nbits=32, inv_scale=None, found_inf=None, reduce=None, cache=None, layouts=None):
+def came_phases(params, grads, states, *, lr, eps, clip_threshold, betas, weight_decay, bf16_stochastic_round=False,
+                nbits=32, inv_scale=None, found_inf=None, sharded=False, cache=None, layouts=None):
+    """One step over a bucket, a generator that yields each buffer to be summed over the ranks that share the
+    params when `sharded` (fastopt.distributed.phases)."""
     device = params[0].device
     acc_dtype = torch.float64 if params[0].dtype == torch.float64 else torch.float32
     key = ("came",) + tuple((p.data_ptr(), tuple(p.shape)) for p in params) + tuple(
@@ -435,8 +437,8 @@ def came_step(params, grads, states, *, lr, eps, clip_threshold, betas, weight_d
     if fp is not None:
         blocks = dict(BLOCK_R=fp.block_r, BLOCK_C=fp.block_c)
         launch_sq_stats(g_ptrs, g_ref, fp, plan.stats, plan.parts, inv_scale, aligned=al)
-        if reduce is not None:
-            common.reduce_fp64(reduce, plan.stats)
+        if sharded:
+            yield from common.sum_fp64(plan.stats)
         launch_factors(fp, plan.stats, plan.sq_row_ptrs, plan.sq_col_ptrs, plan.step_ptrs, found_inf,
                        beta_from_step=False, hyper=hyper[H_BETA2:])
         launch_usq(g_ptrs, g_ref, g_ptrs, fp, plan.stats, plan.part1, inv_scale, width=1, aligned=al)
@@ -445,8 +447,8 @@ def came_step(params, grads, states, *, lr, eps, clip_threshold, betas, weight_d
                                             plan.fac_progs, inv_arg, inf_arg, hyper, ALIGNED=al_vec, BLOCK=BLOCK_V,
                                             **flags)
     segment_sum(plan.part1, plan.seg_start, plan.seg_len, plan.sums, 1)
-    if reduce is not None:
-        common.reduce_fp64(reduce, plan.sums)
+    if sharded:
+        yield from common.sum_fp64(plan.sums)
     q8 = nbits == 8
     m_ref = states[plan.order[0]]["exp_avg"]
     absmax_ptrs = plan.absmax_ptrs if q8 else plan.m_ptrs
@@ -471,8 +473,8 @@ def came_step(params, grads, states, *, lr, eps, clip_threshold, betas, weight_d
                                          hyper, Q8=q8, MAPPED=fp.mapped, ALIGNED=al and fp.sizes_aligned, **flags,
                                          **blocks)
         launch_col_reduce(fp, plan.res, plan.parts)
-        if reduce is not None:
-            common.reduce_fp64(reduce, plan.res)
+        if sharded:
+            yield from common.sum_fp64(plan.res)
         launch_factors(fp, plan.res, plan.res_row_ptrs, plan.res_col_ptrs, plan.step_ptrs, found_inf,
                        beta_from_step=False, hyper=hyper[H_BETA3:])
         if q8:

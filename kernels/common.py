@@ -188,12 +188,13 @@ def segment_sum(parts: torch.Tensor, seg_start: torch.Tensor, seg_len: torch.Ten
         _segment_sum_kernel[(n,)](parts, seg_start, seg_len, out, WIDTH=width, BLOCK=256 if not INTERPRET else 64)
 
 
-def reduce_fp64(reduce, buf: torch.Tensor) -> None:
-    """`reduce(buf)` through a float64 copy when `buf` is narrower: the buffers that ranks sum are float64 in the
-    reference (its `reduction_sizes`, which the layout benchmark counts), whatever the kernels accumulate in."""
+def sum_fp64(buf: torch.Tensor):
+    """Yield `buf` to be summed over the ranks (fastopt.distributed.phases) through a float64 copy when it is
+    narrower: the buffers that ranks sum are float64 in the reference (its `reduction_sizes`, which the layout
+    benchmark counts), whatever the kernels accumulate in."""
     if buf.dtype == torch.float64:
-        reduce(buf)
+        yield buf
         return
     wide = buf.to(torch.float64)
-    reduce(wide)
+    yield wide
     buf.copy_(wide)

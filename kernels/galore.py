@@ -265,12 +265,13 @@ class _Launch:
             HAS_WD=self.has_wd, EIGHT=eight, APPLY=apply, QB=qb, NQ=nq, num_warps=NUM_WARPS)
 
 
-def galore_step(params, grads, states, *, lr, betas, eps, weight_decay, scale=1.0, block_size=256, inv_scale=None,
-                found_inf=None, cache=None, layouts=None, reduce=None):
-    """One step over a bucket (same device and dtype) whose bases are already refreshed; `step` advanced.
+def galore_phases(params, grads, states, *, lr, betas, eps, weight_decay, scale=1.0, block_size=256, inv_scale=None,
+                  found_inf=None, cache=None, layouts=None, sharded=False):
+    """One step over a bucket (same device and dtype) whose bases are already refreshed; `step` advanced; a
+    generator that yields its collectives when `sharded` (fastopt.distributed.phases).
     Sharded params as in the reference: each rank's partial R (the sum over the rectangles of the matrices it
     holds: one for a dim layout, a few for a flat range) goes into one flat buffer for the bucket; the part of
-    the params with whole moments is summed by `reduce(buf)`, that of the params with sharded moments
+    the params with whole moments is summed over the ranks, that of the params with sharded moments
     (DTensors) reduce-scattered onto the rows kept here, N all-gathered after Adam (`MomentExchange`); the
     back-projection writes each rectangle of the local piece. The bases' rows or columns (unless the state keeps
     just those: DTensor params) and N's block of a rectangle are gathered with torch (rank-sized); the kernels
@@ -286,7 +287,7 @@ def galore_step(params, grads, states, *, lr, betas, eps, weight_decay, scale=1.
         if lowp and params[0].dtype in (torch.bfloat16, torch.float16) else None
     layouts = layouts if layouts is not None else [None] * len(params)
     works = [p if p.is_contiguous() else p.contiguous() for p in params]
-    plan = BucketPlan(params, states, layouts)  # whole moments first: `reduce` sums a prefix of the buffer
+    plan = BucketPlan(params, states, layouts)  # whole moments first: summed as a prefix of the buffer
     shapes, proj = plan.shapes, plan.proj
     buf = _scratch(plan.size, acc, device)
     rs, rects, bases, off = {}, {}, {}, 0
@@ -324,7 +325,7 @@ def galore_step(params, grads, states, *, lr, betas, eps, weight_decay, scale=1.
                 run.matmul(g3, right.transpose(1, 2), part, scale_input=True)
             if not whole:
                 rect.place(rs[i], part, rows=left is None, cols=right is None)
-    mine = plan.reduce(buf, rs, reduce)
+    mine = yield from plan.reduce(buf, rs, sharded)
     # Phase 2: Adam (N over R, in place: over the rows kept here for sharded moments); plain AdamW, with the
     # update, for the params without a projection.
     for i, (p, g, s, work) in enumerate(zip(params, grads, states, works)):
@@ -337,7 +338,7 @@ def galore_step(params, grads, states, *, lr, betas, eps, weight_decay, scale=1.
         else:
             r = mine.get(i, rs[i])
             run.adam(r, s, r, apply=False, block_size=block_size, scale_input=False)
-    plan.gather()
+    yield from plan.gather()
     # Phase 3: the back-projection fused with the update of each rectangle.
     for i in proj:
         s, p, work, r = states[i], params[i], works[i], rs[i]

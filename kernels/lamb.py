@@ -6,7 +6,7 @@ Launches per step, each covering every param of the bucket (their number does no
   1 _lamb_stats_kernel   m_t, v_t (stored),    1' _lamb8_stats_kernel   m_t, v_t from the old codes and g
                          partials of p^2, a^2                          (nothing stored), partials of p^2, a^2
   2 _segment_sum_kernel  per-param ||p||^2, ||a||^2 of both kinds (kernels/common.py), in ONE flat buffer
-    [reduce(sums): one collective]
+    [yield sums: summed over the ranks, one collective]
   3 _lamb_apply_kernel   r, p -= eta r a, a    3' _lamb8_apply_kernel   m_t, v_t again from the old codes and
                          recomputed from the                           g, r, p -= eta r a, then m_t, v_t
                          stored m_t, v_t, p                            requantized and stored
@@ -355,8 +355,10 @@ class LambPlan:
         return self.hyper
 
 
-def lamb_step(params, grads, states, *, lr, betas, eps, weight_decay, bias_correction, max_trust_ratio=None,
-              bf16_stochastic_round=False, block_size=256, inv_scale=None, found_inf=None, reduce=None, cache=None):
+def lamb_phases(params, grads, states, *, lr, betas, eps, weight_decay, bias_correction, max_trust_ratio=None,
+                bf16_stochastic_round=False, block_size=256, inv_scale=None, found_inf=None, sharded=False, cache=None):
+    """One step over a bucket, a generator that yields the buffer of squared norms to be summed over the ranks
+    that share the params when `sharded` (fastopt.distributed.phases)."""
     device = params[0].device
     acc_dtype = torch.float64 if params[0].dtype == torch.float64 else torch.float32
     key = ("lamb", block_size) + tuple((p.data_ptr(), tuple(p.shape)) for p in params) + tuple(
@@ -399,8 +401,8 @@ def lamb_step(params, grads, states, *, lr, betas, eps, weight_decay, bias_corre
                                            hyper, plan.parts, plan.n32_progs, inv_arg, plan.map_s, plan.map_u,
                                            HAS_SCALE=inv_scale is not None, ALIGNED=al8, **flags, **q)
     segment_sum(plan.parts, plan.seg_start, plan.seg_len, plan.sums, 2)
-    if reduce is not None:
-        reduce(plan.sums)
+    if sharded:
+        yield plan.sums
     if t32 is not None:
         _lamb_apply_kernel[(t32.n_progs,)](t32.p_ptrs, params[0], t32.state_ptrs["exp_avg"],
                                            t32.state_ptrs["exp_avg_sq"], t32.step_ptrs, t32.meta, t32.prog_param,

@@ -404,6 +404,19 @@ def test_vector_in_a_projected_group_refused_before_any_change(backend, device):
     assert torch.equal(a, a0) and not opt.state[a]
 
 
+def test_colossal_piece_checked_by_its_global_shape():
+    """A ColossalAI d_tensor (TP without ZeRO) is a piece whose `dist_layout` gives the global shape, which
+    `setup_distributed` declares after construction: the constructor checks the rank against that shape (before:
+    against the piece's, refusing rank 2 for a (1, 6) piece of a (4, 6) weight)."""
+    spec = type("Spec", (), {"dim_partition_dict": {0: [0]}})()
+    piece = torch.zeros(1, 6, requires_grad=True)
+    piece.dist_layout = type("DistLayout", (), {"global_shape": (4, 6), "sharding_spec": spec})()
+    fastopt.GaLoreAdamW([{"params": [piece], "rank": 2}])
+    with pytest.raises(ValueError, match=re.escape("param_groups[0]['rank']=5 must be at most min(m, n) = 4 of its "
+                                                   "param 0 of shape (4, 6)")):
+        fastopt.GaLoreAdamW([{"params": [piece], "rank": 5}])
+
+
 def test_8bit_class_is_nbits_8():
     p = torch.zeros(64, 48, requires_grad=True)
     opt = fastopt.GaLoreAdamW8bit([{"params": [p], "rank": 8}], min_8bit_size=0)

@@ -66,6 +66,16 @@ def _make_opt(name, params, shapes=None):
     return cls(params, shapes) if callable(cls) else getattr(fastopt, cls)(params, **kw)
 
 
+def _make_split(name, params, groups):
+    """`_make_opt` over `groups` param groups: param i in the groups of `params[i % groups]`, the lr of those
+    made for the k-th part k + 1 times the first's (each group's own hyperparameters must reach its params)."""
+    opt = _make_opt(name, params[0::groups])
+    for k in range(1, groups):
+        for g in _make_opt(name, params[k::groups]).param_groups:
+            opt.add_param_group({**g, "lr": g["lr"] * (k + 1)})
+    return opt
+
+
 class _Block(torch.nn.Module):
     """A transformer-like block: embedding, pre-norm attention-like and MLP branches, LM head."""
 
@@ -418,13 +428,14 @@ def _problem(shapes, seed=0):
     return init, grads
 
 
-def _placements_case(rank, world, name):
+def _placements_case(rank, world, name, groups=1):
+    """`groups`: the params split over that many param groups (`_make_split`), the single process alike."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import distribute_tensor
     shapes = [c[0] for c in CASES.values()]
     init, grads = _problem(shapes)
     ref = [p.clone().requires_grad_() for p in init]
-    ref_opt = _make_opt(name, ref)
+    ref_opt = _make_split(name, ref, groups)
     for gs in grads:
         for p, g in zip(ref, gs):
             p.grad = g.clone()
@@ -437,14 +448,14 @@ def _placements_case(rank, world, name):
         plc.append((meshes[mesh_shape], [placement(s) for s in pls]))
     params = [torch.nn.Parameter(distribute_tensor(p0.clone(), m, pl, src_data_rank=None))
               for p0, (m, pl) in zip(init, plc)]
-    opt = _make_opt(name, params)
+    opt = _make_split(name, params, groups)
     for i, gs in enumerate(grads):
         for p, g, (m, pl) in zip(params, gs, plc):
             p.grad = distribute_tensor(g.clone(), m, pl, src_data_rank=None)
         opt.step()
         if i + 1 == RELOAD_AT:
             sd = copy.deepcopy(opt.state_dict())
-            opt = _make_opt(name, params)
+            opt = _make_split(name, params, groups)
             opt.load_state_dict(sd)
     full = [p.detach().full_tensor() for p in params]
     num = sum((a - b.detach()).square().sum() for a, b in zip(full, ref)) ** 0.5
@@ -472,13 +483,21 @@ def test_dtensor_placements_match_single_process(pool, name):
     pool.run(_placements_case, name)
 
 
+@pytest.mark.parametrize("name", ["adafactor", "came", "lamb", "galore"])
+def test_param_groups_share_collectives_and_match_single_process(pool, name):
+    """Params over three param groups with their own lr: their buckets' collectives are batched together
+    (fastopt.distributed.phases; GaLore's reduce-scatters and all-gathers too), each group's lr still its own."""
+    pool.run(_placements_case, name, 3)
+
+
 # ---- collectives per step ----------------------------------------------------------------------------------
-# Collectives of one step() of _count_case: one per phase per group that has something to reduce in it. The
-# world group (2-D shards and flat ranges together) and the tp group hold matrices; the dp group only a vector,
-# which has no factored statistics (Adafactor: its update/param norms only; CAME: the U^2 sums only). GaLore,
-# on a step without a refresh: the projected gradients of the world bucket (the flat range's, with whole
-# moments, all-reduced; the DTensor's reduce-scattered onto its sharded moments, N all-gathered) and of the tp
-# bucket (a DTensor: reduce-scatter and all-gather); the vector is plain AdamW.
+# Collectives of one step() of _count_case: one per phase per group that has something to reduce in it,
+# whatever the number of params and of param groups. The world group (2-D shards and flat ranges together) and
+# the tp group hold matrices; the dp group only a vector, which has no factored statistics (Adafactor: its
+# update/param norms only; CAME: the U^2 sums only). GaLore, on a step without a refresh: the projected gradients
+# of the world bucket (the flat range's, with whole moments, all-reduced; the DTensor's reduce-scattered onto its
+# sharded moments, N all-gathered) and of the tp bucket (a DTensor: reduce-scatter and all-gather); the vector is
+# plain AdamW.
 EXPECTED = {"adafactor": 2 + 2 + 1, "came": 3 + 3 + 1, "lamb": 1 + 1 + 1, "adamw8bit": 0, "galore": 3 + 2 + 0}
 ALLOWED = {"galore": {"all_reduce", "reduce_scatter", "all_gather"}}
 _COLLECTIVES = tuple(c for c in (
@@ -489,14 +508,15 @@ _COLLECTIVES = tuple(c for c in (
 
 def _count_case(rank, world, name):
     """One step() over a mix of layouts on a 2 x 2 mesh: sharded over the world, over tp only, over dp only
-    (as FSDP2 + TP gives), and flat ranges declared over the world: three groups, whatever the size."""
+    (as FSDP2 + TP gives), and flat ranges declared over the world: three process groups, whatever the size;
+    4 params in one param group, 16 in one, 16 over three."""
     from fastopt.distributed import declare_shard
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     kinds = [((9, 5), [Shard(0), Shard(1)]), ((7, 6), [Replicate(), Shard(0)]), ((5,), [Shard(0), Replicate()])]
     counts = []
-    for n in (1, 4):
+    for n, groups in ((1, 1), (4, 1), (4, 3)):
         params = []
         for _ in range(n):
             for shape, pl in kinds:
@@ -504,7 +524,7 @@ def _count_case(rank, world, name):
             # rank r holds elements [5r, 5r + 5) of a 3 x 6 matrix: cut mid-row, the last range padded
             flat = torch.nn.Parameter(torch.randn(5))
             params.append(declare_shard(flat, (3, 6), dist.group.WORLD, flat_offset=min(5 * rank, 18)))
-        opt = _make_opt(name, params)
+        opt = _make_split(name, params, groups)
         for p in params:
             p.grad = torch.randn_like(p)
         opt.step()
@@ -526,7 +546,7 @@ def _count_case(rank, world, name):
 @pytest.mark.parametrize("name", list(EXPECTED))
 def test_collectives_per_step_do_not_grow(pool, name):
     counts = pool.run(_count_case, name)
-    assert all(c == counts[0] for c in counts) and counts[0][0] == counts[0][1], counts  # 4 and 16 params alike
+    assert all(c == counts[0] for c in counts) and len(set(counts[0])) == 1, counts  # 4, 16, 16 in 3 groups alike
     assert counts[0][0] == EXPECTED[name], counts
 
 
@@ -542,7 +562,10 @@ def _errors_case(rank, world):
         (lambda: declare_shard(x.clone(), (12, 4), dist.group.WORLD, dim=2), "dim=2 must be a dim"),
         (lambda: declare_shard(x.clone(), (12, 4), dist.group.WORLD, dim=0, start=10), "start=10"),
         (lambda: declare_shard(torch.zeros(2, 4), (12, 4), dist.group.WORLD, dim=0), "pass start= explicitly"),
-        (lambda: declare_shard(x.clone(), (12, 4), dist.group.WORLD, flat_offset=49), "flat_offset=49"),
+        # Only a negative flat_offset is refused here: one past the end is padding (ZeRO's last ranks), accepted
+        # (below). Refused on one rank, it left the others hanging in the first step; a wrong offset fails there
+        # instead, on every rank (test_flat_range_in_the_padding).
+        (lambda: declare_shard(x.clone(), (12, 4), dist.group.WORLD, flat_offset=-1), "flat_offset=-1"),
         (lambda: declare_shard(x.clone(), (12, -4), dist.group.WORLD, flat_offset=0), "global_shape="),
     ]
     only0 = dist.new_group([0])  # every rank calls new_group; ranks 1.. are not in it
@@ -554,6 +577,8 @@ def _errors_case(rank, world):
             fn()
     p = declare_shard(torch.zeros(3, 4), (12, 4), dist.group.WORLD, dim=0)
     assert fastopt.distributed.layout_of(p).index[0].tolist() == list(range(3 * rank, 3 * rank + 3))
+    past = declare_shard(x.clone(), (12, 4), dist.group.WORLD, flat_offset=49)  # 48 elements: all padding
+    assert fastopt.distributed.layout_of(past).flat == (48, 0)
     master = torch.zeros(6)
     work = torch.zeros(5, 4)
     opt = fastopt.Adafactor([master])
@@ -750,6 +775,153 @@ def test_declared_pieces_must_cover_the_tensor_once(pool, name):
     for res in pool.run(_cover_case, name):
         assert res.pop("int64") == [2, 0, 0], res
         assert all(res.values()) and len(res) == 5, res
+
+
+def _raises_everywhere(name, bad, msg):
+    """Step `bad` (in a bucket with a right declaration before it): ValueError `msg` naming it, on this rank; then
+    an all_reduce that every rank must reach (none stepped on alone, nor waits in a collective of the step)."""
+    from fastopt.distributed import declare_shard
+    ok = declare_shard(torch.zeros(2, 3), (8, 3), dist.group.WORLD, dim=0)
+    opt = _make_opt(name, [ok, bad])
+    ok.grad, bad.grad = torch.randn_like(ok), torch.randn_like(bad)
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[1\] \(local shape .*" + msg):
+        opt.step()
+    here = torch.ones(1)
+    dist.all_reduce(here)
+    return int(here) == dist.get_world_size()
+
+
+def _shape_disagreement_case(rank, world, name):
+    """Ranks that declare one param with different global shapes: every rank raises at the first step (in
+    check_cover's all_reduce), naming the param; before, a rank raised alone and the others hung in the step."""
+    from fastopt.distributed import declare_shard
+    msg = "is declared with global shape .* the ranks disagree on its global shape"
+    out = {}
+    rows = [8, 8, 8, 9][rank]  # rows of (rows, 6) declared on ranks 0..3, 2 rows each
+    out["one rank"] = _raises_everywhere(name, declare_shard(torch.zeros(2, 6), (rows, 6), dist.group.WORLD, dim=0,
+                                                             start=2 * rank), msg)
+    # columns of (6, cols), 2 each: ranks 0-1 declare the mean of the shapes (and of their fingerprints), which a
+    # sum compared with world * own alone would let them step on
+    cols = [8, 8, 7, 9][rank]
+    out["mean"] = _raises_everywhere(name, declare_shard(torch.zeros(6, 2), (6, cols), dist.group.WORLD, dim=1,
+                                                         start=2 * rank), msg)
+    # flat ranges of 12: (6, 8) on rank 3, (8, 6) elsewhere: the same numel and indices (the cover is right)
+    bad = declare_shard(torch.zeros(12), (6, 8) if rank == 3 else (8, 6), dist.group.WORLD, flat_offset=12 * rank)
+    out["same numel"] = _raises_everywhere(name, bad, msg)
+    return out
+
+
+@pytest.mark.parametrize("name", ["adafactor", "lamb"])
+def test_ranks_that_disagree_on_a_global_shape_all_raise(pool, name):
+    for res in pool.run(_shape_disagreement_case, name):
+        assert all(res.values()) and len(res) == 3, res
+
+
+def _padding_case(rank, world, name):
+    """A (3, 3) matrix as ZeRO ranges of 3 over 4 ranks: rank 3 holds [9, 12), all padding, and declares it so
+    (flat_offset=9, past the end: no real elements, as setup_distributed clamps it); it matches one process. A
+    wrong offset (rank 1: 30 for 3) is a hole in the cover: refused at the first step, on every rank."""
+    from fastopt.distributed import declare_shard, full_tensor, layout_of
+    g = torch.Generator().manual_seed(5)
+    init = torch.randn(3, 3, generator=g, dtype=torch.float64)
+    grads = [torch.randn(3, 3, generator=g, dtype=torch.float64) for _ in range(STEPS)]
+    ref = init.clone().requires_grad_()
+    ref_opt = _make_opt(name, [ref])
+    for x in grads:
+        ref.grad = x.clone()
+        ref_opt.step()
+
+    def piece(t):
+        return torch.cat([t.reshape(-1), t.new_zeros(3)])[3 * rank:3 * rank + 3].clone()
+    p = declare_shard(torch.nn.Parameter(piece(init)), (3, 3), dist.group.WORLD, flat_offset=3 * rank)
+    assert layout_of(p).flat == ((3 * rank, 3) if rank < 3 else (9, 0)), layout_of(p).flat
+    opt = _make_opt(name, [p])
+    for x in grads:
+        p.grad = piece(x)
+        opt.step()
+    err = _rel(full_tensor(p.detach(), layout_of(p)) - init, ref.detach() - init)
+    typo = declare_shard(torch.nn.Parameter(piece(init)), (3, 3), dist.group.WORLD,
+                         flat_offset=30 if rank == 1 else 3 * rank)
+    opt = _make_opt(name, [typo])
+    typo.grad = piece(grads[0])
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\] \(local shape \(3,\)\) of global "
+                                         r"shape \(3, 3\) is declared over a group of 4 ranks whose pieces hold 6 "
+                                         "of its elements in all, not its 9"):
+        opt.step()
+    return err
+
+
+@pytest.mark.parametrize("name", ["adafactor", "lamb", "galore"])
+def test_flat_range_in_the_padding(pool, name):
+    errs = pool.run(_padding_case, name)
+    assert max(errs) <= TOL_REL, errs
+
+
+_ANY_COLLECTIVE = tuple(c for c in (
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object", "reduce_scatter",
+    "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all", "all_to_all_single", "broadcast",
+    "broadcast_object_list", "reduce", "gather", "scatter", "barrier", "all_reduce_coalesced", "send", "recv",
+    "isend", "irecv", "batch_isend_irecv") if hasattr(dist, c))
+
+
+def _submesh_case(rank, world, name):
+    """DTensor params on a mesh of ranks {0, 1} alone (every rank builds it, as torch requires) and a plain param,
+    stepped by one optimizer on all four ranks, with a state_dict() midway loaded into a new optimizer: ranks 0-1
+    match one process; ranks 2-3, outside the mesh, hold nothing of the DTensors (`to_local()` is empty there) and
+    skip them, with no collective at all (before: IndexError, no group of that mesh here, in the step and in
+    load_state_dict's agreement). Returns (relative update error, the collectives this rank called in the
+    optimizer)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    sub = DeviceMesh("cpu", torch.tensor([0, 1]))
+    g = torch.Generator().manual_seed(4)
+    init = [torch.randn(s, generator=g, dtype=torch.float64) for s in ((5, 6), (7,), (3, 4))]
+    grads = [[torch.randn(t.shape, generator=g, dtype=torch.float64) for t in init] for _ in range(STEPS)]
+    ref = [t.clone().requires_grad_() for t in init]
+    ref_opt = _make_opt(name, ref)
+    for gs in grads:
+        for p, x in zip(ref, gs):
+            p.grad = x.clone()
+        ref_opt.step()
+
+    def on_sub(t):
+        return distribute_tensor(t.clone(), sub, [Shard(0)], src_data_rank=None)
+    params = [torch.nn.Parameter(on_sub(init[0])), torch.nn.Parameter(on_sub(init[1])),
+              torch.nn.Parameter(init[2].clone())]
+    opt = _make_opt(name, params)
+    calls = []
+    saved = {c: getattr(dist, c) for c in _ANY_COLLECTIVE}
+    for i, gs in enumerate(grads):
+        for p, x in zip(params, gs):
+            p.grad = on_sub(x) if p is not params[2] else x.clone()
+        for c, real in saved.items():
+            setattr(dist, c, lambda *a, _c=c, _real=real, **k: calls.append(_c) or _real(*a, **k))
+        try:
+            opt.step()
+            if i + 1 == RELOAD_AT:
+                sd = opt.state_dict()
+                steps = [float(opt.state[p]["step"]) for p in params]  # outside the mesh: zero state, unstepped
+                assert len(sd["state"]) == 3 and steps == ([i + 1] * 3 if rank < 2 else [0, 0, i + 1]), steps
+                opt = _make_opt(name, params)
+                opt.load_state_dict(copy.deepcopy(sd))
+        finally:
+            for c, real in saved.items():
+                setattr(dist, c, real)
+    if rank < 2:
+        full = [params[0].detach().full_tensor(), params[1].detach().full_tensor(), params[2].detach()]
+    else:
+        assert all(p.to_local().numel() == 0 for p in params[:2])
+        full = [r.detach() for r in ref[:2]] + [params[2].detach()]  # nothing of the DTensors here
+    num = sum((a - b.detach()).square().sum() for a, b in zip(full, ref)) ** 0.5
+    den = sum((b.detach() - a).square().sum() for a, b in zip(init, ref)) ** 0.5
+    return float(num / den), sorted(set(calls))
+
+
+@pytest.mark.parametrize("name", ["adafactor", "came", "lamb", "galore"])
+def test_dtensor_on_a_submesh_is_skipped_outside_it(pool, name):
+    out = pool.run(_submesh_case, name)
+    assert max(err for err, _ in out) <= TOL_REL, out
+    assert all(calls for _, calls in out[:2]) and not any(calls for _, calls in out[2:]), out
 
 
 def _copy_case(rank, world, name):
@@ -949,8 +1121,8 @@ def test_flat_range_with_padding_takes_the_plain_step(backend, device, name, mon
 # kernels must have launched for each of them. GaLore's SVD refresh (`ops.galore_refresh`) is torch on every
 # back end: only its step is routed.
 KERNEL_OPTS = ["adafactor", "adafactor_relative", "came", "came8"]
-KERNEL_STEPS = {"adafactor": "adafactor_step", "adafactor_relative": "adafactor_step", "came": "came_step",
-                "came8": "came_step", "galore": "galore_step", "galore8": "galore_step"}  # name -> the routed op
+KERNEL_STEPS = {"adafactor": "adafactor_phases", "adafactor_relative": "adafactor_phases", "came": "came_phases",
+                "came8": "came_phases", "galore": "galore_phases", "galore8": "galore_phases"}  # name -> the routed op
 # The interpreter is slow: whole-model runs only for the layouts the placement and flat-range cases below do not
 # already cover one by one (strided FSDP2 + TP, hand-declared dims beside unsharded buckets, ZeRO over TP).
 KERNEL_MODES = ["fsdp_tp", "explicit", "colossal"]
@@ -976,18 +1148,25 @@ def _on_kernels(rank, world, case, *args):
         return layouts is not None and any(lay is not None for lay in layouts)
 
     def route(fn):
-        def step(params, grads, states, *, layouts=None, **kw):
+        def steps(params, grads, states, *, layouts=None, **kw):
+            # The steps of several buckets run interleaved (fastopt.distributed.phases): the back end is this
+            # bucket's while its own generator runs, between the collectives it yields.
             on = sharded(layouts)
             before = len(launches)
-            os.environ["FASTOPT_BACKEND"] = "triton" if on else "torch"
-            try:
-                fn(params, grads, states, layouts=layouts, **kw)
-            finally:
-                os.environ["FASTOPT_BACKEND"] = "torch"
+            gen = fn(params, grads, states, layouts=layouts, **kw)
+            while True:
+                os.environ["FASTOPT_BACKEND"] = "triton" if on else "torch"
+                try:
+                    req = next(gen)
+                except StopIteration:
+                    break
+                finally:
+                    os.environ["FASTOPT_BACKEND"] = "torch"
+                yield req
             if on:
                 assert len(launches) > before, fn.__name__
                 sharded_calls.append(fn.__name__)
-        return step
+        return steps
 
     def refuse(fn):
         def step(*a, layouts=None, **kw):
@@ -996,9 +1175,9 @@ def _on_kernels(rank, world, case, *args):
         return step
 
     cls = type(triton.jit(lambda: None))
-    patches = [(ops, "adafactor_step", route), (ops, "came_step", route), (ops, "galore_step", route),
-               (ref_adafactor, "adafactor_step", refuse), (ref_came, "came_step", refuse),
-               (ref_galore, "galore_step", refuse), (cls, "__getitem__", None)]
+    patches = [(ops, "adafactor_phases", route), (ops, "came_phases", route), (ops, "galore_phases", route),
+               (ref_adafactor, "adafactor_phases", refuse), (ref_came, "came_phases", refuse),
+               (ref_galore, "galore_phases", refuse), (cls, "__getitem__", None)]
     saved = [(mod, attr, getattr(mod, attr)) for mod, attr, _ in patches]
     orig_getitem = cls.__getitem__
     try:
@@ -1181,3 +1360,32 @@ def test_grads_placed_otherwise_than_their_params(pool, name):
         assert max(errs) <= APPROX.get(name, TOL_REL), (r, errs)
         for a, b in zip(replicas, results[0][1]):
             assert torch.equal(a, b), r
+
+
+def _grad_kind_case(rank, world, name):
+    """A DTensor param given a plain grad of its whole shape, and a plain param given a DTensor grad: refused
+    before anything changes, naming the param (before: an index_add_ shape error from deep in the step)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    mesh = init_device_mesh("cpu", (world,))
+    full = torch.randn(8, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    d = torch.nn.Parameter(distribute_tensor(full.clone(), mesh, [Shard(0)], src_data_rank=None))
+    q = torch.nn.Parameter(full.clone())
+    for p, grad, msg in ((d, torch.randn(8, 6, dtype=torch.float64), r"\['params'\]\[0\] is a DTensor .* plain"),
+                         (q, distribute_tensor(torch.randn(8, 6, dtype=torch.float64), mesh, [Shard(0)],
+                                               src_data_rank=None), r"\['params'\]\[1\] is a plain tensor .* DTensor")):
+        opt = _make_opt(name, [d, q])
+        for r in (d, q):
+            r.grad = None
+        before = p.detach().clone()
+        p.grad = grad
+        with pytest.raises(RuntimeError, match=msg):
+            opt.step()
+        assert torch.equal(p.detach(), before), name
+        assert not any(opt.state.get(r) for r in (d, q)), dict(opt.state)
+        p.grad = None
+
+
+@pytest.mark.parametrize("name", ["adafactor", "lamb", "galore"])
+def test_grad_of_another_kind_than_its_param_is_refused(pool, name):
+    pool.run(_grad_kind_case, name)

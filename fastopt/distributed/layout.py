@@ -12,21 +12,28 @@ partial statistics of the param must be summed (the ranks that hold other pieces
   tensor (ZeRO shards: a range may start and end mid-row); local elements past `count` are padding, which
   the optimizers neither read nor write. `declare_shard(p, ..., flat_offset=o)` declares one; a flat range
   of a tensor that is itself sharded (ZeRO over TP: `FastOptimizer.setup_distributed`) has that tensor's
-  layout as `base`.
+  layout as `base`; a range may lie partly or wholly in the padding past the end (clamped: no real elements
+  there), as ZeRO gives the last ranks when the numel does not split evenly.
+
+A DTensor on a mesh without this rank (a sub-mesh) holds nothing here: its layout is `outside` (a flat range
+of no elements, `numel` 0, no group), and the optimizers skip the param on this rank, as DTensor's own ops
+do, never joining a collective of a group it is not in.
 
 Plain tensors without a declaration have no layout (None): every rank holds all of it (single process, or
 DDP, whose gradients are already averaged).
 
 Stable API (the optimizers and the GaLore layout support use it): `Layout` with `global_shape`, `index`,
-`group`, `groups`, `group_key`, `flat`, `base`, `numel`, `count`, `is_flat`, `dim_index`, `batch_index`,
-`flat_index`, `factor_index`, `local_view`, `reduce`, `mesh`, `mesh_dims`, `shard_ranges`, `shard_placements`;
-`layout_of`, `local`, `collective`, `declare_shard`, `make_layout`,
-`full_tensor`, `gather_to_owners`, `real_elements`, `check_cover`.
+`group`, `groups`, `group_key`, `flat`, `base`, `numel`, `count`, `outside`, `is_flat`, `dim_index`,
+`batch_index`, `flat_index`, `factor_index`, `local_view`, `reduce`, `mesh`, `mesh_dims`, `shard_ranges`,
+`shard_placements`; `layout_of`, `local`, `collective`, `declare_shard`, `make_layout`, `full_tensor`,
+`gather_to_owners`, `real_elements`, `check_cover`.
 
-A declaration is checked once, at the first step that uses it (`check_cover`): the real elements of the pieces
-over the declared groups must be every element of the global tensor once, else a ValueError on every rank (a
-group larger than the ranks that hold pieces, overlapping ranges or holes would count elements twice or not at
-all: silently wrong statistics). DTensor layouts are right by construction and are not checked.
+A declaration is checked once, at the first step that uses it (`check_cover`): every rank of the declared groups
+must declare the same global shape, and the real elements of the pieces must be every element of the global
+tensor once, else a ValueError on every rank (a group larger than the ranks that hold pieces, overlapping ranges
+or holes would count elements twice or not at all: silently wrong statistics; a rank alone with another global
+shape would raise alone, or size its buffers otherwise, and leave the others waiting in a collective). DTensor
+layouts are right by construction and are not checked.
 
 A Layout is immutable and holds process groups: `copy.deepcopy` shares it (the groups are process-wide handles),
 and pickling it raises (a process group does not pickle; save the optimizer's state_dict and declare again).
@@ -58,6 +65,7 @@ class Layout:
     groups: tuple = ()  # every group to sum over, in order (empty: (group,)); orthogonal groups, e.g. (tp, dp)
     mesh: object = None  # DTensor layouts: the param's DeviceMesh; `group` spans its dims `mesh_dims`
     mesh_dims: tuple[int, ...] = ()  # DTensor layouts: the mesh dims that shard the param
+    outside: bool = False  # a DTensor whose mesh lacks this rank: nothing here, no group (`_outside_layout`)
     _cache: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
@@ -76,7 +84,9 @@ class Layout:
 
     @property
     def numel(self) -> int:
-        return math.prod(self.global_shape)
+        """Elements of the global tensor; 0 `outside` its mesh, where the optimizers skip it as they skip an
+        empty tensor (`FastOptimizer._buckets`)."""
+        return 0 if self.outside else math.prod(self.global_shape)
 
     @property
     def is_flat(self) -> bool:
@@ -143,7 +153,10 @@ class Layout:
         return x.view(-1)[:self.flat[1]]
 
     def reduce(self, buf: Tensor) -> None:
-        """Sum `buf` in place over every rank that holds a piece of the param: one all_reduce per group."""
+        """Sum `buf` in place over every rank that holds a piece of the param: one all_reduce per group (none
+        `outside` the param's mesh: this rank holds no piece)."""
+        if self.outside:
+            return
         for g in self.groups:
             dist.all_reduce(buf, group=g)
 
@@ -238,11 +251,23 @@ def _group_for(mesh, mesh_dims: tuple[int, ...]):
     return mesh[tuple(names[d] for d in mesh_dims)]._flatten().get_group()
 
 
+def _outside_layout(p) -> Layout:
+    """The layout of DTensor `p` on a rank outside its mesh: `to_local()` is an empty 1-D tensor there and the
+    mesh has no group for this rank, so the param holds nothing here (a flat range of no elements, `numel` 0:
+    skipped by the optimizers, as DTensor's ops are no-ops on such a rank) and sums over nothing. Its global
+    shape is the param's, so that checks of it (GaLore's rank) raise on these ranks as on the others. No mesh:
+    its states are plain zeros, made without any group."""
+    return Layout(tuple(p.shape), (None,) * p.dim(), dist.GroupMember.NON_GROUP_MEMBER, ("outside",), flat=(0, 0),
+                  outside=True)
+
+
 def _dtensor_layout(p) -> Layout | None:
     from torch.distributed.tensor import distribute_tensor
     from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
 
     mesh, placements = p.device_mesh, tuple(p.placements)
+    if mesh.get_coordinate() is None:  # a mesh without this rank (replicated or not): nothing here
+        return _outside_layout(p)
     sharded_mesh_dims = tuple(m for m, pl in enumerate(placements) if _shard_dim(pl) is not None)
     if not sharded_mesh_dims:
         return None
@@ -408,10 +433,13 @@ def make_layout(local_shape, global_shape, group, *, dim=None, start=None, flat_
         return Layout(global_shape, index, groups[0], _groups_key(groups), groups=groups)
     total = math.prod(global_shape) if base is None else base.count
     n_loc = math.prod(local_shape)
-    if not (isinstance(flat_offset, int) and 0 <= flat_offset <= total):
-        raise ValueError(f"{owner}: flat_offset={flat_offset!r} must be an int in [0, {total}] (the elements of "
-                         "the flattened tensor)")
-    count = max(0, min(n_loc, total - flat_offset))
+    if not (isinstance(flat_offset, int) and flat_offset >= 0):
+        raise ValueError(f"{owner}: flat_offset={flat_offset!r} must be an int >= 0 (the first element held here "
+                         "of the flattened tensor)")
+    # A range past the end is padding, clamped to no real elements (ZeRO's last ranks when the numel does not
+    # split evenly); a wrong offset leaves a hole in the cover, which `check_cover` refuses on every rank.
+    flat_offset = min(flat_offset, total)
+    count = min(n_loc, total - flat_offset)
     key = _groups_key(groups) if base is None else base.group_key + _groups_key(groups)
     all_groups = groups if base is None else tuple(base.groups) + groups
     return Layout(global_shape, (None,) * len(global_shape), all_groups[0], key, flat=(flat_offset, count),
@@ -431,7 +459,8 @@ def declare_shard(p: Tensor, global_shape, group, *, dim: int | None = None, sta
         dim: `p` holds the global indices [start, start + p.shape[dim]) along `dim`, all of every other dim.
         start: with `dim`, the first global index held here (default: torch.chunk's rule over `group`).
         flat_offset: instead of `dim`, `p` holds the elements [flat_offset, flat_offset + p.numel()) of the
-            flattened (row-major) tensor, which may start and end mid-row; those past the end are padding.
+            flattened (row-major) tensor, which may start and end mid-row; those past the end are padding (all
+            of them may be: no real elements here). A wrong offset is refused at the first step, on every rank.
 
     Statistics over the whole tensor (row and column sums, norms) are summed over `group` with one
     collective per phase for all the params that share it. Declare on the very tensor the optimizer gets
@@ -616,6 +645,21 @@ def real_elements(params: list, grads: list, states: list[dict], layouts: list |
 
 # ---- declarations: every element once ----------------------------------------------------------------------
 _CHECKSUM_MOD = (1 << 31) - 1  # index sums are compared modulo this prime: any world size sums them in int64
+_SHAPE_MOD = (1 << 61) - 1  # global shapes are compared by a fingerprint modulo this prime, in 3 limbs of 21 bits
+_LIMB = 21  # a limb's square (< 2**42) summed over fewer than 2**21 ranks fits in int64
+
+
+def _shape_limbs(shape: tuple[int, ...]) -> list[int]:
+    """A fingerprint of a global shape (its ndim and sizes in base 1_000_003 modulo a 61-bit prime: exact for up
+    to 2 dims below 1_000_003, a hash beyond) as three 21-bit limbs, then their squares. Summed over W ranks,
+    each limb l gives W * l and each square W * l**2 on every rank exactly when all ranks have the same
+    fingerprint: sum(l**2) - sum(l)**2 / W is W times the variance of the limb over the ranks. (The sum alone
+    would pass a rank whose shape is the mean of the others', leaving it to step while they raise.)"""
+    h = len(shape)
+    for n in shape:
+        h = (h * 1_000_003 + n) % _SHAPE_MOD
+    limbs = [(h >> (_LIMB * k)) & ((1 << _LIMB) - 1) for k in range(3)]
+    return limbs + [x * x for x in limbs]
 
 
 def _index_prefix_sum(lay: Layout, m: int) -> int:
@@ -651,24 +695,31 @@ def _index_prefix_sum(lay: Layout, m: int) -> int:
 
 
 def check_cover(layouts: list, names: list[str], device, owner: str) -> None:
-    """Check, with one all_reduce per group for all of them, that the pieces of each declared layout in
-    `layouts` (all with the same groups; `names[i]` says which param each is) hold every element of the global
-    tensor exactly once over those groups: the real elements must count the global numel, and their global flat
-    indices must sum (modulo a prime) to 0 + 1 + ... + (numel - 1), which catches overlapping pieces that leave
-    as many holes. Raises ValueError on every rank (all see the same sums); marks the layouts checked, so that a
-    layout costs this once, at the first step that uses it. Skipped without an initialized process group or
-    when every group has one rank (nothing to sum over)."""
+    """Check, with one all_reduce per group for all of them, that the ranks of the groups of each declared layout
+    in `layouts` (all with the same groups; `names[i]` says which param each is) declare one global shape
+    (`_shape_limbs`), and that their pieces hold every element of the global tensor exactly once: the real
+    elements must count the global numel, and their global flat indices must sum (modulo a prime) to
+    0 + 1 + ... + (numel - 1), which catches overlapping pieces that leave as many holes. Raises ValueError on
+    every rank, for the same param (all see the same sums, and a disagreement on a shape is seen by all); marks
+    the layouts checked, so that a layout costs this once, at the first step that uses it. Skipped without an
+    initialized process group or when every group has one rank (nothing to sum over)."""
     if not layouts:
         return
     lay0 = layouts[0]
     if (dist.is_available() and dist.is_initialized()
             and all(isinstance(g, dist.ProcessGroup) for g in lay0.groups)
             and any(dist.get_world_size(g) > 1 for g in lay0.groups)):
-        buf = torch.tensor([[lay.count, _index_prefix_sum(lay, lay.count) % _CHECKSUM_MOD] for lay in layouts],
-                           dtype=torch.int64, device=device)
+        rows = [[lay.count, _index_prefix_sum(lay, lay.count) % _CHECKSUM_MOD, *_shape_limbs(lay.global_shape)]
+                for lay in layouts]
+        buf = torch.tensor(rows, dtype=torch.int64, device=device)
         lay0.reduce(buf)
         sizes = " x ".join(str(dist.get_world_size(g)) for g in lay0.groups)
-        for lay, name, (count, checksum) in zip(layouts, names, buf.tolist()):
+        world = math.prod(dist.get_world_size(g) for g in lay0.groups)
+        for lay, name, mine, (count, checksum, *shape_sums) in zip(layouts, names, rows, buf.tolist()):
+            if any(total != world * x for total, x in zip(shape_sums, mine[2:])):
+                raise ValueError(f"{owner}: {name} is declared with global shape {lay.global_shape} here and with "
+                                 f"another on some rank of its group of {sizes} ranks: the ranks disagree on its "
+                                 "global shape; declare the same global shape on every rank that holds a piece")
             n = lay.numel
             if count == n and checksum == (n * (n - 1) // 2) % _CHECKSUM_MOD:
                 continue

@@ -127,11 +127,11 @@ class Adafactor(FastOptimizer):
             spec["exp_avg"] = (here, dt)
         return spec
 
-    def _step_group(self, group, params, grads, states, scaler, layouts=None, reduce=None):
+    def _step_group(self, group, params, grads, states, scaler, layouts=None, sharded=False):
         hyper = self._values(group, ("lr", "eps", "clip_threshold", "decay_rate", "beta1", "weight_decay",
                                      "scale_parameter", "relative_step", "warmup_init", "bf16_stochastic_round"))
-        ops.adafactor_step(params, grads, states, inv_scale=scaler.inv_scale, found_inf=scaler.found_inf,
-                           cache=self._plan_cache(group, params), layouts=layouts, reduce=reduce, **hyper)
+        return ops.adafactor_phases(params, grads, states, inv_scale=scaler.inv_scale, found_inf=scaler.found_inf,
+                                    cache=self._plan_cache(group, params), layouts=layouts, sharded=sharded, **hyper)
 
     def _from_foreign(self, state_dict):
         """load_state_dict also takes transformers' `Adafactor` state_dicts: the same state keys (`exp_avg_sq_row`,

@@ -62,7 +62,7 @@ class AdamW8bit(FastOptimizer):
         dt = self.state_dtype(p)
         return {"state1": (shape, dt), "state2": (shape, dt)}
 
-    def _step_group(self, group, params, grads, states, scaler, layouts=None, reduce=None):
+    def _step_group(self, group, params, grads, states, scaler, layouts=None, sharded=False):
         bs = group["block_size"]
         cache = self._plan_cache(group, params)  # keyed by the params as declared, before they are cut down
         params, grads, states = real_elements(params, grads, states, layouts, self._elementwise_state,

@@ -1,8 +1,9 @@
 """What every fastopt optimizer shares: argument checks, gradient validation, buckets, GradScaler, state_dict.
 
-Subclasses implement `_state_spec(p, group)` (the state a parameter gets: key -> (shape, dtype)) and
-`_step_group(group, params, grads, states, scaler)` (one fused step over a bucket of params that share a
-device and dtype). Everything torch users expect from `torch.optim` comes from `torch.optim.Optimizer`.
+Subclasses implement `_state_spec(p, group)` (the state a parameter gets: key -> (shape, dtype)) and `_step_group(group,
+params, grads, states, scaler)` (one fused step over a bucket of params that share a device and dtype; those that
+support sharded params return it as a generator of its collectives, fastopt.distributed.phases, so that `step()` batches
+them over the buckets). Everything torch users expect from `torch.optim` comes from `torch.optim.Optimizer`.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import checkpoint as ckpt
+from ..distributed import phases
 from ..distributed.layout import Layout, layout_of, local
 
 __all__ = ["FastOptimizer", "check", "check_betas", "ScalerArgs", "lr_rule", "host_value"]
@@ -183,7 +185,10 @@ class FastOptimizer(torch.optim.Optimizer):
         raise NotImplementedError
 
     def _step_group(self, group: dict, params: list[Tensor], grads: list[Tensor],
-                    states: list[dict], scaler: ScalerArgs) -> None:
+                    states: list[dict], scaler: ScalerArgs):
+        """One fused step over a bucket; subclasses with `_supports_layouts` also take `layouts=` and `sharded=`
+        and return the step as a generator (fastopt.distributed.phases) that yields its collectives: buffers
+        to sum over the ranks that share the params, when `sharded`. None: done already."""
         raise NotImplementedError
 
     # ---- shared machinery ---------------------------------------------------------------------
@@ -295,8 +300,8 @@ class FastOptimizer(torch.optim.Optimizer):
                     group[k] = plain(v)
             self._check_hyper(group, f"param_groups[{gi}]")
             self._check_group(gi, group)
-        for group in self.param_groups:
-            for p in group["params"]:
+        for gi, group in enumerate(self.param_groups):
+            for pi, p in enumerate(group["params"]):
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
@@ -305,6 +310,12 @@ class FastOptimizer(torch.optim.Optimizer):
                     raise RuntimeError(f"{self._name} does not support complex parameters")
                 if not p.is_floating_point():
                     raise RuntimeError(f"{self._name}: parameter of dtype {p.dtype} is not floating point")
+                if ckpt.is_dtensor(p) != ckpt.is_dtensor(p.grad):
+                    kinds = ("a DTensor", "a plain tensor") if ckpt.is_dtensor(p) else ("a plain tensor", "a DTensor")
+                    raise RuntimeError(f"{self._name}: param_groups[{gi}]['params'][{pi}] is {kinds[0]} (shape "
+                                       f"{tuple(p.shape)}) but its grad is {kinds[1]} (shape {tuple(p.grad.shape)}): "
+                                       "a DTensor param needs a DTensor grad on its mesh (as autograd makes it; "
+                                       "DTensor.from_local or distribute_tensor), a plain param a plain grad")
         self._check_state_layouts()
 
     def _check_state_layouts(self) -> None:
@@ -532,6 +543,7 @@ class FastOptimizer(torch.optim.Optimizer):
         self._check_grads()
         self.__dict__.pop("_unstepped", None)
         scalers: dict = {}
+        sharded = []  # the steps of the sharded buckets, run together: one collective per phase and groups
         for group in self.param_groups:
             for (device, _dtype, group_key), params in self._buckets(group["params"]).items():
                 if group_key is not None and not self._supports_layouts:
@@ -541,12 +553,15 @@ class FastOptimizer(torch.optim.Optimizer):
                 scaler = self._scaler_args(device, scalers)
                 self._advance_steps([s["step"] for s in states], scaler)
                 if group_key is None:
-                    self._step_group(group, [local(p) for p in params], grads, states, scaler)
+                    steps = self._step_group(group, [local(p) for p in params], grads, states, scaler)
+                    if steps is not None:
+                        phases.drive(steps, None)
                 else:
                     layouts = [self._layout(p) for p in params]
                     self._check_declarations(group, params, layouts)
-                    self._step_group(group, [local(p) for p in params], grads, states, scaler, layouts=layouts,
-                                     reduce=layouts[0].reduce)
+                    sharded.append((self._step_group(group, [local(p) for p in params], grads, states, scaler,
+                                                     layouts=layouts, sharded=True), group_key, layouts[0].reduce))
+        phases.run(sharded)
         return loss
 
     # ---- state_dict -----------------------------------------------------------------------------

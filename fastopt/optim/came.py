@@ -85,11 +85,11 @@ class CAME(FastOptimizer):
             spec["exp_avg_sq"] = (here, dt)
         return spec
 
-    def _step_group(self, group, params, grads, states, scaler, layouts=None, reduce=None):
+    def _step_group(self, group, params, grads, states, scaler, layouts=None, sharded=False):
         hyper = self._values(group, ("lr", "eps", "clip_threshold", "betas", "weight_decay",
                                      "bf16_stochastic_round", "nbits"))
-        ops.came_step(params, grads, states, inv_scale=scaler.inv_scale, found_inf=scaler.found_inf,
-                      cache=self._plan_cache(group, params), layouts=layouts, reduce=reduce, **hyper)
+        return ops.came_phases(params, grads, states, inv_scale=scaler.inv_scale, found_inf=scaler.found_inf,
+                               cache=self._plan_cache(group, params), layouts=layouts, sharded=sharded, **hyper)
 
     def _quantized_keys(self, group):
         return {"exp_avg": ("exp_avg_absmax", True, QBLOCK)}

@@ -143,13 +143,17 @@ class GaLoreAdamW(FastOptimizer):
     def _check_projected(self, group: dict, where: str, at_step: bool = True) -> None:
         """Each param of a projected group is a matrix (or a batch of them) with both dims >= rank, by its
         global shape. Before the first step a plain 1-D tensor passes: `setup_distributed` may still declare
-        it a flat shard of a matrix (ColossalAI's ZeRO); `step()` checks again before changing anything. Before
-        it, the layouts are read without caching them (`_layout`): a declaration may still come."""
+        it a flat shard of a matrix (ColossalAI's ZeRO), and a ColossalAI d_tensor's piece is checked by the
+        global shape of its `dist_layout`; `step()` checks again before changing anything. Before it, the
+        layouts are read without caching them (`_layout`): a declaration may still come."""
         n, rank = self._name, group["rank"]
         for pi, p in enumerate(group["params"]):
             p = p[1] if isinstance(p, tuple) else p  # (name, param), before torch unpacks named params
             lay = self._layout(p) if at_step else layout_of(p, owner=n)
             shape = tuple(p.shape) if lay is None else lay.global_shape
+            spec = getattr(p, "dist_layout", None)  # a ColossalAI d_tensor: setup_distributed will declare it
+            if not at_step and lay is None and getattr(spec, "global_shape", None) is not None:
+                shape = tuple(spec.global_shape)
             if (not at_step and len(shape) < 2 and lay is None) or math.prod(shape) == 0:
                 continue  # 0-element params are never stepped
             check(len(shape) >= 2, f"{where}['params'][{pi}].shape", n, shape,
@@ -276,7 +280,7 @@ class GaLoreAdamW(FastOptimizer):
         return [(e[1] - 1) % gap == 0 for e in entries]
 
     # ---- the step -----------------------------------------------------------------------------------------
-    def _step_group(self, group, params, grads, states, scaler, layouts=None, reduce=None):
+    def _step_group(self, group, params, grads, states, scaler, layouts=None, sharded=False):
         hyper = dict(lr=host_value(group["lr"]), betas=group["betas"], eps=group["eps"],
                      weight_decay=group["weight_decay"], block_size=group["block_size"])
         if "rank" in group:
@@ -285,8 +289,8 @@ class GaLoreAdamW(FastOptimizer):
                 ops.galore_refresh(grads, states, refresh, rank=group["rank"], inv_scale=scaler.inv_scale,
                                    found_inf=scaler.found_inf, layouts=layouts)
             hyper["scale"] = group["scale"]
-        ops.galore_step(params, grads, states, inv_scale=scaler.inv_scale, found_inf=scaler.found_inf,
-                        cache=self._plan_cache(group, params), layouts=layouts, reduce=reduce, **hyper)
+        return ops.galore_phases(params, grads, states, inv_scale=scaler.inv_scale, found_inf=scaler.found_inf,
+                                 cache=self._plan_cache(group, params), layouts=layouts, sharded=sharded, **hyper)
 
 
 class GaLoreAdamW8bit(GaLoreAdamW):

@@ -15,19 +15,17 @@ last two dims; leading dims are a batch of matrices; vectors and scalars are unf
     X_t = X_{t-1} - weight_decay alpha_t X_{t-1} - U_t
 
 The step runs in phases so that a distributed caller can sum the partial statistics of every shard with
-one collective per phase: `reduce(buf)` sums a flat buffer in place over the ranks that share the params.
+one collective per phase: the step (a generator) yields a flat buffer, which the caller sums in place over
+the ranks that share the params (fastopt.distributed.phases) before it goes on.
 """
 from __future__ import annotations
 
 import math
-from typing import Callable
 
 import torch
 from torch import Tensor
 
 from .common import stochastic_round_bf16
-
-Reduce = Callable[[Tensor], None]
 
 
 def is_factored(p: Tensor) -> bool:
@@ -80,7 +78,7 @@ def factored_sizes(shapes) -> int:
 
 
 def reduction_sizes(shapes) -> list[tuple[int, torch.dtype]]:
-    """The buffers `adafactor_step` hands to `reduce` for a bucket of params of these global shapes, in order
+    """The buffers `adafactor_phases` yields to be summed for a bucket of params of these global shapes, in order
     ((elements, dtype) per phase): the benchmark counts collectives and bytes from this, a test checks it."""
     out = []
     if any(len(s) >= 2 for s in shapes):
@@ -88,15 +86,16 @@ def reduction_sizes(shapes) -> list[tuple[int, torch.dtype]]:
     return out + [(2 * len(shapes), torch.float64)]
 
 
-def adafactor_step(params: list[Tensor], grads: list[Tensor], states: list[dict], *, lr, eps, clip_threshold,
-                   decay_rate, beta1, weight_decay, scale_parameter, relative_step, warmup_init,
-                   bf16_stochastic_round: bool = False, inv_scale: Tensor | None = None,
-                   found_inf: Tensor | None = None, reduce: Reduce | None = None, layouts: list | None = None) -> None:
-    """One step over a bucket of local tensors. `layouts[i]` (fastopt.distributed.layout.Layout or None)
-    places param i's local elements in its global tensor (flat layouts: `params[i]` holds only the real
-    elements, see `layout.real_elements`); the row and column factors are global. `bf16_stochastic_round`: bf16
-    params are rounded by common.stochastic_round_bf16, its noise a function of (step, index in `params`, element
-    offset) only."""
+def adafactor_phases(params: list[Tensor], grads: list[Tensor], states: list[dict], *, lr, eps, clip_threshold,
+                     decay_rate, beta1, weight_decay, scale_parameter, relative_step, warmup_init,
+                     bf16_stochastic_round: bool = False, inv_scale: Tensor | None = None,
+                     found_inf: Tensor | None = None, sharded: bool = False, layouts: list | None = None):
+    """One step over a bucket of local tensors, a generator: with `sharded`, it yields each phase's buffer to be summed
+    over the ranks that share the params (fastopt.distributed.phases). `layouts[i]` (fastopt.distributed.layout.Layout
+    or None) places param i's local elements in its global tensor (flat layouts: `params[i]` holds only the real
+    elements, see `layout.real_elements`); the row and column factors are global. `bf16_stochastic_round`: bf16 params
+    are rounded by common.stochastic_round_bf16, its noise a function of (step, index in `params`, element offset)
+    only."""
     eps1, eps2 = eps
     layouts = layouts or [None] * len(params)
     shapes = [tuple(p.shape) if lay is None else lay.global_shape for p, lay in zip(params, layouts)]
@@ -115,8 +114,8 @@ def adafactor_step(params: list[Tensor], grads: list[Tensor], states: list[dict]
                 rows, cols = scatter_rows_cols(g * g, lay, s["exp_avg_sq_row"], s["exp_avg_sq_col"])
             parts += [rows.flatten(), cols.flatten()]
     stats = torch.cat(parts) if parts else None
-    if stats is not None and reduce is not None:
-        reduce(stats)
+    if stats is not None and sharded:
+        yield stats
 
     # Phase 2: new factors (or second moments), the unclipped update's and the param's sums of squares.
     updates, new_states, sums = [], [], []
@@ -147,8 +146,8 @@ def adafactor_step(params: list[Tensor], grads: list[Tensor], states: list[dict]
         pf = p.to(g.dtype)
         sums += [(u * u).sum().to(torch.float64), (pf * pf).sum().to(torch.float64)]
     sums = torch.stack(sums)
-    if reduce is not None:
-        reduce(sums)
+    if sharded:
+        yield sums
 
     # Phase 3: clip, scale, momentum, decay, write.
     for i, (p, g, s, u, shape) in enumerate(zip(params, gs, states, updates, shapes)):

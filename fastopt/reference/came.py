@@ -16,7 +16,8 @@ vectors and scalars are unfactored):
     X_t = X_{t-1} - lr wd X_{t-1} - lr M_t / sqrt(R'_t C'_t / mean(R'_t))   (unfactored: - lr M_t; l. 14-15)
 
 The step runs in phases so that a distributed caller can sum the partial statistics of every shard with
-one collective per phase: `reduce(buf)` sums a flat buffer in place over the ranks that share the params.
+one collective per phase: the step (a generator) yields a flat buffer, which the caller sums in place over
+the ranks that share the params (fastopt.distributed.phases) before it goes on.
 CAME has three: the row/column sums of G^2, the sums of U^2 (for the RMS clip), the row/column sums of
 (U - M)^2.
 
@@ -27,7 +28,6 @@ precision and used as above, then quantized for storage.
 from __future__ import annotations
 
 import math
-from typing import Callable
 
 import torch
 from torch import Tensor
@@ -38,11 +38,9 @@ from .common import stochastic_round_bf16
 
 QBLOCK = 256  # bitsandbytes' block size for 8-bit optimizer states
 
-Reduce = Callable[[Tensor], None]
-
 
 def reduction_sizes(shapes) -> list[tuple[int, torch.dtype]]:
-    """The buffers `came_step` hands to `reduce` for a bucket of params of these global shapes, in order
+    """The buffers `came_phases` yields to be summed for a bucket of params of these global shapes, in order
     ((elements, dtype) per phase): G^2 row/column sums, U^2 sums, instability row/column sums."""
     rc = factored_sizes(shapes)
     mid = [(len(shapes), torch.float64)]
@@ -79,14 +77,15 @@ def _factors(stats: Tensor, pos: int, row: Tensor, col: Tensor, beta: float, eps
     return r_fac, c_fac, r_new, c_new, pos
 
 
-def came_step(params: list[Tensor], grads: list[Tensor], states: list[dict], *, lr, eps, clip_threshold, betas,
-              weight_decay, bf16_stochastic_round: bool = False, nbits: int = 32, inv_scale: Tensor | None = None,
-              found_inf: Tensor | None = None, reduce: Reduce | None = None, layouts: list | None = None) -> None:
-    """One step over a bucket of params (one device, one dtype). `layouts[i]` (fastopt.distributed.layout.Layout
-    or None) places param i's local elements in its global tensor (flat layouts: `params[i]` holds only the
-    real elements, see `layout.real_elements`); the four factors are global, identical on every rank.
-    `bf16_stochastic_round`: bf16 params are rounded by common.stochastic_round_bf16, its noise a function of
-    (step, index in `params`, element offset) only."""
+def came_phases(params: list[Tensor], grads: list[Tensor], states: list[dict], *, lr, eps, clip_threshold, betas,
+                weight_decay, bf16_stochastic_round: bool = False, nbits: int = 32, inv_scale: Tensor | None = None,
+                found_inf: Tensor | None = None, sharded: bool = False, layouts: list | None = None):
+    """One step over a bucket of params (one device, one dtype), a generator: with `sharded`, it yields each phase's
+    buffer to be summed over the ranks that share the params (fastopt.distributed.phases). `layouts[i]`
+    (fastopt.distributed.layout.Layout or None) places param i's local elements in its global tensor (flat layouts:
+    `params[i]` holds only the real elements, see `layout.real_elements`); the four factors are global, identical on
+    every rank. `bf16_stochastic_round`: bf16 params are rounded by common.stochastic_round_bf16, its noise a function
+    of (step, index in `params`, element offset) only."""
     eps1, eps2 = eps
     beta1, beta2, beta3 = betas
     layouts = layouts or [None] * len(params)
@@ -99,8 +98,8 @@ def came_step(params: list[Tensor], grads: list[Tensor], states: list[dict], *, 
 
     # Phase 1: sums of G^2 over each row and column of every factored param, in one flat buffer.
     stats = _row_col_sums([gs[i] * gs[i] for i in fac], fac_lays, fac_states, ("exp_avg_sq_row", "exp_avg_sq_col"))
-    if stats is not None and reduce is not None:
-        reduce(stats)
+    if stats is not None and sharded:
+        yield stats
 
     # Phase 2: new second-moment factors (or V_t) and the unclipped update's sum of squares.
     updates, new_states, sums = [], [], []
@@ -118,8 +117,8 @@ def came_step(params: list[Tensor], grads: list[Tensor], states: list[dict], *, 
         updates.append(u)
         sums.append((u * u).sum().to(torch.float64))
     sums = torch.stack(sums)
-    if reduce is not None:
-        reduce(sums)
+    if sharded:
+        yield sums
 
     # Phase 3: clip, momentum, and the sums of the instability (U - M)^2 of every factored param.
     moms, res = [], []
@@ -132,8 +131,8 @@ def came_step(params: list[Tensor], grads: list[Tensor], states: list[dict], *, 
         if f:
             res.append((u - m_new).square())
     res_stats = _row_col_sums(res, fac_lays, fac_states, ("exp_avg_res_row", "exp_avg_res_col"))
-    if res_stats is not None and reduce is not None:
-        reduce(res_stats)
+    if res_stats is not None and sharded:
+        yield res_stats
 
     # Phase 4: instability factors, confidence-scaled update, decay, write.
     pos = 0

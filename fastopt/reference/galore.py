@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..distributed.layout import collective
+from ..distributed.phases import Exchange
 from .lamb import _commit, load_moments, step_size, store_moments
 
 PROJ_TYPES = ("std", "reverse_std", "left", "right", "full")
@@ -447,9 +447,9 @@ class MomentExchange:
             col += pre * c * post
         self.chunk = col
 
-    def scatter(self) -> list[Tensor]:
-        """Reduce-scatter: this rank's slice of each summed R (views of one receive buffer, shaped like the
-        local moments)."""
+    def scatter(self):
+        """Reduce-scatter (a generator: yields the request, fastopt.distributed.phases), then returns this
+        rank's slice of each summed R (views of one receive buffer, shaped like the local moments)."""
         r0, w = self.wholes[0], self.world
         send = torch.empty(w, self.chunk, dtype=r0.dtype, device=r0.device)
         for r, (col, (pre, n, post), c, _mine, pick, _pos) in zip(self.wholes, self.entries):
@@ -457,7 +457,7 @@ class MomentExchange:
                 block = r.reshape(pre, n, post).index_select(1, pick).view(pre, w, c, post)
                 send[:, col:col + pre * c * post].view(w, pre, c, post).copy_(block.transpose(0, 1))
         self.recv = torch.empty(self.chunk, dtype=r0.dtype, device=r0.device)
-        collective("reduce_scatter_single", "reduce_scatter_tensor")(self.recv, send.view(-1), group=self.group)
+        yield Exchange("reduce_scatter", self.recv, send, self.group)
         # This rank's slice of a param sits in its padded block (pre, c, post): a contiguous piece of it where
         # the cut dim is the outermost (pre == 1), else copied out (and back in `gather`).
         self.pieces = []
@@ -466,15 +466,15 @@ class MomentExchange:
             self.pieces.append((block, block.contiguous().view(mine)))
         return [piece for _b, piece in self.pieces]
 
-    def gather(self) -> None:
-        """All-gather the slices in the receive buffer (written over since `scatter`, or into the pieces it
-        returned) into the whole tensors."""
+    def gather(self):
+        """All-gather (a generator, as `scatter`) the slices in the receive buffer (written over since
+        `scatter`, or into the pieces it returned) into the whole tensors."""
         r0, w = self.wholes[0], self.world
         for block, piece in self.pieces:
             if not block.is_contiguous():  # `piece` is a copy
                 block.copy_(piece.view(block.shape))
         out = torch.empty(w, self.chunk, dtype=r0.dtype, device=r0.device)
-        collective("all_gather_single", "all_gather_into_tensor")(out.view(-1), self.recv, group=self.group)
+        yield Exchange("all_gather", out, self.recv, self.group)
         for r, (col, (pre, n, post), c, _mine, _pick, pos) in zip(self.wholes, self.entries):
             if pre * c * post:
                 block = out[:, col:col + pre * c * post].view(w, pre, c, post).transpose(0, 1)
@@ -503,32 +503,33 @@ class BucketPlan:
         """R's shape with the param's leading dims (the moments' global shape)."""
         return self.shapes[i][:-2] + self.shape3s[i][1:]
 
-    def reduce(self, buf: Tensor, rs: dict, reduce) -> dict:
-        """Sum the partial R's in `buf` (views `rs`): the whole-moment params' prefix with `reduce`, the others
-        reduce-scattered; returns {i: this rank's slice of R} for the latter (`gather` sends N back)."""
+    def reduce(self, buf: Tensor, rs: dict, sharded: bool):
+        """Sum the partial R's in `buf` (views `rs`), a generator (fastopt.distributed.phases): the whole-moment
+        params' prefix yielded to be summed, the others reduce-scattered; returns {i: this rank's slice of R}
+        for the latter (`gather` sends N back)."""
         whole_end = sum(rs[i].numel() for i in self.proj if self.rows[i] is None)
-        if reduce is not None and whole_end:
-            reduce(buf[:whole_end])
-        sharded = [i for i in self.proj if self.rows[i] is not None]
-        if not sharded:
+        if sharded and whole_end:
+            yield buf[:whole_end]
+        cut = [i for i in self.proj if self.rows[i] is not None]
+        if not cut:
             return {}
-        self.exchange = MomentExchange([self.layouts[i] for i in sharded],
-                                       [rs[i].view(self.natural(i)) for i in sharded])
-        return dict(zip(sharded, self.exchange.scatter()))
+        self.exchange = MomentExchange([self.layouts[i] for i in cut], [rs[i].view(self.natural(i)) for i in cut])
+        return dict(zip(cut, (yield from self.exchange.scatter())))
 
-    def gather(self) -> None:
+    def gather(self):
         if self.exchange is not None:
-            self.exchange.gather()
+            yield from self.exchange.gather()
 
 
-def galore_step(params: list[Tensor], grads: list[Tensor], states: list[dict], *, lr, betas, eps, weight_decay,
-                scale=1.0, block_size: int = 256, inv_scale: Tensor | None = None,
-                found_inf: Tensor | None = None, layouts: list | None = None, reduce=None) -> None:
+def galore_phases(params: list[Tensor], grads: list[Tensor], states: list[dict], *, lr, betas, eps, weight_decay,
+                  scale=1.0, block_size: int = 256, inv_scale: Tensor | None = None,
+                  found_inf: Tensor | None = None, layouts: list | None = None, sharded: bool = False):
     """One step over a bucket (same device and dtype) whose bases are already refreshed (`refresh_bases`);
-    each state's `step` is already advanced. Math in fp64 for fp64 params, else fp32.
+    each state's `step` is already advanced. Math in fp64 for fp64 params, else fp32. A generator that yields
+    its collectives (fastopt.distributed.phases) when `sharded`.
 
     Sharded params (`layouts[i]`): each rank projects its piece of the gradient into a flat buffer of every
-    projected param's whole R; the part of the params with whole moments is summed by `reduce` (one
+    projected param's whole R; the part of the params with whole moments is summed over the ranks (one
     all-reduce for the bucket), that of the params with sharded moments (DTensors) is reduce-scattered
     (`MomentExchange`); Adam runs on the rows whose moments this rank keeps, N is all-gathered, and each rank
     back-projects onto its piece."""
@@ -549,7 +550,7 @@ def galore_step(params: list[Tensor], grads: list[Tensor], states: list[dict], *
         if inv_scale is not None:
             g = g * inv_scale.to(acc)
         partial_projection(g.contiguous(), states[i], shapes[i], rects[i], rs[i])
-    mine = plan.reduce(buf, rs, reduce)
+    mine = yield from plan.reduce(buf, rs, sharded)
     # Phase 2: Adam on the projected gradients (the rows kept here), N written over them; plain AdamW for the
     # params without a projection.
     for i, (p, g, s) in enumerate(zip(params, grads, states)):
@@ -572,7 +573,7 @@ def galore_step(params: list[Tensor], grads: list[Tensor], states: list[dict], *
         if weight_decay > 0:
             p_new = p_new - (lr * weight_decay) * p_new
         _commit(p, p_new, found_inf)
-    plan.gather()
+    yield from plan.gather()
     # Phase 3: the back-projection of the whole N onto the local piece, then the decoupled decay.
     for i in proj:
         p, s = params[i], states[i]

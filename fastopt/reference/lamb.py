@@ -19,20 +19,17 @@ m_{t-1}, v_{t-1} are the dequantized states, a uses the exact m_t, v_t, and m_t,
 the update (as bitsandbytes' 8-bit optimizers do).
 
 The step runs in phases so that a distributed caller can sum the squared norms of every shard with one
-collective: `reduce(buf)` sums the flat buffer [||p_0||^2, ||a_0||^2, ||p_1||^2, ||a_1||^2, ...] (in the
-bucket's param order, fp64 for fp64 params, else fp32) in place over the ranks that share the params.
+collective: the step (a generator) yields the flat buffer [||p_0||^2, ||a_0||^2, ||p_1||^2, ||a_1||^2, ...] (in
+the bucket's param order, fp64 for fp64 params, else fp32), which the caller sums in place over the ranks that
+share the params (fastopt.distributed.phases) before it goes on.
 """
 from __future__ import annotations
-
-from typing import Callable
 
 import torch
 from torch import Tensor
 
 from .common import stochastic_round_bf16
 from .quant import dequantize_blockwise, quantize_blockwise
-
-Reduce = Callable[[Tensor], None]
 
 
 def step_size(step: Tensor, *, lr, betas, bias_correction) -> Tensor:
@@ -86,16 +83,17 @@ def store_moments(state: dict, m: Tensor, v: Tensor, block_size: int, found_inf:
 
 
 def reduction_sizes(shapes, dtype: torch.dtype) -> list[tuple[int, torch.dtype]]:
-    """The buffer `lamb_step` hands to `reduce` for a bucket of params of these shapes and `dtype`: the
+    """The buffer `lamb_phases` yields to be summed for a bucket of params of these shapes and `dtype`: the
     squared norms of p and of the update, two per param."""
     return [(2 * len(shapes), torch.float64 if dtype == torch.float64 else torch.float32)]
 
 
-def lamb_step(params: list[Tensor], grads: list[Tensor], states: list[dict], *, lr, betas, eps, weight_decay,
-              bias_correction, max_trust_ratio=None, bf16_stochastic_round: bool = False, block_size: int = 256,
-              inv_scale: Tensor | None = None, found_inf: Tensor | None = None,
-              reduce: Reduce | None = None) -> None:
-    """One step over a bucket of params (same device and dtype); math in fp64 for fp64 params, else fp32.
+def lamb_phases(params: list[Tensor], grads: list[Tensor], states: list[dict], *, lr, betas, eps, weight_decay,
+                bias_correction, max_trust_ratio=None, bf16_stochastic_round: bool = False, block_size: int = 256,
+                inv_scale: Tensor | None = None, found_inf: Tensor | None = None, sharded: bool = False):
+    """One step over a bucket of params (same device and dtype); math in fp64 for fp64 params, else fp32. A
+    generator: with `sharded`, it yields the buffer of squared norms to be summed over the ranks that share the
+    params (fastopt.distributed.phases).
     `bf16_stochastic_round`: bf16 params are rounded by common.stochastic_round_bf16, its noise a function of
     (step, index in `params`, element offset) only."""
     beta1, beta2 = betas
@@ -116,8 +114,8 @@ def lamb_step(params: list[Tensor], grads: list[Tensor], states: list[dict], *, 
         updates.append(a)
         sums += [(pf * pf).sum(), (a * a).sum()]
     sums = torch.stack(sums)
-    if reduce is not None:
-        reduce(sums)
+    if sharded:
+        yield sums
 
     # Phase 2: trust ratios, write.
     for i, (p, s, (m, v), a) in enumerate(zip(params, states, moments, updates)):
