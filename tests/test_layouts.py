@@ -543,6 +543,37 @@ def _count_case(rank, world, name):
     return counts
 
 
+def test_phases_batch_a_round_by_kind_groups_dtype_and_device():
+    """fastopt.distributed.phases.run in one process, `reduce` a stub that doubles what it gets: the sums of a
+    round that share the groups' key, dtype and device go in one call (concatenated, each buffer gets its part
+    back), the others apart (a buffer on another device, as FSDP2's CPU offload of some modules makes, cannot be
+    concatenated), and a bucket's second phase waits for the next round."""
+    from fastopt.distributed import phases
+    calls = []
+
+    def reduce(buf):
+        calls.append((buf.numel(), buf.dtype, buf.device.type))
+        buf.mul_(2)
+
+    def bucket(bufs, seen):
+        for b in bufs:
+            yield b
+            seen.append(b.clone())
+
+    f64 = dict(dtype=torch.float64)
+    a1, a2 = torch.arange(3, **f64), torch.arange(4, **f64) + 10
+    b32, meta, other = torch.ones(2), torch.empty(5, device="meta", **f64), torch.ones(6, **f64)
+    second = torch.full((7,), 3.0, **f64)
+    seen = []
+    phases.run([(bucket([a1, second], seen), "g", reduce), (bucket([a2], seen), "g", reduce),
+                (bucket([b32], seen), "g", reduce), (bucket([meta], seen), "g", reduce),
+                (bucket([other], seen), "h", reduce), (None, "g", reduce)])
+    assert calls == [(7, torch.float64, "cpu"), (2, torch.float32, "cpu"), (5, torch.float64, "meta"),
+                     (6, torch.float64, "cpu"), (7, torch.float64, "cpu")], calls
+    assert torch.equal(seen[0], torch.arange(3, **f64) * 2) and torch.equal(seen[1], (torch.arange(4, **f64) + 10) * 2)
+    assert torch.equal(seen[-1], torch.full((7,), 6.0, **f64)) and torch.equal(b32, torch.full((2,), 2.0))
+
+
 @pytest.mark.parametrize("name", list(EXPECTED))
 def test_collectives_per_step_do_not_grow(pool, name):
     counts = pool.run(_count_case, name)
@@ -778,14 +809,22 @@ def test_declared_pieces_must_cover_the_tensor_once(pool, name):
 
 
 def _raises_everywhere(name, bad, msg):
-    """Step `bad` (in a bucket with a right declaration before it): ValueError `msg` naming it, on this rank; then
-    an all_reduce that every rank must reach (none stepped on alone, nor waits in a collective of the step)."""
+    """Step `bad` (in a bucket with a right declaration before it, after a group of a DTensor): ValueError `msg`
+    naming it, on this rank, with nothing changed in the other group (its step counter neither); then an
+    all_reduce that every rank must reach (none stepped on alone, nor waits in a collective of the step)."""
     from fastopt.distributed import declare_shard
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    d = torch.nn.Parameter(distribute_tensor(torch.ones(8, 4), init_device_mesh("cpu", (dist.get_world_size(),)),
+                                             [Shard(0)]))
     ok = declare_shard(torch.zeros(2, 3), (8, 3), dist.group.WORLD, dim=0)
-    opt = _make_opt(name, [ok, bad])
+    opt = _make_opt(name, [d])
+    opt.add_param_group({**{k: v for k, v in opt.param_groups[0].items() if k != "params"}, "params": [ok, bad]})
+    d.grad = distribute_tensor(torch.ones(8, 4), d.device_mesh, [Shard(0)])
     ok.grad, bad.grad = torch.randn_like(ok), torch.randn_like(bad)
-    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[1\] \(local shape .*" + msg):
+    with pytest.raises(ValueError, match=r"param_groups\[1\]\['params'\]\[1\] \(local shape .*" + msg):
         opt.step()
+    assert torch.equal(d.to_local(), torch.ones(2, 4)) and float(opt.state[d].get("step", 0)) == 0
     here = torch.ones(1)
     dist.all_reduce(here)
     return int(here) == dist.get_world_size()

@@ -11,8 +11,8 @@ on once they are done:
     yield Exchange("all_gather", out, inp, g)      out[k, c] <- rank k's inp[c]
 
 `run(steps)` advances the steps of every bucket of one `step()` together, a round per phase, and issues one
-collective per round for the requests of one kind, over the same groups and of one dtype (their buffers
-concatenated): the collectives of a `step()` grow neither with the params nor with the param groups. Every
+collective per round for the requests of one kind, over the same groups, of one dtype and on one device (their
+buffers concatenated): the collectives of a `step()` grow neither with the params nor with the param groups. Every
 rank of a group runs the same buckets in the same order (`FastOptimizer._buckets`), hence the same rounds.
 `drive(steps, reduce)` runs the step of one bucket alone (`ops.*_step`).
 """
@@ -50,7 +50,7 @@ def _issue(kind: str, out: Tensor, inp: Tensor, group) -> None:
 
 
 def _sum(bufs: list[Tensor], reduce: Callable[[Tensor], None]) -> None:
-    """Sum every buffer of `bufs` (one dtype) over the groups of `reduce`: one call for all of them."""
+    """Sum every buffer of `bufs` (one dtype and device) over the groups of `reduce`: one call for all of them."""
     if len(bufs) == 1:
         reduce(bufs[0])
         return
@@ -61,7 +61,7 @@ def _sum(bufs: list[Tensor], reduce: Callable[[Tensor], None]) -> None:
 
 
 def _exchange(reqs: list[Exchange]) -> None:
-    """The reduce-scatters (or all-gathers) of `reqs` (one group, one dtype) as one: each rank's parts of
+    """The reduce-scatters (or all-gathers) of `reqs` (one group, dtype and device) as one: each rank's parts of
     every request side by side in one buffer."""
     if len(reqs) == 1:
         r = reqs[0]
@@ -101,12 +101,12 @@ def run(steps: Iterable[tuple[Steps | None, object, Callable[[Tensor], None] | N
         batches: dict = {}
         for _gen, key, reduce, req in waiting:
             if isinstance(req, Exchange):
-                batches.setdefault((req.kind, req.group, req.inp.dtype), ([], None))[0].append(req)
+                batches.setdefault((req.kind, req.group, req.inp.dtype, req.inp.device), ([], None))[0].append(req)
             else:
                 if reduce is None:
                     raise RuntimeError("fastopt: a step of unsharded params asked for a sum over ranks")
-                batches.setdefault(("sum", key, req.dtype), ([], reduce))[0].append(req)
-        for (kind, _k, _d), (reqs, reduce) in batches.items():
+                batches.setdefault(("sum", key, req.dtype, req.device), ([], reduce))[0].append(req)
+        for (kind, *_), (reqs, reduce) in batches.items():
             if kind == "sum":
                 _sum(reqs, reduce)
             else:

@@ -542,25 +542,30 @@ class FastOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self._check_grads()
         self.__dict__.pop("_unstepped", None)
-        scalers: dict = {}
-        sharded = []  # the steps of the sharded buckets, run together: one collective per phase and groups
+        buckets = []  # every bucket's declarations checked before any param or step counter changes
         for group in self.param_groups:
             for (device, _dtype, group_key), params in self._buckets(group["params"]).items():
-                if group_key is not None and not self._supports_layouts:
-                    raise NotImplementedError(f"{self._name} does not support sharded parameters yet")
-                grads = [_local_grad(p) for p in params]
-                states = [ckpt.local_state(self._init_state(p, group), p) for p in params]
-                scaler = self._scaler_args(device, scalers)
-                self._advance_steps([s["step"] for s in states], scaler)
-                if group_key is None:
-                    steps = self._step_group(group, [local(p) for p in params], grads, states, scaler)
-                    if steps is not None:
-                        phases.drive(steps, None)
-                else:
+                layouts = None
+                if group_key is not None:
+                    if not self._supports_layouts:
+                        raise NotImplementedError(f"{self._name} does not support sharded parameters yet")
                     layouts = [self._layout(p) for p in params]
                     self._check_declarations(group, params, layouts)
-                    sharded.append((self._step_group(group, [local(p) for p in params], grads, states, scaler,
-                                                     layouts=layouts, sharded=True), group_key, layouts[0].reduce))
+                buckets.append((group, device, group_key, params, layouts))
+        scalers: dict = {}
+        sharded = []  # the steps of the sharded buckets, run together: one collective per phase and groups
+        for group, device, group_key, params, layouts in buckets:
+            grads = [_local_grad(p) for p in params]
+            states = [ckpt.local_state(self._init_state(p, group), p) for p in params]
+            scaler = self._scaler_args(device, scalers)
+            self._advance_steps([s["step"] for s in states], scaler)
+            if group_key is None:
+                steps = self._step_group(group, [local(p) for p in params], grads, states, scaler)
+                if steps is not None:
+                    phases.drive(steps, None)
+            else:
+                sharded.append((self._step_group(group, [local(p) for p in params], grads, states, scaler,
+                                                 layouts=layouts, sharded=True), group_key, layouts[0].reduce))
         phases.run(sharded)
         return loss
 
