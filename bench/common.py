@@ -670,7 +670,7 @@ def _csv_of(choices) -> Callable[[str], list[str]]:
     return parse
 
 
-def _number(kind: type, lo: float, hi: float | None = None, *, lo_open: bool = False,
+def number(kind: type, lo: float, hi: float | None = None, *, lo_open: bool = False,
             why: str = "") -> Callable[[str], float]:
     """argparse type: a finite `kind` (int or float) >= lo (> lo with `lo_open`) and <= hi. A bad value is an
     argparse error (exit code 2) that names the flag, the value and the range."""
@@ -705,20 +705,20 @@ def parser(description: str = "fastopt benchmark") -> argparse.ArgumentParser:
     p.add_argument("--sets", type=_csv_of(MODELS), default=["7b", "1b"], help="parameter sets: 7b,1b")
     p.add_argument("--dtypes", type=_csv_of(DTYPES), default=["fp32", "bf16"],
                    help="param dtypes: fp32,bf16[,fp16,fp64]")
-    p.add_argument("--layers-7b", type=_number(int, 1, n7, why=f" (the 7B set has {n7} layers)"), default=None,
+    p.add_argument("--layers-7b", type=number(int, 1, n7, why=f" (the 7B set has {n7} layers)"), default=None,
                    help=f"decoder layers of the 7B set (1 to {n7}; default 4 on CUDA, 1 on CPU)")
-    p.add_argument("--layers-1b", type=_number(int, 1, n1, why=f" (the 1B set has {n1} layers)"), default=None,
+    p.add_argument("--layers-1b", type=number(int, 1, n1, why=f" (the 1B set has {n1} layers)"), default=None,
                    help=f"decoder layers of the 1B set (1 to {n1}; default {n1} on CUDA, 1 on CPU)")
-    p.add_argument("--scale", type=_number(int, 1), default=None, help="divide every dimension by this, >= 1 "
+    p.add_argument("--scale", type=number(int, 1), default=None, help="divide every dimension by this, >= 1 "
                    "(default 1 on CUDA, 16 on CPU)")
-    p.add_argument("--warmup-ms", type=_number(float, 0), default=None,
+    p.add_argument("--warmup-ms", type=number(float, 0), default=None,
                    help="warm-up per timing, >= 0 (default 50 CUDA, 20 CPU)")
-    p.add_argument("--rep-ms", type=_number(float, 0, lo_open=True), default=None,
+    p.add_argument("--rep-ms", type=number(float, 0, lo_open=True), default=None,
                    help="timed time per measurement, > 0 (default 300 CUDA, 200 CPU)")
-    p.add_argument("--copy-mb", type=_number(int, 1), default=None,
+    p.add_argument("--copy-mb", type=number(int, 1), default=None,
                    help="copy-bandwidth buffer, MiB, >= 1 (default 2048 CUDA, 64 CPU)")
     p.add_argument("--only", type=_csv, default=[], help="time only implementations whose name contains one of these")
-    p.add_argument("--budget-s", type=_number(float, 0, lo_open=True), default=None,
+    p.add_argument("--budget-s", type=number(float, 0, lo_open=True), default=None,
                    help="stop timing (rows become 'skipped') after this many seconds, > 0")
     p.add_argument("--out", default=None, help="output folder (default bench/results/)")
     return p

@@ -103,6 +103,19 @@ def test_bad_arguments_are_argparse_errors(flag, value, says, capsys):
     assert f"argument {flag}: " in err and says in err, err
 
 
+@pytest.mark.parametrize("flag, value", [("--world", "0"), ("--threads", "0"), ("--dim", "-4"), ("--layers", "0"),
+                                         ("--batch", "x"), ("--bucket-mb", "0"), ("--warmup", "-1"), ("--iters", "0")])
+def test_bench_zero_bad_arguments_are_argparse_errors(flag, value, capsys):
+    """bench_zero's own flags are checked at parsing too: exit code 2 naming the flag, before anything runs."""
+    run = fbench.load_suite()
+    zero = importlib.import_module(run.__package__ + ".bench_zero")
+    with pytest.raises(SystemExit) as e:
+        zero.main([flag, value, "--no-dp", "--no-overhead"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}: " in err and value in err, err
+
+
 def test_help_still_works(capsys):
     for argv in (["--help"], ["--help", "--scale", "0"]):
         with pytest.raises(SystemExit) as e:
