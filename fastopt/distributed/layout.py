@@ -16,7 +16,7 @@ partial statistics of the param must be summed (the ranks that hold other pieces
   there), as ZeRO gives the last ranks when the numel does not split evenly.
 
 A DTensor on a mesh without this rank (a sub-mesh) holds nothing here: its layout is `outside` (a flat range
-of no elements, `numel` 0, no group), and the optimizers skip the param on this rank, as DTensor's own ops
+of no elements, no group), and the optimizers skip the param on this rank (`FastOptimizer._buckets`), as DTensor's own ops
 do, never joining a collective of a group it is not in.
 
 Plain tensors without a declaration have no layout (None): every rank holds all of it (single process, or
@@ -84,9 +84,7 @@ class Layout:
 
     @property
     def numel(self) -> int:
-        """Elements of the global tensor; 0 `outside` its mesh, where the optimizers skip it as they skip an
-        empty tensor (`FastOptimizer._buckets`)."""
-        return 0 if self.outside else math.prod(self.global_shape)
+        return math.prod(self.global_shape)
 
     @property
     def is_flat(self) -> bool:
@@ -253,7 +251,7 @@ def _group_for(mesh, mesh_dims: tuple[int, ...]):
 
 def _outside_layout(p) -> Layout:
     """The layout of DTensor `p` on a rank outside its mesh: `to_local()` is an empty 1-D tensor there and the
-    mesh has no group for this rank, so the param holds nothing here (a flat range of no elements, `numel` 0:
+    mesh has no group for this rank, so the param holds nothing here (a flat range of no elements:
     skipped by the optimizers, as DTensor's ops are no-ops on such a rank) and sums over nothing. Its global
     shape is the param's, so that checks of it (GaLore's rank) raise on these ranks as on the others. No mesh:
     its states are plain zeros, made without any group."""

@@ -439,11 +439,12 @@ class FastOptimizer(torch.optim.Optimizer):
     def _buckets(self, params: Iterable[Tensor]) -> dict:
         """Params with grads and elements, grouped by (device, dtype, reduction groups): one fused launch
         sequence, and one collective per phase and group, for each. A sharded param whose piece here is empty
-        stays in: every rank of its group must put the same params in the same buffers."""
+        stays in: every rank of its group must put the same params in the same buffers. A DTensor on a mesh
+        without this rank (`Layout.outside`) has no group here: skipped, as DTensor's ops skip such a rank."""
         out: dict = defaultdict(list)
         for p in params:
             lay = self._layout(p)
-            if p.grad is None or (p.numel() if lay is None else lay.numel) == 0:
+            if p.grad is None or (p.numel() if lay is None else lay.numel) == 0 or (lay is not None and lay.outside):
                 continue
             out[(p.device, p.dtype, None if lay is None else lay.group_key)].append(p)
         return out
