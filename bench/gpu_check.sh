@@ -124,17 +124,21 @@ raise SystemExit(1 if missing else 0)" || deps=3
 }
 
 tests() {
-  local par=()
+  local par=() par1=()
   local workers=${PYTEST_WORKERS:-4}
   if [ "$workers" != 0 ] && "$PY" -c "import xdist" 2>/dev/null; then
     par=(-n "$workers" --dist loadfile)
+    # The CUDA pass spreads single tests: a worker that crashes (a segfault) is then replaced and its test
+    # reported, where loadfile's rescheduling raised INTERNALERROR (xdist 3, seen 2026-11-24) and left the rest
+    # of the pass unrun. The dist pass keeps loadfile: a module's process pool serves all its tests.
+    par1=(-n "$workers" --dist load --max-worker-restart 100)
   fi
   # Two passes, so that a stage cut short by its timeout has run every CUDA test: first all but the `dist`
   # tests (gloo processes on CPU, which CI runs too), then those with the time left.
   local t0 rc1 rc2 left
   t0=$(date +%s)
   # shellcheck disable=SC2086
-  timeout -k 10 "$T" "$PY" -m pytest tests -q -ra -p no:cacheprovider --continue-on-collection-errors "${par[@]}" \
+  timeout -k 10 "$T" "$PY" -m pytest tests -q -ra -p no:cacheprovider --continue-on-collection-errors "${par1[@]}" \
     -m "not dist" --junitxml="$WORK/junit.xml" ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log"
   rc1=${PIPESTATUS[0]}
   left=$((T - ($(date +%s) - t0)))

@@ -63,6 +63,23 @@ def _cuda_arch_list() -> str:
     return ";".join(f"{a}.{b}" for a, b in caps)
 
 
+def _runtime_libstdcxx() -> list[str]:
+    """The libstdc++ this process already runs (torch's), for the linker ahead of the compiler's own. A toolchain
+    like the gcc-toolset that builds torch's wheels (the lent H100's CC/CXX) links libstdc++ into the extension
+    statically where the system has no libstdc++.so it accepts: the extension then holds a second copy of the
+    locale machinery, and formatting a number into an error message crashed (SIGSEGV in num_put, torch 2.11).
+    Named first, the shared library resolves every libstdc++ symbol; the static archive then adds none."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.split()[-1]
+                if "/libstdc++.so" in path and os.path.isfile(path):
+                    return [path]
+    except OSError:  # no /proc (not Linux): the compiler's default
+        pass
+    return []
+
+
 def build_key(with_cuda: bool | None = None) -> str:
     """Hash of everything the built library depends on: sources, torch and CUDA versions, architectures."""
     with_cuda = _with_cuda() if with_cuda is None else with_cuda
@@ -72,7 +89,7 @@ def build_key(with_cuda: bool | None = None) -> str:
         h.update(name.encode())
         h.update((src / name).read_bytes())
     parts = [torch.__version__, str(torch.version.cuda), f"py{sys.version_info[0]}{sys.version_info[1]}",
-             os.environ.get("CXX", "c++"), f"cuda={with_cuda}"]
+             os.environ.get("CXX", "c++"), f"cuda={with_cuda}", *_runtime_libstdcxx()]
     if with_cuda:
         parts.append(_cuda_arch_list())
     h.update("|".join(parts).encode())
@@ -144,7 +161,7 @@ def _build_and_load(verbose: bool) -> str:
             cpp_extension.load(
                 name=name, sources=sources, build_directory=str(build_dir), is_python_module=False,
                 with_cuda=with_cuda, extra_cflags=["-O3", *defines], extra_cuda_cflags=["-O3", *defines],
-                extra_include_paths=[str(src)], verbose=verbose)
+                extra_include_paths=[str(src)], extra_ldflags=_runtime_libstdcxx(), verbose=verbose)
         finally:
             if with_cuda:
                 if old_arch is None:

@@ -95,8 +95,10 @@ def device(request, backend):
 
 def rel_update_error(ours, ref, init) -> float:
     """||ours - ref|| / ||ref - init||, norms over all elements of a list of tensors (in float64)."""
-    num = sum((a.double() - b.double()).square().sum().item() for a, b in zip(ours, ref)) ** 0.5
-    den = sum((b.double() - c.double()).square().sum().item() for b, c in zip(ref, init)) ** 0.5
+    def f64(t):  # on the CPU: `init` may be there while the runs were on CUDA
+        return t.detach().double().cpu()
+    num = sum((f64(a) - f64(b)).square().sum().item() for a, b in zip(ours, ref)) ** 0.5
+    den = sum((f64(b) - f64(c)).square().sum().item() for b, c in zip(ref, init)) ** 0.5
     assert den > 0, "the reference did not move: the comparison would prove nothing"
     return num / den
 
@@ -256,20 +258,23 @@ def check_bad_key_refused_after_a_step(opt, kw: dict, name: str, new_param) -> N
     unchanged()
 
 
-def check_no_host_sync(opt, params, steps: int, first_checked: int = 0) -> None:
-    """`steps` GradScaler steps of `opt` over CUDA `params` (loss: sum of p^2); from step `first_checked` on,
-    step() must not synchronize with the host (`torch.cuda.set_sync_debug_mode("error")` raises if it does)."""
-    scaler = torch.amp.GradScaler("cuda")
+def check_no_host_sync(opt, params, steps: int, first_checked: int = 0, scaler: bool = True) -> None:
+    """`steps` steps of `opt` over CUDA `params` (loss: sum of p^2), through a GradScaler (`scaler`) or plain;
+    from step `first_checked` on, step() must not synchronize with the host
+    (`torch.cuda.set_sync_debug_mode("error")` raises if it does)."""
+    amp = torch.amp.GradScaler("cuda") if scaler else None
     for t in range(steps):
-        scaler.scale(sum((p * p).sum() for p in params)).backward()
+        loss = sum((p * p).sum() for p in params)
+        (amp.scale(loss) if amp else loss).backward()
         torch.cuda.synchronize()
         if t >= first_checked:
             torch.cuda.set_sync_debug_mode("error")
         try:
-            scaler.step(opt)
+            amp.step(opt) if amp else opt.step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        scaler.update()
+        if amp:
+            amp.update()
         opt.zero_grad(set_to_none=True)
 
 
@@ -289,6 +294,10 @@ class Counting:
         return self.fn(*args, **kwargs)
 
 
+def _launch_probe():
+    """A def, not a lambda: compiled Triton (3.6) reads the source of what it wraps and finds no def in a lambda."""
+
+
 def launches_per_step(monkeypatch, make_opt, shapes=((3, 4), (5,), (2, 2, 3)), repeats=(1, 4)) -> list[int]:
     """Triton launches of one (second) step of `make_opt(params)` over `shapes * r` params, for each r in
     `repeats`: equal counts mean launches do not grow with the number of params. Skips without Triton."""
@@ -298,7 +307,7 @@ def launches_per_step(monkeypatch, make_opt, shapes=((3, 4), (5,), (2, 2, 3)), r
     import triton
     monkeypatch.setenv("FASTOPT_BACKEND", "triton")
     launches = []
-    cls = type(triton.jit(lambda: None))
+    cls = type(triton.jit(_launch_probe))  # JITFunction, or InterpretedFunction under TRITON_INTERPRET=1
     orig = cls.__getitem__
     monkeypatch.setattr(cls, "__getitem__", lambda self, grid: launches.append(self) or orig(self, grid))
     dev = "cuda" if torch.cuda.is_available() and not ops.interpreting() else "cpu"

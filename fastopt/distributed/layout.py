@@ -238,10 +238,10 @@ def _group_for(mesh, mesh_dims: tuple[int, ...]):
     # Not cached here: a DeviceMesh hashes by its ranks, so a cache would hand a mesh built after
     # destroy_process_group + init_process_group the destroyed group of an equal, older mesh. The mesh keeps
     # its own groups (and torch caches flattened meshes); a layout is built once per param and optimizer.
+    if len(mesh_dims) == mesh.ndim and mesh.size() == dist.get_world_size():
+        return dist.group.WORLD  # torch 2.11 gives a 1-D mesh over the world a group of its own: one bucket still
     if len(mesh_dims) == 1:
         return mesh.get_group(mesh_dims[0])
-    if len(mesh_dims) == mesh.ndim and mesh.size() == dist.get_world_size():
-        return dist.group.WORLD
     names = mesh.mesh_dim_names
     if names is None:
         raise NotImplementedError("fastopt: a param sharded over several (not all) dims of an unnamed "

@@ -529,7 +529,10 @@ class FastOptimizer(torch.optim.Optimizer):
         if scaler.found_inf is None:
             torch._foreach_add_(steps, 1.0)
         else:
-            torch._foreach_add_(steps, 1.0 - scaler.found_inf)
+            # a list of one 0-dim tensor: _foreach_add_(steps, tensor) synchronized on CUDA (torch 2.11, seen in
+            # bench/gpu_checks.py's no-host-sync check); the list form reads it on the device
+            inc = 1.0 - scaler.found_inf
+            torch._foreach_add_(steps, [inc] * len(steps))
 
     # torch.compile of a training step runs this step eagerly (a graph break): the step is fused kernels already,
     # dynamo cannot trace the Triton launches, and inductor miscompiled the reference's 8-bit dequantization of a
