@@ -121,6 +121,7 @@ class _Galore:
     def __init__(self, pset, rank, gap, eight=False):
         self.pset, self.rank, self.gap, self.eight = pset, rank, gap, eight
         self.proj_bytes = 0
+        self.grads = None
 
     def make(self, params):
         import galore_torch
@@ -129,6 +130,14 @@ class _Galore:
         return cls(_groups(self.pset, params, self.rank, self.gap), **HYPER, **kw)
 
     def step(self, opt, params):
+        # GaLoreAdamW8bit's step leaves p.grad = the projected gradient (rank x n); stepped again on that, it
+        # projects it a second time (matmul shape error on the H100, 2026-11-24). Each timed step gets the
+        # full gradients back (a reference per param, no copy), as a training step's backward would give.
+        if self.eight:
+            if self.grads is None:
+                self.grads = [p.grad for p in params]
+            for p, g in zip(params, self.grads):
+                p.grad = g
         opt.step()
         if not self.proj_bytes:
             for st in opt.state.values():

@@ -90,7 +90,7 @@ def _tensor_bytes(ts) -> int:
     return total
 
 
-def _dp_worker(rank: int, world: int, init_file: str, out_dir: str, cfg: dict) -> None:
+def _dp_worker(rank: int, world: int, init_file: str, out_dir: str, cfg: dict) -> tuple:
     import torch.distributed as dist
 
     torch.set_num_threads(cfg["threads"])
@@ -147,12 +147,15 @@ def _dp_worker(rank: int, world: int, init_file: str, out_dir: str, cfg: dict) -
         json.dump(res, f)
     dist.barrier()  # no rank closes its connections while another still talks to it
     dist.destroy_process_group()
+    return net, opt  # for the caller to keep alive: see _dp_spawned
 
 
 def _dp_spawned(rank: int, world: int, init_file: str, out_dir: str, cfg: dict) -> None:
-    _dp_worker(rank, world, init_file, out_dir, cfg)
+    keep = _dp_worker(rank, world, init_file, out_dir, cfg)  # noqa: F841 - never freed, on purpose
     # The work is done and written. Leave without the interpreter's teardown: gloo's background threads can
     # abort it ("terminate called without an active exception"), which mp.spawn would report as a failure.
+    # Nor is DDP freed first: its Reducer held the last reference to the destroyed gloo group, whose destructor
+    # joined a gloo thread that waited for the GIL this thread held (a hung CI run, torch 2.13, 2026-11-24).
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -452,7 +452,7 @@ SPEED_TARGETS = (
     ("galore8-", "fastopt.GaLoreAdamW8bit", "galore-torch GaLoreAdamW8bit", 3.0),
     ("adamw8bit", "fastopt.AdamW8bit", "torch.optim.AdamW(fused)", 1.0),
 )
-BANDWIDTH_TARGET = 0.8      # of the copy bandwidth, over the bytes the kernels must move
+BANDWIDTH_TARGET = 0.8      # of the copy bandwidth, over the step's minimal bytes (issue 9)
 STATE_TARGET_ADAMW8BIT = 0.255  # of torch's fused fp32 AdamW state: "a quarter", 2.03 of 8 B/param (issue 5)
 OVERHEAD_TARGET = 0.05      # layout machinery over the single-process step
 
@@ -468,8 +468,9 @@ def _matches(r: dict, bench: str, impl: str) -> bool:
 def targets(results: list[dict]) -> list[dict]:
     """One row per (target, case): `what`, `case`, `measured` (a number), `goal`, `met` (bool, or None where
     the case did not run). Speed: our median against the named baseline's in the same (bench, set, dtype);
-    bandwidth: kernel bytes over the median time, over the copy bandwidth (`kernel_frac_copy`: the exact
-    algorithms must read the gradient more than once, so the bytes they must move are the kernel bytes)."""
+    bandwidth, as issue 9 words it: the step's minimal bytes over the median time, over the copy bandwidth
+    (`frac_copy`). What the kernels actually move (`kernel_frac_copy`: Adafactor's, CAME's and Lamb's exact
+    statistics read the gradient or the param in more than one pass) is in the table, not judged."""
     rows = []
 
     def case(r):
@@ -496,12 +497,12 @@ def targets(results: list[dict]) -> list[dict]:
                     state = (r["state_bytes"] / ref[0]["state_bytes"]) if ok and ref and ref[0]["state_bytes"] else None
                     add(f"state <= {STATE_TARGET_ADAMW8BIT:g} of {base}'s (2.03 of 8 B/param)", r, state, STATE_TARGET_ADAMW8BIT,
                         at_least=False)
-            add(f"kernel bytes >= {BANDWIDTH_TARGET:.0%} of copy bandwidth", r,
-                r.get("kernel_frac_copy") if ok else None, BANDWIDTH_TARGET)
+            add(f"minimal bytes >= {BANDWIDTH_TARGET:.0%} of copy bandwidth", r,
+                r.get("frac_copy") if ok else None, BANDWIDTH_TARGET)
     for r in results:
         if r.get("ours") and r["bench"] in ("quantize", "dequantize"):
-            add(f"bytes >= {BANDWIDTH_TARGET:.0%} of copy bandwidth", r,
-                r.get("kernel_frac_copy") if r["status"] == "ok" else None, BANDWIDTH_TARGET)
+            add(f"minimal bytes >= {BANDWIDTH_TARGET:.0%} of copy bandwidth", r,
+                r.get("frac_copy") if r["status"] == "ok" else None, BANDWIDTH_TARGET)
         if r.get("overhead_frac") is not None:
             add(f"layout machinery <= {OVERHEAD_TARGET:.0%} of the step", r, r["overhead_frac"], OVERHEAD_TARGET,
                 at_least=False)

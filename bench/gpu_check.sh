@@ -11,6 +11,7 @@
 #      (all but the gloo `dist` tests first, then those with the time left)
 #   3. bench/gpu_checks.py: no host sync in step(), CUDA-graph capture + replay   -> $OUT/gpu_checks.json
 #   4. the demo on the GPU, every optimizer, DEMO_STEPS (30) steps                 -> demo/ in results.tar.gz
+#   4b. bench/profile_step.py: host against device time of one step, the slow cases -> profile/ in results.tar.gz
 #   5. the benchmark suite (bench/run.py) with the time that is left              -> $OUT/suite-<gpu>.{json,md,png}
 # Everything printed goes to $OUT/gpu_check.log; the per-bench files go into $OUT/results.tar.gz (the
 # device returns at most 8 files). Unpack that into bench/results/ to commit it.
@@ -19,7 +20,7 @@
 # Knobs: PYTHON, GPU_CHECK_BUDGET_S, PYTEST_WORKERS (default 4 with pytest-xdist, 0: serial),
 # PYTEST_ARGS, BENCH_ARGS, FASTOPT_COMMIT, and for splitting the work over
 # several device calls (each at most 10 minutes; the machine stays warm only 30 s between them):
-#   GPU_CHECK_STAGES   the stages to run, of: info install tests gpu_checks demo bench (default: all six)
+#   GPU_CHECK_STAGES   the stages to run, of: info install tests gpu_checks demo profile bench (default: all)
 #   TESTS_MAX_S        the tests stage's cap (default 270; e.g. 500 when a call runs info install tests alone)
 #   CHECKS_MAX_S       the gpu_checks stage's cap (default 240: ten configurations, up to 6 at a time; each
 #                      is killed at what is left of the stage, and gpu_checks.json is rewritten as each ends)
@@ -27,7 +28,7 @@
 # device gets the tree without .git: write it before the call, `git rev-parse HEAD > .fastopt_commit`, and
 # carry it; it is git-ignored). Without any of them the results say "commit": "unknown" and this warns.
 # e.g. call 1: GPU_CHECK_STAGES="info install tests" TESTS_MAX_S=500 bash bench/gpu_check.sh
-#      call 2: GPU_CHECK_STAGES="info install gpu_checks demo" bash bench/gpu_check.sh
+#      call 2: GPU_CHECK_STAGES="info install gpu_checks demo profile" bash bench/gpu_check.sh
 #      call 3: GPU_CHECK_STAGES="info install bench" bash bench/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -171,6 +172,28 @@ demo() {
   return "${PIPESTATUS[0]}"
 }
 
+profile() {
+  # Where the step time goes (host: Python and launches; device: kernels) for the cases the H100 run of
+  # 2026-11-24 found slow: GaLore (513 launches/step on the 1b set), the 8-bit states; Adafactor for contrast.
+  mkdir -p "$WORK/results/profile"
+  local t0 c rc=0
+  t0=$(date +%s)
+  for c in "galore 1b fp32" "galore 7b bf16 --rank 1024" "galore8 1b fp32" "adamw8bit 7b fp32" "came8 7b fp32" \
+      "lamb8 7b bf16" "adafactor 7b fp32"; do
+    local left=$((T - ($(date +%s) - t0)))
+    if [ "$left" -lt 20 ]; then
+      echo "=== profile: no time left for $c"
+      rc=124
+      break
+    fi
+    set -- $c
+    # shellcheck disable=SC2086
+    timeout -k 5 "$left" "$PY" bench/profile_step.py --optim "$1" --set "$2" --dtype "$3" "${@:4}" \
+      --json "$WORK/results/profile/$1-$2-$3${4:+-r$5}.json" || rc=$?
+  done
+  return $rc
+}
+
 bench() {
   # run.py starts no new measurement after --budget-s; the timeout leaves it 45 s to finish the last one.
   local budget=$((T - 45))
@@ -193,7 +216,7 @@ main() {
 WARNING: \"commit\": \"unknown\". Before the device call: git rev-parse HEAD > .fastopt_commit, and carry it."
     echo "$nocommit"
   fi
-  local want=" ${GPU_CHECK_STAGES:-info install tests gpu_checks demo bench} "
+  local want=" ${GPU_CHECK_STAGES:-info install tests gpu_checks demo profile bench} "
   # The reserves keep time for the stages after each one, counted only when those stages run.
   local r_tests=0 r_checks=0 r_bench=0
   [[ $want == *" bench "* ]] && r_bench=90
@@ -206,6 +229,7 @@ WARNING: \"commit\": \"unknown\". Before the device call: git rev-parse HEAD > .
   [[ $want == *" tests "* ]] && stage tests "${TESTS_MAX_S:-270}" $((r_checks + r_bench)) tests
   [[ $want == *" gpu_checks "* ]] && stage gpu_checks "${CHECKS_MAX_S:-240}" "$r_bench" checks
   [[ $want == *" demo "* ]] && stage demo 90 "$r_bench" demo
+  [[ $want == *" profile "* ]] && stage profile 150 "$r_bench" profile
   [[ $want == *" bench "* ]] && stage bench 600 10 bench
 
   # The suite files go to $OUT as they are, everything else into one tarball (at most 8 files come back).

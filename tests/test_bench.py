@@ -440,24 +440,25 @@ def test_gpu_checks_keep_rows_as_they_come(suite, monkeypatch, tmp_path, capsys)
 
 def test_targets_judge_each_issue_target(suite):
     """`targets()` checks the issues' H100 targets on synthetic rows: each speed target against its named
-    baseline (not the fastest other row), the bandwidth target on kernel bytes, AdamW8bit's state, GaLore's
-    refresh rows left out, and cases that did not run reported as not met nor failed."""
+    baseline (not the fastest other row), the bandwidth target on the minimal bytes (issue 9's wording; not on
+    what the kernels move), AdamW8bit's state, GaLore's refresh rows left out, and cases that did not run
+    reported as not met nor failed."""
     _, common, _ = suite
 
     def row(bench, impl, ms, ours=False, status="ok", **kw):
         r = dict(bench=bench, impl=impl, ms_median=ms, ours=ours, status=status, set="7b", dtype="fp32",
-                 state_bytes=kw.pop("state", None), kernel_frac_copy=kw.pop("kfc", None))
+                 state_bytes=kw.pop("state", None), frac_copy=kw.pop("fc", None), kernel_frac_copy=1.0)
         r.update(kw)
         return r
 
     rows = [
-        row("came", "fastopt.CAME", 1.0, ours=True, kfc=0.81),
-        row("came", "fastopt.CAME(nbits=8)", 1.0, ours=True, kfc=0.79),
+        row("came", "fastopt.CAME", 1.0, ours=True, fc=0.81),
+        row("came", "fastopt.CAME(nbits=8)", 1.0, ours=True, fc=0.79),
         row("came", "came-pytorch CAME", 4.9),
-        row("lamb", "fastopt.Lamb", 1.0, ours=True, kfc=0.9),
+        row("lamb", "fastopt.Lamb", 1.0, ours=True, fc=0.9),
         row("lamb", "foreach LAMB (torch._foreach_*)", 1.5),  # faster than the loop: not the named baseline
         row("lamb", "eager LAMB (per-param loop)", 3.0),
-        row("adamw8bit", "fastopt.AdamW8bit", 1.0, ours=True, state=203, kfc=0.85),
+        row("adamw8bit", "fastopt.AdamW8bit", 1.0, ours=True, state=203, fc=0.85),
         row("adamw8bit", "torch.optim.AdamW(fused)", 1.0, state=800),
         row("galore-r128", "fastopt.GaLoreAdamW", 1.0, ours=True),
         row("galore-r128", "galore-torch GaLoreAdamW", 2.0),
@@ -469,8 +470,8 @@ def test_targets_judge_each_issue_target(suite):
            for t in common.targets(rows)}
     assert got[("speed", "came", "fastopt.CAME")]["met"] is False  # 4.9x < 5x
     assert got[("speed", "came", "fastopt.CAME")]["measured"] == pytest.approx(4.9)
-    assert got[("kernel", "came", "fastopt.CAME")]["met"] is True
-    assert got[("kernel", "came", "fastopt.CAME(nbits=8)")]["met"] is False
+    assert got[("minimal", "came", "fastopt.CAME")]["met"] is True  # kernel_frac_copy 1.0 everywhere: not judged
+    assert got[("minimal", "came", "fastopt.CAME(nbits=8)")]["met"] is False
     assert got[("speed", "lamb", "fastopt.Lamb")]["measured"] == pytest.approx(3.0)
     assert got[("speed", "lamb", "fastopt.Lamb")]["met"] is True
     assert got[("speed", "adamw8bit", "fastopt.AdamW8bit")]["met"] is True
@@ -518,3 +519,53 @@ def test_galore_refresh_bench_runs_last_with_its_few_steps(suite, tmp_path, monk
     # every SVD came from the refresh rows: 1 + REPS steps (and one counted for launches off CUDA: none)
     layer = sum(name.rsplit(".", 1)[-1] in galore.PROJECTED for name, _ in _common.model_shapes(_common.LLAMA_1B, 1))
     assert len(calls) == (1 + refresh.REPS) * layer, len(calls)
+
+
+def test_galore_torch_8bit_steps_on_full_gradients_each_time(suite):
+    """galore-torch's GaLoreAdamW8bit leaves p.grad = the projected gradient after a step (its CUDA-only step
+    cannot run here, so a stand-in does the same): every timed step of the bench's wrapper must see the full
+    gradients again, not project the projection (a matmul shape error on the H100)."""
+    run = suite[0]
+    galore = importlib.import_module(run.__package__ + ".bench_galore")
+    params = [torch.nn.Parameter(torch.zeros(8, 6)), torch.nn.Parameter(torch.zeros(5))]
+    full = [torch.ones(8, 6), torch.ones(5)]
+    for p, g in zip(params, full):
+        p.grad = g
+    seen = []
+
+    class Projecting:
+        state: dict = {}
+
+        def step(self):
+            seen.append([tuple(p.grad.shape) for p in params])
+            saved = params[0].data  # as GaLoreAdamW8bit.step does: p.data and p.grad projected, then p.data
+            params[0].data = torch.zeros(2, 6)  # restored (plus the update), p.grad left projected
+            params[0].grad = torch.ones(2, 6)
+            params[0].data = saved
+
+    wrapper = galore._Galore(None, rank=2, gap=10, eight=True)
+    for _ in range(3):
+        wrapper.step(Projecting(), params)
+    assert seen == [[(8, 6), (5,)]] * 3
+    assert params[1].grad is full[1]
+
+
+@pytest.mark.parametrize("optim", ["galore", "came8"])
+def test_profile_step_on_cpu(suite, optim, tmp_path, capsys):
+    """bench/profile_step.py (the gpu_check profile stage) runs on CPU at a reduced size: wall and host time per
+    step, the JSON it writes; the device columns are CUDA-only (None here). GaLore's rank is cut to the scaled
+    matrices, as the suite does."""
+    run = suite[0]
+    prof = importlib.import_module(run.__package__ + ".profile_step")
+    out = tmp_path / "p.json"
+    r = prof.main(["--optim", optim, "--set", "1b", "--layers", "1", "--scale", "64", "--steps", "2", "--warmup", "1",
+                   "--device", "cpu", "--json", str(out)])
+    assert json.loads(out.read_text()) == r
+    assert r["n_tensors"] == 12 and r["device_ms"] is None and r["launches"] is None and r["top"] == []
+    assert 0 < r["host_ms"] and 0 < r["wall_ms"]
+    assert r["rank"] == (2 if optim == "galore" else None)  # 128 / 64
+    text = capsys.readouterr().out
+    assert f"{optim} on llama-1b (1/22 layers)" in text and "host" in text and "device" not in text
+    with pytest.raises(SystemExit):
+        prof.main(["--optim", "adamw"])
+    assert "invalid choice: 'adamw'" in capsys.readouterr().err

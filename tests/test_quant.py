@@ -259,6 +259,21 @@ def test_multi_tensor_in_place(impl):
 
 # ---- the extension's build ----------------------------------------------------------------------------
 
+def test_extension_uses_the_process_libstdcxx(built):
+    """The built library links the libstdc++ the process already runs, dynamically. The lent H100's compiler
+    (a gcc-toolset-style CC/CXX) linked it statically when left alone: a second copy of the locale machinery, and
+    every C++ error message with a number in it crashed the process (SIGSEGV in num_put) instead of raising."""
+    if not sys.platform.startswith("linux") or shutil.which("readelf") is None:
+        pytest.skip("reads /proc/self/maps and the ELF dynamic section (Linux, binutils' readelf)")
+    mapped = [line.split()[-1] for line in open("/proc/self/maps") if "fastopt_ext_" in line]
+    assert mapped, "the extension is not mapped into this process"
+    assert ext._runtime_libstdcxx() and "libstdc++.so" in ext._runtime_libstdcxx()[0]
+    dyn = subprocess.run(["readelf", "-d", mapped[0]], capture_output=True, text=True, check=True).stdout
+    assert "[libstdc++.so" in dyn, dyn
+    with pytest.raises(ValueError, match=r"block_size=63 must be a power of two"):  # formats an int64
+        torch.ops.fastopt.quantize_blockwise(torch.randn(10), R.dynamic_map(True), 63)
+
+
 def test_extension_registers_ops(built):
     assert ext.is_available() and ext.load_error() is None
     assert ext.how_loaded() in ("built", "waited", "cache")
