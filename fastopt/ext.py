@@ -16,6 +16,7 @@ ninja or nvcc raises an error that says what to install.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import os
@@ -63,21 +64,26 @@ def _cuda_arch_list() -> str:
     return ";".join(f"{a}.{b}" for a, b in caps)
 
 
-def _runtime_libstdcxx() -> list[str]:
+@functools.lru_cache(maxsize=None)
+def _runtime_libstdcxx() -> tuple[str, ...]:
     """The libstdc++ this process already runs (torch's), for the linker ahead of the compiler's own. A toolchain
     like the gcc-toolset that builds torch's wheels (the lent H100's CC/CXX) links libstdc++ into the extension
     statically where the system has no libstdc++.so it accepts: the extension then holds a second copy of the
     locale machinery, and formatting a number into an error message crashed (SIGSEGV in num_put, torch 2.11).
-    Named first, the shared library resolves every libstdc++ symbol; the static archive then adds none."""
+    Named first, the shared library resolves every libstdc++ symbol; the static archive then adds none.
+    Read once per process (the build key and the link must name the same file, whatever is loaded later); a
+    path ninja could not take unquoted (whitespace, `$`) is left to the compiler's default."""
     try:
         with open("/proc/self/maps") as f:
             for line in f:
-                path = line.split()[-1]
-                if "/libstdc++.so" in path and os.path.isfile(path):
-                    return [path]
+                fields = line.rstrip("\n").split(maxsplit=5)
+                path = fields[5].removesuffix(" (deleted)") if len(fields) == 6 else ""
+                if "/libstdc++.so" in path and os.path.isfile(path) and not any(c.isspace() or c == "$"
+                                                                                  for c in path):
+                    return (path,)
     except OSError:  # no /proc (not Linux): the compiler's default
         pass
-    return []
+    return ()
 
 
 def build_key(with_cuda: bool | None = None) -> str:
@@ -161,7 +167,7 @@ def _build_and_load(verbose: bool) -> str:
             cpp_extension.load(
                 name=name, sources=sources, build_directory=str(build_dir), is_python_module=False,
                 with_cuda=with_cuda, extra_cflags=["-O3", *defines], extra_cuda_cflags=["-O3", *defines],
-                extra_include_paths=[str(src)], extra_ldflags=_runtime_libstdcxx(), verbose=verbose)
+                extra_include_paths=[str(src)], extra_ldflags=list(_runtime_libstdcxx()), verbose=verbose)
         finally:
             if with_cuda:
                 if old_arch is None:

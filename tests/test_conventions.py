@@ -735,3 +735,29 @@ def test_compiled_training_step_runs_the_step_eagerly(case, backend, device):
     assert_same(opt, ref)
     assert traced and set(traced) == {operator.mul}, set(traced)
 
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_found_inf_of_shape_one_as_fsdp_sharded_grad_scaler_makes_it(case):
+    """FSDP's ShardedGradScaler hands step() a found_inf of shape (1,), not 0-dim: with 0 it steps exactly as a
+    0-dim found_inf does (6 steps, params and state bit for bit); with 1 nothing changes, step counters included."""
+    a, b = make_params("cpu"), make_params("cpu")
+    oa, ob = make(case, a), make(case, b)
+    for t in range(6):
+        set_grads(a, t)
+        set_grads(b, t)
+        for o, fi in ((oa, torch.zeros(())), (ob, torch.zeros(1))):
+            o.grad_scale, o.found_inf = torch.ones(()), fi
+            o.step()
+    for p, q in zip(a, b):
+        assert torch.equal(p, q)
+        for k, v in oa.state[p].items():
+            assert torch.equal(ob.state[q][k], v), k
+    before = ([p.detach().clone() for p in b], [{k: v.clone() for k, v in ob.state[p].items()} for p in b])
+    set_grads(b, 6)
+    ob.found_inf = torch.ones(1)
+    ob.step()
+    for p, p0, s0 in zip(b, *before):
+        assert torch.equal(p, p0)
+        for k, v in s0.items():
+            assert torch.equal(ob.state[p][k], v), k

@@ -263,13 +263,22 @@ def test_extension_uses_the_process_libstdcxx(built):
     """The built library links the libstdc++ the process already runs, dynamically. The lent H100's compiler
     (a gcc-toolset-style CC/CXX) linked it statically when left alone: a second copy of the locale machinery, and
     every C++ error message with a number in it crashed the process (SIGSEGV in num_put) instead of raising."""
-    if not sys.platform.startswith("linux") or shutil.which("readelf") is None:
-        pytest.skip("reads /proc/self/maps and the ELF dynamic section (Linux, binutils' readelf)")
+    if not sys.platform.startswith("linux") or shutil.which("readelf") is None or shutil.which("nm") is None:
+        pytest.skip("reads /proc/self/maps and the library's ELF symbols (Linux, binutils' readelf and nm)")
     mapped = [line.split()[-1] for line in open("/proc/self/maps") if "fastopt_ext_" in line]
     assert mapped, "the extension is not mapped into this process"
-    assert ext._runtime_libstdcxx() and "libstdc++.so" in ext._runtime_libstdcxx()[0]
-    dyn = subprocess.run(["readelf", "-d", mapped[0]], capture_output=True, text=True, check=True).stdout
+    lib = Path(mapped[0])
+    (runtime,) = ext._runtime_libstdcxx()
+    assert "libstdc++.so" in runtime
+    ldflags = [ln for ln in (lib.parent / "build.ninja").read_text().splitlines() if ln.startswith("ldflags")]
+    assert ldflags and runtime in ldflags[0].split(), ldflags  # linked against it by name, ahead of the default
+    dyn = subprocess.run(["readelf", "-d", str(lib)], capture_output=True, text=True, check=True).stdout
     assert "[libstdc++.so" in dyn, dyn
+    # The statically linked copy showed as libstdc++'s own symbols defined in the extension (the H100's build
+    # exported std::locale::id::_M_id; a gcc-toolset link still NEEDs libstdc++.so for the rest).
+    syms = subprocess.run(["nm", "-DC", "--defined-only", str(lib)], capture_output=True, text=True,
+                          check=True).stdout
+    assert "std::locale::id::_M_id" not in syms and "std::locale::locale()" not in syms
     with pytest.raises(ValueError, match=r"block_size=63 must be a power of two"):  # formats an int64
         torch.ops.fastopt.quantize_blockwise(torch.randn(10), R.dynamic_map(True), 63)
 

@@ -530,8 +530,9 @@ class FastOptimizer(torch.optim.Optimizer):
             torch._foreach_add_(steps, 1.0)
         else:
             # a list of one 0-dim tensor: _foreach_add_(steps, tensor) synchronized on CUDA (torch 2.11, seen in
-            # bench/gpu_checks.py's no-host-sync check); the list form reads it on the device
-            inc = 1.0 - scaler.found_inf
+            # bench/gpu_checks.py's no-host-sync check); the list form reads it on the device. FSDP's
+            # ShardedGradScaler makes found_inf of shape (1,): made 0-dim like the steps.
+            inc = (1.0 - scaler.found_inf).reshape(())
             torch._foreach_add_(steps, [inc] * len(steps))
 
     # torch.compile of a training step runs this step eagerly (a graph break): the step is fused kernels already,
