@@ -27,6 +27,7 @@
 # The commit the results record: FASTOPT_COMMIT, else `git rev-parse HEAD`, else the file .fastopt_commit (the
 # device gets the tree without .git: write it before the call, `git rev-parse HEAD > .fastopt_commit`, and
 # carry it; it is git-ignored). Without any of them the results say "commit": "unknown" and this warns.
+# bench/gpu_prep.sh writes .fastopt_commit and fetches the wheels, on the development machine, before the calls.
 # e.g. call 1: GPU_CHECK_STAGES="info install tests" TESTS_MAX_S=500 bash bench/gpu_check.sh
 #      call 2: GPU_CHECK_STAGES="info install gpu_checks demo profile" bash bench/gpu_check.sh
 #      call 3: GPU_CHECK_STAGES="info install bench" bash bench/gpu_check.sh
