@@ -62,22 +62,17 @@ def parse(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _device_profile(fn, device: torch.device, steps: int, top: int) -> dict:
     """Kernels' durations and counts per step from torch.profiler (CUDA only)."""
     if device.type != "cuda":
         return {"device_ms": None, "launches": None, "top": []}
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
-    _sync(device)
+    common._sync(device)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             fn()
-        _sync(device)
+        common._sync(device)
     per: dict[str, list[float]] = {}
     for e in prof.events():
         if e.device_type == DeviceType.CUDA:
@@ -103,13 +98,13 @@ def profile_step(args) -> dict:
         opt.step()  # the state, the compiled kernels (GaLore: the bases, by a stand-in for its SVD)
     for _ in range(args.warmup):
         opt.step()
-    _sync(device)
+    common._sync(device)
     wall, host = [], []
     for _ in range(args.steps):
         t0 = time.perf_counter()
         opt.step()
         t1 = time.perf_counter()
-        _sync(device)
+        common._sync(device)
         t2 = time.perf_counter()
         host.append((t1 - t0) * 1e3)
         wall.append((t2 - t0) * 1e3)

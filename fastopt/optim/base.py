@@ -400,11 +400,12 @@ class FastOptimizer(torch.optim.Optimizer):
             inv = grad_scale.to(device=device, dtype=torch.float32, non_blocking=True).reciprocal()
         fi = None
         if found_inf is not None:
-            fi = found_inf.to(device=device, dtype=torch.float32, non_blocking=True)
+            # 0-dim like the step counters: FSDP's ShardedGradScaler makes found_inf of shape (1,)
+            fi = found_inf.to(device=device, dtype=torch.float32, non_blocking=True).reshape(())
         cache[device] = ScalerArgs(inv, fi)
         return cache[device]
 
-    # Subclasses whose `_step_group` takes `layouts=` and `reduce=` are exact on sharded params (DTensor,
+    # Subclasses whose `_step_group` takes `layouts=` and `sharded=` are exact on sharded params (DTensor,
     # declared shards, flat ZeRO ranges).
     _supports_layouts = False
 
@@ -530,9 +531,8 @@ class FastOptimizer(torch.optim.Optimizer):
             torch._foreach_add_(steps, 1.0)
         else:
             # a list of one 0-dim tensor: _foreach_add_(steps, tensor) synchronized on CUDA (torch 2.11, seen in
-            # bench/gpu_checks.py's no-host-sync check); the list form reads it on the device. FSDP's
-            # ShardedGradScaler makes found_inf of shape (1,): made 0-dim like the steps.
-            inc = (1.0 - scaler.found_inf).reshape(())
+            # bench/gpu_checks.py's no-host-sync check); the list form reads it on the device
+            inc = 1.0 - scaler.found_inf
             torch._foreach_add_(steps, [inc] * len(steps))
 
     # torch.compile of a training step runs this step eagerly (a graph break): the step is fused kernels already,
