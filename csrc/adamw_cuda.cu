@@ -18,9 +18,8 @@ __global__ void __launch_bounds__(kThreads, KMAX == 4 ? 4 : 2)
   if (found_inf != nullptr && *found_inf != 0.0f) return;
   __shared__ SearchTables tab1, tab2;
   __shared__ float red[kThreads / 32];
-  fill_search_entry(tab1, map1, threadIdx.x);
-  fill_search_entry(tab2, map2, threadIdx.x);
-  __syncthreads();
+  build_search_tables_block(tab1, map1);
+  build_search_tables_block(tab2, map2);
   const C inv = inv_scale != nullptr ? (C)*inv_scale : (C)1;
   const QuantLayout L(B);
   const int grp = threadIdx.x / L.G, lane = threadIdx.x % L.G;
@@ -39,6 +38,19 @@ __global__ void __launch_bounds__(kThreads, KMAX == 4 ? 4 : 2)
     const bool active = start < e.n;
     const float old1 = active ? e.a1[qb] : 0.0f;
     const float old2 = active ? e.a2[qb] : 0.0f;
+    // Every load of the tile first, then the math and the stores: a store to p between them would keep the
+    // compiler from issuing the next element's loads early (it cannot rule out aliasing).
+    C pv[KMAX], gv[KMAX];
+    uint8_t q1[KMAX], q2[KMAX];
+#pragma unroll
+    for (int k = 0; k < KMAX; ++k) {
+      const int64_t j = start + lane + (int64_t)k * L.G;
+      const bool in = k < L.K && j < e.n;
+      pv[k] = in ? (C)ld(p, j) : (C)0;
+      gv[k] = in ? (C)ld(g, j) : (C)0;
+      q1[k] = in ? c1[j] : (uint8_t)0;
+      q2[k] = in ? c2[j] : (uint8_t)0;
+    }
     float mq[KMAX], vq[KMAX];
     float new1 = 0.0f, new2 = 0.0f;
 #pragma unroll
@@ -47,10 +59,9 @@ __global__ void __launch_bounds__(kThreads, KMAX == 4 ? 4 : 2)
       vq[k] = 0.0f;
       const int64_t j = start + lane + (int64_t)k * L.G;
       if (k < L.K && j < e.n) {
-        C m = (C)(dequantize_code(tab1, c1[j]) * old1);
-        C v = (C)(dequantize_code(tab2, c2[j]) * old2);
-        const C pn = adamw_element<C>((C)ld(p, j), (C)ld(g, j) * inv, m, v, s);
-        st(p, j, pn);
+        C m = (C)(dequantize_code(tab1, q1[k]) * old1);
+        C v = (C)(dequantize_code(tab2, q2[k]) * old2);
+        st(p, j, adamw_element<C>(pv[k], gv[k] * inv, m, v, s));
         mq[k] = (float)m;
         vq[k] = (float)v;
       }
@@ -98,14 +109,23 @@ __global__ void __launch_bounds__(kThreads)
     C* m = static_cast<C*>(e.s1);
     C* v = static_cast<C*>(e.s2);
     const int64_t base = (tile - cur.lo) * kTile32 + threadIdx.x;
+    C pv[K], gv[K], mv[K], vv[K];  // loads first, as in adamw8bit_kernel
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int64_t j = base + (int64_t)k * kThreads;
+      const bool in = j < e.n;
+      pv[k] = in ? (C)ld(p, j) : (C)0;
+      gv[k] = in ? (C)ld(g, j) : (C)0;
+      mv[k] = in ? m[j] : (C)0;
+      vv[k] = in ? v[j] : (C)0;
+    }
 #pragma unroll
     for (int k = 0; k < K; ++k) {
       const int64_t j = base + (int64_t)k * kThreads;
       if (j < e.n) {
-        C mj = m[j], vj = v[j];
-        st(p, j, adamw_element<C>((C)ld(p, j), (C)ld(g, j) * inv, mj, vj, s));
-        m[j] = mj;
-        v[j] = vj;
+        st(p, j, adamw_element<C>(pv[k], gv[k] * inv, mv[k], vv[k], s));
+        m[j] = mv[k];
+        v[j] = vv[k];
       }
     }
   }

@@ -4,6 +4,8 @@
 
 #include <string.h>
 
+#include <algorithm>
+
 namespace fastopt {
 namespace cpu {
 
@@ -81,27 +83,8 @@ inline void store(f16* p, int64_t i, float v) { p[i].bits = float_to_f16(v); }
 template <typename T> struct ComputeOf { using type = float; };
 template <> struct ComputeOf<double> { using type = double; };
 
-// codes[i] = quantize_nearest(t, x[i] / absmax) for i < n, eight searches in lockstep: the same operations
-// as the scalar search, interleaved so that the eight dependent chains of table loads overlap.
 void quantize_run(const SearchTables& t, const float* x, float absmax, uint8_t* codes, int64_t n) {
-  constexpr int W = 8;
-  int64_t i = 0;
-  for (; i + W <= n; i += W) {
-    float xn[W];
-    int k[W];
-    for (int w = 0; w < W; ++w) {
-      xn[w] = normalize(x[i + w], absmax);
-      k[w] = 1;
-    }
-    for (int level = 0; level < 8; ++level)
-      for (int w = 0; w < W; ++w) k[w] = 2 * k[w] + (t.tree[k[w]] <= xn[w] ? 1 : 0);
-    for (int w = 0; w < W; ++w) {
-      const int idx = k[w] - kCodeSize;
-      const float left = t.pairs[2 * idx], right = t.pairs[2 * idx + 1];
-      codes[i + w] = (uint8_t)(idx + (fabsf(xn[w] - right) < fabsf(xn[w] - left) ? 1 : 0));
-    }
-  }
-  for (; i < n; ++i) codes[i] = quantize_nearest(t, normalize(x[i], absmax));
+  for (int64_t i = 0; i < n; ++i) codes[i] = quantize_nearest(t, normalize(x[i], absmax));
 }
 
 template <typename F>
@@ -236,7 +219,9 @@ int64_t fill_tile_start(const int64_t* numels, int n_tensors, int64_t tile, int6
 }
 
 void build_search_tables(const float* map, SearchTables* out) {
-  for (int t = 0; t < kCodeSize; ++t) fill_search_entry(*out, map, t);
+  for (int t = 0; t < kCodeSize; ++t) fill_search_key(*out, map, t);
+  out->steps = 1;
+  for (int j = 0; j < 2 * kBuckets; ++j) out->steps = std::max(out->steps, fill_search_start(*out, j));
 }
 
 #define FASTOPT_DISPATCH(dtype, F, ...)                  \

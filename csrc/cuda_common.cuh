@@ -23,6 +23,19 @@ __device__ __forceinline__ void st(double* p, int64_t i, double v) { p[i] = v; }
 __device__ __forceinline__ void st(__nv_bfloat16* p, int64_t i, float v) { p[i] = __float2bfloat16_rn(v); }
 __device__ __forceinline__ void st(__half* p, int64_t i, float v) { p[i] = __float2half_rn(v); }
 
+// The search tables of `map`, built by the kThreads threads of a block in its prologue: keys and thresholds
+// (one entry per thread), then the bucket starts (2 * kBuckets / kThreads per thread) and the block max of
+// their spans. Every thread must call it; it ends with __syncthreads.
+__device__ __forceinline__ void build_search_tables_block(SearchTables& s, const float* map) {
+  if (threadIdx.x == 0) s.steps = 1;
+  fill_search_key(s, map, threadIdx.x);
+  __syncthreads();
+  int span = 1;
+  for (int j = threadIdx.x; j < 2 * kBuckets; j += kThreads) span = max(span, fill_search_start(s, j));
+  atomicMax(&s.steps, span);
+  __syncthreads();
+}
+
 // How a CUDA block of kThreads threads covers one tile of quant_tile(B) elements: Q quantization blocks per
 // tile, G threads per quantization block, K elements per thread (strided by G, so that each load of a warp
 // is contiguous).

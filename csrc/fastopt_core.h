@@ -9,13 +9,18 @@
 //   (bitsandbytes' CPU rule: the right neighbour only when strictly nearer). A block of zeros has absmax 0
 //   and codes of 0.0. Dequantization: x_i = map[code_i] * absmax[b].
 //
-// Search: the nearest code is found with a branch-free descent of an Eytzinger (BFS-ordered) tree of the
-// 255 keys map[1..255] (SearchTables::tree), which keeps shared-memory bank conflicts low on GPUs, then one
-// compare of the two neighbours stored side by side (SearchTables::pairs). CPU and GPU run this same code.
+// Search: the nearest code is the number of decision thresholds <= x, where threshold c (between codes c and
+// c + 1) is the smallest fp32 value that the rule above sends to code c + 1 (the rule is monotone in x, so
+// this is exact, ties included). A table indexed by the sign, binade and top kBucketBits mantissa bits of x
+// gives that count at the low end of x's bucket; `steps` compares with the next thresholds finish it (one
+// for both dynamic maps). On a GPU that is two dependent shared-memory loads per value instead of the nine of
+// a binary search. The tables come from the map alone (build_search_tables, or a CUDA block in its
+// prologue), so any strictly increasing map works. CPU and GPU run this same code.
 #pragma once
 
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #if defined(__CUDACC__)
 #define FO_HD __host__ __device__ __forceinline__
@@ -81,39 +86,102 @@ FO_HD int find_tensor(const int64_t* tile_start, int n_tensors, int64_t tile) {
 
 // ---- nearest-code search -------------------------------------------------------------------------------
 
-// In-order position (0..254) of Eytzinger node k (1..255) of the perfect binary tree of depth 8.
-FO_HD int eytzinger_rank(int k) {
-  int level = 0;
-  while ((k >> (level + 1)) != 0) ++level;
-  return ((2 * (k - (1 << level)) + 1) << (7 - level)) - 1;
+FO_HD uint32_t float_bits(float x) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(x);
+#else
+  uint32_t u;
+  memcpy(&u, &x, sizeof(u));
+  return u;
+#endif
 }
+
+FO_HD float bits_float(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float x;
+  memcpy(&x, &u, sizeof(x));
+  return x;
+#endif
+}
+
+// Buckets of |x| (per sign): [0, 2^-24), then kBucketBits mantissa bits of each binade up to 1.0, then
+// [1.0, inf] (and NaN, which the search sends to code 0 on its own).
+constexpr int kBucketBits = 7;
+constexpr uint32_t kBucketLo = 0x33800000u;  // 2^-24
+constexpr uint32_t kBucketHi = 0x3F800000u;  // 1.0
+constexpr int kBuckets = 2 + (int)((kBucketHi - kBucketLo) >> (23 - kBucketBits));  // per sign
 
 struct SearchTables {
-  float tree[kCodeSize];       // tree[k], k = 1..255: key map[1 + rank(k)]; tree[0] unused
-  float pairs[2 * kCodeSize];  // pairs[2i] = map[i], pairs[2i + 1] = map[i + 1] (+inf for i = 255)
+  float keys[kCodeSize];            // the map: dequantization
+  float thresh[kCodeSize];          // thresh[c], c < 255: the smallest x coded c + 1; thresh[255] = NaN
+  uint8_t start[2 * kBuckets];      // #{c : thresh[c] <= lowest x of the bucket}; sign-major
+  int steps;                        // the most thresholds inside one bucket, at least 1
 };
 
-// Entry t (0..255) of the tables; a CUDA block of 256 threads fills them with one call per thread.
-FO_HD void fill_search_entry(SearchTables& s, const float* map, int t) {
-  s.tree[t] = t == 0 ? 0.0f : map[1 + eytzinger_rank(t)];
-  s.pairs[2 * t] = map[t];
-  s.pairs[2 * t + 1] = t + 1 < kCodeSize ? map[t + 1] : INFINITY;
+// Index into SearchTables::start of x's bucket.
+FO_HD int search_bucket(float x) {
+  const uint32_t u = float_bits(x), a = u & 0x7FFFFFFFu;
+  const int b = a < kBucketLo ? 0 : a >= kBucketHi ? kBuckets - 1 : 1 + (int)((a - kBucketLo) >> (23 - kBucketBits));
+  return (u >> 31) != 0 ? kBuckets + b : b;
 }
 
-// Nearest code of x (x / absmax of its block, in [-1, 1]). NaN gives code 0.
+// The rule between neighbours l < r: code of r when strictly nearer in fp32 (ties to the lower index).
+FO_HD bool nearer_right(float x, float l, float r) { return fabsf(x - r) < fabsf(x - l); }
+
+// fp32 values in a total order as integers (-0.0 and +0.0 both 0), and back.
+FO_HD int32_t float_order(float x) {
+  const uint32_t u = float_bits(x);
+  return (u >> 31) != 0 ? -(int32_t)(u & 0x7FFFFFFFu) : (int32_t)u;
+}
+FO_HD float order_float(int32_t o) { return o >= 0 ? bits_float((uint32_t)o) : -bits_float((uint32_t)(-o)); }
+
+// Step 1 of building the tables, entry t (0..255): keys[t], and thresh[t] by bisection over the fp32 values
+// in (map[t], map[t + 1]]. A CUDA block of 256 threads does it with one call per thread.
+FO_HD void fill_search_key(SearchTables& s, const float* map, int t) {
+  s.keys[t] = map[t];
+  if (t + 1 >= kCodeSize) {
+    s.thresh[t] = NAN;  // no code above 255: never <= x
+    return;
+  }
+  const float l = map[t], r = map[t + 1];
+  int32_t lo = float_order(l) + 1, hi = float_order(r);  // r itself goes right (distance 0)
+  while (lo < hi) {
+    const int32_t mid = lo + (hi - lo) / 2;
+    if (nearer_right(order_float(mid), l, r)) hi = mid; else lo = mid + 1;
+  }
+  s.thresh[t] = order_float(lo);
+}
+
+// #{c < 255 : thresh[c] <= v}, thresholds sorted.
+FO_HD int count_thresholds(const SearchTables& s, float v) {
+  int c = 0;
+  for (int step = 128; step > 0; step >>= 1) c += s.thresh[c + step - 1] <= v ? step : 0;
+  return c;
+}
+
+// Step 2, after every fill_search_key: start[j] (0 <= j < 2 * kBuckets); returns how many thresholds fall
+// inside bucket j, which `steps` must cover.
+FO_HD int fill_search_start(SearchTables& s, int j) {
+  const int b = j % kBuckets;
+  const bool neg = j >= kBuckets;
+  const uint32_t lo = b == 0 ? 0u : kBucketLo + ((uint32_t)(b - 1) << (23 - kBucketBits));
+  const uint32_t hi = b == kBuckets - 1 ? 0x7F800000u : kBucketLo + ((uint32_t)b << (23 - kBucketBits)) - 1;
+  const float low = neg ? -bits_float(hi) : bits_float(lo), high = neg ? -bits_float(lo) : bits_float(hi);
+  const int first = count_thresholds(s, low);
+  s.start[j] = (uint8_t)first;
+  return count_thresholds(s, high) - first;
+}
+
+// Nearest code of x (x / absmax of its block, in [-1, 1]; any fp32 value works). NaN gives code 0.
 FO_HD uint8_t quantize_nearest(const SearchTables& s, float x) {
-  int k = 1;
-#if defined(__CUDACC__)
-#pragma unroll
-#endif
-  for (int level = 0; level < 8; ++level) k = 2 * k + (s.tree[k] <= x ? 1 : 0);
-  int idx = k - kCodeSize;  // number of keys map[1..255] <= x: the largest j >= 1 with map[j] <= x, else 0
-  float left = s.pairs[2 * idx], right = s.pairs[2 * idx + 1];
-  idx += fabsf(x - right) < fabsf(x - left) ? 1 : 0;
-  return (uint8_t)idx;
+  int c = s.start[search_bucket(x)];
+  for (int i = 0; i < s.steps; ++i) c += s.thresh[c] <= x ? 1 : 0;
+  return x == x ? (uint8_t)c : (uint8_t)0;
 }
 
-FO_HD float dequantize_code(const SearchTables& s, uint8_t c) { return s.pairs[2 * (int)c]; }
+FO_HD float dequantize_code(const SearchTables& s, uint8_t c) { return s.keys[c]; }
 
 // x / absmax as the search expects it: fp32 IEEE division (bitsandbytes' CPU rule), 0 for a block of zeros.
 // Values of other dtypes (fp64 states included) are rounded to fp32 first.

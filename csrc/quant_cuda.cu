@@ -14,8 +14,7 @@ __global__ void __launch_bounds__(kThreads, KMAX == 4 ? 4 : 2)
   if (found_inf != nullptr && *found_inf != 0.0f) return;
   __shared__ SearchTables tab;
   __shared__ float red[kThreads / 32];
-  fill_search_entry(tab, map, threadIdx.x);
-  __syncthreads();
+  build_search_tables_block(tab, map);
   const QuantLayout L(B);
   const int grp = threadIdx.x / L.G, lane = threadIdx.x % L.G;
   TensorCursor cur;
@@ -50,8 +49,8 @@ template <typename T, int KMAX>
 __global__ void __launch_bounds__(kThreads)
     dequantize_kernel(const int64_t* __restrict__ tile_start, const QuantEntry* __restrict__ entries,
                       int n_tensors, int64_t total_tiles, int B, const float* __restrict__ map) {
-  __shared__ SearchTables tab;
-  fill_search_entry(tab, map, threadIdx.x);
+  __shared__ float keys[kCodeSize];
+  keys[threadIdx.x] = map[threadIdx.x];
   __syncthreads();
   const QuantLayout L(B);
   const int grp = threadIdx.x / L.G, lane = threadIdx.x % L.G;
@@ -64,10 +63,16 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t start = qb * B;
     if (start >= e.n) continue;
     const float scale = e.absmax[qb];
+    uint8_t q[KMAX];  // the tile's codes first: a store to `out` in between would serialize the loads
 #pragma unroll
     for (int k = 0; k < KMAX; ++k) {
       const int64_t j = start + lane + (int64_t)k * L.G;
-      if (k < L.K && j < e.n) st(out, j, (typename ComputeOf<T>::type)(dequantize_code(tab, e.codes[j]) * scale));
+      q[k] = k < L.K && j < e.n ? e.codes[j] : (uint8_t)0;
+    }
+#pragma unroll
+    for (int k = 0; k < KMAX; ++k) {
+      const int64_t j = start + lane + (int64_t)k * L.G;
+      if (k < L.K && j < e.n) st(out, j, (typename ComputeOf<T>::type)(keys[q[k]] * scale));
     }
   }
 }

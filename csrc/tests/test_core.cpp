@@ -92,6 +92,76 @@ static void test_search() {
   }
 }
 
+// The search's contract, written plainly: the largest j >= 1 with map[j] <= x (else 0), then its right
+// neighbour when strictly nearer in fp32; NaN gives 0. (Equal to brute_nearest for every finite x.)
+static int floor_nearest(const std::vector<float>& map, float x) {
+  if (x != x) return 0;
+  int f = (int)(std::upper_bound(map.begin() + 1, map.end(), x) - (map.begin() + 1));
+  if (f < 255 && fabsf(x - map[f + 1]) < fabsf(x - map[f])) ++f;
+  return f;
+}
+
+static float from_bits(uint32_t u) {
+  float x;
+  memcpy(&x, &u, sizeof(x));
+  return x;
+}
+
+// Every fp32 bit pattern near a key, a threshold or a bucket edge, and a stride through all 2^32 of them.
+static void check_search_everywhere(const std::vector<float>& map, const char* name) {
+  SearchTables t;
+  cpu::build_search_tables(map.data(), &t);
+  std::vector<float> centers = {0.0f, -0.0f, 1.0f, -1.0f, INFINITY, -INFINITY};
+  for (int j = 0; j < 256; ++j) {
+    centers.push_back(map[j]);
+    if (j < 255) centers.push_back(t.thresh[j]);
+  }
+  for (int b = 0; b < kBuckets; ++b) {
+    const float edge = from_bits(b == 0 ? 0u : kBucketLo + ((uint32_t)(b - 1) << (23 - kBucketBits)));
+    centers.push_back(edge);
+    centers.push_back(-edge);
+  }
+  int64_t bad = 0, n = 0;
+  auto check = [&](float x) {
+    ++n;
+    const int got = quantize_nearest(t, x), want = floor_nearest(map, x);
+    if (got != want && bad++ < 5) CHECK(got == want, "%s: x=%.9g (bits %08x) got %d want %d", name, x,
+                                        (unsigned)float_bits(x), got, want);
+  };
+  for (float c : centers) {
+    const uint32_t u = float_bits(c);
+    for (int d = -40; d <= 40; ++d) {
+      const int64_t v = (int64_t)u + d;
+      if (v >= 0 && v <= 0xFFFFFFFFll && ((uint32_t)v >> 31) == (u >> 31)) check(from_bits((uint32_t)v));
+    }
+  }
+  for (uint64_t v = 0; v <= 0xFFFFFFFFull; v += 997) check(from_bits((uint32_t)v));
+  check(NAN);
+  check(-NAN);
+  CHECK(bad == 0, "%s: %lld of %lld searches differ from floor_nearest", name, (long long)bad, (long long)n);
+  for (int j = 0; j + 1 < 255; ++j)
+    CHECK(t.thresh[j] < t.thresh[j + 1] && t.thresh[j] > map[j] && t.thresh[j] <= map[j + 1], "%s thresh[%d]", name, j);
+}
+
+static void test_search_tables() {
+  for (bool is_signed : {true, false}) {
+    const std::vector<float> map = dynamic_map(is_signed);
+    check_search_everywhere(map, is_signed ? "signed dynamic map" : "unsigned dynamic map");
+    SearchTables t;
+    cpu::build_search_tables(map.data(), &t);
+    // One threshold compare per value is what makes the GPU search two dependent loads.
+    CHECK(t.steps == 1, "signed=%d: %d steps, expected 1", (int)is_signed, t.steps);
+  }
+  // Any strictly increasing map: crowded near 0.3 (many thresholds in one bucket), then spread to 1.
+  std::vector<float> crowded(256);
+  for (int j = 0; j < 256; ++j)
+    crowded[j] = j < 200 ? 0.3f + 1e-6f * (float)(j - 100) : 0.3f + (float)(j - 199) / 56.0f * 0.7f;
+  SearchTables tc;
+  cpu::build_search_tables(crowded.data(), &tc);
+  CHECK(tc.steps > 10, "crowded map: %d steps", tc.steps);
+  check_search_everywhere(crowded, "crowded map");
+}
+
 static void test_quantize_roundtrip() {
   const std::vector<float> map = dynamic_map(true);
   SearchTables t;
@@ -288,6 +358,7 @@ static void test_adamw32() {
 int main() {
   test_block_sizes();
   test_search();
+  test_search_tables();
   test_quantize_roundtrip();
   test_multi_tensor();
   test_conversions();
