@@ -231,7 +231,7 @@ class AdafactorPlan:
         # the kernels mask with multiples of common.ALIGN_ELEMS (the factored ones: FactoredPlan.sizes_aligned).
         self.tensors_aligned = aligned(params) and aligned([t for s in states for t in s.values()])
         self.vec_sizes_aligned = multiples(params[k].numel() for k in vec)
-        vprogs = [triton.cdiv(params[k].numel(), BLOCK_V) for k in vec]
+        vprogs = [common.cdiv(params[k].numel(), BLOCK_V) for k in vec]
         self.vprog_param, vstarts = program_table(vprogs, device)
         # Per vector: (elements here, first program, global elements: RMS and step size are over the whole).
         self.vmeta = to_device([x for k, s in zip(vec, vstarts) for x in (params[k].numel(), s, math.prod(gshapes[k]))],
@@ -242,7 +242,7 @@ class AdafactorPlan:
         starts, lens = [], []
         if fac:
             starts += self.fplan.prog_starts
-            lens += [b * triton.cdiv(r, self.fplan.block_r) for b, r, _ in shapes]
+            lens += [b * common.cdiv(r, self.fplan.block_r) for b, r, _ in shapes]
         starts += [fac_progs + s for s in vstarts]
         lens += vprogs
         self.seg_start = to_device(starts, torch.int64, device)

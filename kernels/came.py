@@ -44,11 +44,9 @@ import triton
 import triton.language as tl
 
 from fastopt.reference.came import QBLOCK as QBLOCK_
-from fastopt.reference.quant import dynamic_map
-
 from . import common
-from .common import (INTERPRET, GradTable, aligned, keep_limit, load16, load_ptr, multiples, program_table, ptr_table,
-                     round_to, segment_sum, stochastic_round_bf16, to_device)
+from .common import (INTERPRET, GradTable, aligned, keep_limit, load16, load_ptr, multiples, nearest_code, program_table,
+                     ptr_table, round_to, search_table, segment_sum, stochastic_round_bf16, to_device)
 from .factored import (FactoredPlan, col_map, global_numel, in_piece, launch_col_reduce, launch_factors,
                        launch_sq_stats, launch_usq, load_meta, matrix_view, row_block, row_map)
 
@@ -107,15 +105,9 @@ def _quant8(x, mask, qmap_ptr):
     makes them: x / absmax (fp32) to the nearest value of the sorted map, ties to the lower code."""
     x = tl.where(mask, x, 0.0)
     absmax = tl.max(tl.abs(x), axis=1)
-    xn = tl.where(absmax[:, None] > 0, x / absmax[:, None], 0.0)
-    idx = tl.zeros(x.shape, dtype=tl.int32)
-    for k in tl.static_range(8):  # binary search: the largest j with map[j] <= xn (map[0] = -1 <= xn)
-        cand = idx + (128 >> k)
-        idx = tl.where(tl.load(qmap_ptr + cand) <= xn, cand, idx)
-    left = tl.load(qmap_ptr + idx)
-    right = tl.load(qmap_ptr + tl.minimum(idx + 1, 255))
-    up = (tl.abs(xn - right) < tl.abs(xn - left)) & (idx < 255)
-    return (idx + up.to(tl.int32)).to(tl.uint8), absmax
+    safe = tl.where(absmax > 0, absmax, 1.0)
+    xn = tl.where(absmax[:, None] > 0, tl.math.div_rn(x, safe[:, None]), 0.0)
+    return nearest_code(xn, qmap_ptr).to(tl.uint8), absmax
 
 
 @triton.jit
@@ -362,7 +354,7 @@ class CAMEPlan:
         self.tensors_aligned = aligned(params) and aligned([t for s in states for t in s.values()])
         self.vec_sizes_aligned = multiples(params[k].numel() for k in vec)
         self.fac_numel_aligned = multiples(params[k].numel() for k in fac)
-        vprogs = [triton.cdiv(params[k].numel(), BLOCK_V) for k in vec]
+        vprogs = [common.cdiv(params[k].numel(), BLOCK_V) for k in vec]
         self.vprog_param, vstarts = program_table(vprogs, device)
         # Per vector: (elements here, first program, global elements: the RMS clip is over the whole).
         self.vmeta = to_device([x for k, s in zip(vec, vstarts) for x in (params[k].numel(), s, math.prod(gshapes[k]))],
@@ -372,7 +364,7 @@ class CAMEPlan:
         f = self.fplan
         self.fac_progs = f.n_progs if fac else 0
         starts = (f.prog_starts if fac else []) + [self.fac_progs + s for s in vstarts]
-        lens = [b * triton.cdiv(r, f.block_r) for b, r, _ in shapes] + vprogs
+        lens = [b * common.cdiv(r, f.block_r) for b, r, _ in shapes] + vprogs
         self.seg_start = to_device(starts, torch.int64, device)
         self.seg_len = to_device(lens, torch.int64, device)
         self.stats = torch.empty(f.stats_numel if fac else 0, dtype=acc_dtype, device=device)
@@ -382,11 +374,11 @@ class CAMEPlan:
         self.sums = torch.empty(len(params), dtype=acc_dtype, device=device)
         if nbits == 8:
             self.absmax_ptrs = ptr_table([s["exp_avg_absmax"] for s in st], device)
-            self.qmap = dynamic_map(True, device)
+            self.qmap = search_table(True, device)
             per_prog = QBLOCK_ * QB_PER_PROG
             self.qtables = []
             for ks in (fac, vec):
-                progs = [triton.cdiv(params[k].numel(), per_prog) for k in ks]
+                progs = [common.cdiv(params[k].numel(), per_prog) for k in ks]
                 prog_param, qstarts = program_table(progs, device)
                 qmeta = to_device([x for k, q in zip(ks, qstarts)
                                    for x in (params[k].numel(), q, math.prod(gshapes[k]))], torch.int64, device)

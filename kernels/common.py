@@ -8,11 +8,14 @@ optimizer; only the gradient pointers are rebuilt per step (grads are reallocate
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
+
+from fastopt.reference.quant import dynamic_map
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 # Tests set this: scratch buffers are filled with NaN before each step, so an element no kernel wrote fails loudly.
@@ -80,6 +83,11 @@ def program_table(counts: list[int], device: torch.device) -> tuple[torch.Tensor
         starts.append(len(owner))
         owner.extend([i] * n)
     return to_device(owner, torch.int32, device), starts
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for host code: triton.cdiv is a constexpr function, several microseconds a call on the host."""
+    return -(-a // b)
 
 
 def next_pow2(n: int) -> int:
@@ -164,6 +172,85 @@ def round_to(x, out_ty: tl.constexpr):
         return tl.where(finite, bits.to(tl.float32, bitcast=True), xf).to(tl.bfloat16)
     else:
         return x.to(out_ty)
+
+
+# ---- 8-bit nearest-code search (the tables of csrc/fastopt_core.h, built here in torch) --------------------
+# The nearest code of x is the number of decision thresholds <= x (threshold c: the smallest fp32 value the rule
+# "right neighbour when strictly nearer, ties to the lower code" sends to code c + 1). A table indexed by x's
+# sign, binade and top Q_BUCKET_BITS mantissa bits gives that count at the low end of x's bucket; for both
+# dynamic maps one more threshold compare finishes it (asserted when the table is built). Two dependent
+# gathers instead of the nine of a binary search over the map.
+Q_BUCKET_BITS = 7
+Q_LO, Q_HI = 0x33800000, 0x3F800000  # 2^-24 and 1.0: buckets [0, Q_LO), the binades up to 1.0, [1.0, inf]
+Q_BUCKETS = 2 + ((Q_HI - Q_LO) >> (23 - Q_BUCKET_BITS))  # per sign
+Q_START_BYTE = 512 * 4  # table layout (fp32): [0, 256) the map, [256, 512) thresholds, then uint8 starts
+_Q_LO, _Q_HI, _Q_SHIFT = tl.constexpr(Q_LO), tl.constexpr(Q_HI), tl.constexpr(23 - Q_BUCKET_BITS)
+_Q_BUCKETS, _Q_START_BYTE = tl.constexpr(Q_BUCKETS), tl.constexpr(Q_START_BYTE)
+
+
+def _order(x: torch.Tensor) -> torch.Tensor:
+    """fp32 values as int64 in their total order (-0.0 and +0.0 both 0)."""
+    b = x.view(torch.int32).to(torch.int64)
+    return torch.where(b < 0, -(b & 0x7FFFFFFF), b)
+
+
+def _from_order(o: torch.Tensor) -> torch.Tensor:
+    bits = torch.where(o >= 0, o, (-o) | 0x80000000)
+    return torch.where(bits >= 1 << 31, bits - (1 << 32), bits).to(torch.int32).view(torch.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def _search_table_cpu(signed: bool) -> torch.Tensor:
+    keys = dynamic_map(signed)
+    left, right = keys[:-1], keys[1:]
+    lo, hi = _order(left) + 1, _order(right)  # bisect (left, right]: right itself is nearer to right
+    while bool((lo < hi).any()):
+        active, mid = lo < hi, lo + (hi - lo) // 2
+        x = _from_order(mid)
+        goes_right = (x - right).abs() < (x - left).abs()
+        hi = torch.where(active & goes_right, mid, hi)
+        lo = torch.where(active & ~goes_right, mid + 1, lo)
+    thresh = _from_order(lo)
+    b = torch.arange(Q_BUCKETS, dtype=torch.int64)
+    shift = 23 - Q_BUCKET_BITS
+    lo_bits = torch.where(b == 0, 0, Q_LO + ((b - 1) << shift)).to(torch.int32).view(torch.float32)
+    hi_bits = torch.where(b == Q_BUCKETS - 1, 0x7F800000, Q_LO + (b << shift) - 1).to(torch.int32).view(torch.float32)
+    low, high = torch.cat([lo_bits, -hi_bits]), torch.cat([hi_bits, -lo_bits])  # sign-major, as the search indexes
+    start = torch.searchsorted(thresh, low, right=True)
+    steps = int((torch.searchsorted(thresh, high, right=True) - start).max())
+    assert steps <= 1, f"dynamic map (signed={signed}): {steps} thresholds in one bucket; the search does one compare"
+    table = torch.zeros(512 + (2 * Q_BUCKETS + 3) // 4, dtype=torch.float32)
+    table[:256] = keys
+    table[256:511] = thresh
+    table[511] = float("nan")  # no code above 255: never <= x
+    table.view(torch.uint8)[Q_START_BYTE:Q_START_BYTE + 2 * Q_BUCKETS] = start.to(torch.uint8)
+    return table
+
+
+_device_tables: dict = {}
+
+
+def search_table(signed: bool, device: torch.device) -> torch.Tensor:
+    """The 8-bit map with its search tables (layout above), cached per device. Its first 256 values are the map
+    itself, so `table + code` dequantizes. Do not modify."""
+    key = (bool(signed), torch.device(device))
+    t = _device_tables.get(key)
+    if t is None:
+        t = _device_tables[key] = _search_table_cpu(bool(signed)).to(device)
+    return t
+
+
+@triton.jit
+def nearest_code(x, table_ptr):
+    """Code (int32) of the nearest map value for each fp32 x in [-1, 1] (x / absmax of its block), ties to the
+    lower code; NaN gives 0. `table_ptr`: a search_table()."""
+    bits = x.to(tl.int32, bitcast=True)
+    a = bits & 0x7FFFFFFF
+    b = tl.where(a < _Q_LO, 0, tl.where(a >= _Q_HI, _Q_BUCKETS - 1, 1 + ((a - _Q_LO) >> _Q_SHIFT)))
+    b = tl.where(bits < 0, b + _Q_BUCKETS, b)
+    start = tl.load(table_ptr.to(tl.pointer_type(tl.uint8)) + _Q_START_BYTE + b).to(tl.int32)
+    code = start + (tl.load(table_ptr + 256 + start) <= x).to(tl.int32)
+    return tl.where(x == x, code, 0)
 
 
 @triton.jit

@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import common
 from .common import INTERPRET, load16, keep_limit, load_ptr, multiples, program_table, tile_shape, to_device
 
 # Columns of the int64 meta table, one row per factored param (the jit functions below spell them as numbers).
@@ -378,8 +379,8 @@ class FactoredPlan:
         meta, progs, colprogs, factprogs = [], [], [], []
         row_off = part_off = 0
         for (b, r, c), v in zip(shapes, views):
-            progs.append(b * triton.cdiv(r, block_r))
-            colprogs.append(b * triton.cdiv(c, block_col))
+            progs.append(b * common.cdiv(r, block_r))
+            colprogs.append(b * common.cdiv(c, block_col))
             factprogs.append(v.GB)  # the factors are global: every rank forms all of them
         prog_param, prog_starts = program_table(progs, device)
         colprog_param, colprog_starts = program_table(colprogs, device)
@@ -399,7 +400,7 @@ class FactoredPlan:
                      cmap_off]
             row_off += v.GB * v.GR
             col_off += v.GB * v.GC
-            part_off += b * triton.cdiv(r, block_r) * c
+            part_off += b * common.cdiv(r, block_r) * c
         maps = torch.cat(maps).to(torch.int64) if maps else torch.zeros(1, dtype=torch.int64, device=device)
         sizes_aligned = multiples([c for _, _, c in shapes] + [x for v in views for x in (v.shift, max(v.count, 0))])
         return FactoredPlan(len(shapes), to_device(meta, torch.int64, device), prog_param, colprog_param,

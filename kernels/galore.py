@@ -53,7 +53,7 @@ import triton
 import triton.language as tl
 
 from . import common
-from .common import INTERPRET, keep_limit, round_to, to_device
+from .common import INTERPRET, keep_limit, round_to, search_table, to_device
 from .lamb import _dequantize, _quantize_store
 
 DOT_PRECISIONS = ("auto", "ieee", "tf32", "tf32x3")
@@ -234,7 +234,7 @@ class _Launch:
         if nb * m * n == 0:  # an empty local piece: nothing to compute (a K of 0 still stores zeros)
             return
         bm, bn, bk = (BM64, BN64, BK64) if self.fp64 else (BM, BN, BK)
-        grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), nb)
+        grid = (common.cdiv(m, bm) * common.cdiv(n, bn), nb)
         _galore_matmul_kernel[grid](
             a, b, c, self.dummy, self.op_dummy if self.op_dummy is not None else self.dummy, m, n, k,
             *a.stride(), *b.stride(), *c.stride(), self.step, self.hyper,
@@ -252,12 +252,11 @@ class _Launch:
         eight = state["exp_avg"].dtype == torch.uint8
         qb, nq = (block_size, max(1, TILE8 // block_size)) if eight else (QB32, NQ32)
         if eight:
-            from fastopt.reference.quant import dynamic_map
-            maps = (dynamic_map(True, r.device), dynamic_map(False, r.device))
+            maps = (search_table(True, r.device), search_table(False, r.device))
             absmax = (state["exp_avg_absmax"], state["exp_avg_sq_absmax"])
         else:
             maps = absmax = (self.dummy, self.dummy)
-        _galore_adam_kernel[(triton.cdiv(n, qb * nq),)](
+        _galore_adam_kernel[(common.cdiv(n, qb * nq),)](
             r, state["exp_avg"], state["exp_avg_sq"], *absmax, out, self.dummy, n, self.step, self.hyper,
             self.inv_scale if self.inv_scale is not None else self.dummy,
             self.found_inf if self.found_inf is not None else self.dummy, *maps,

@@ -20,8 +20,9 @@ re-read). Partial sums are written per program and added in a fixed order (no at
 deterministic, so a resumed run is bit-identical to an uninterrupted one.
 
 The 8-bit format is fastopt/reference/quant.py's (bitsandbytes' block-wise format): each program holds
-whole quantization blocks, takes their absmax, and finds each element's nearest map value by a binary
-search of the 256 sorted map values (ties to the lower index, as the reference and csrc/ do).
+whole quantization blocks, takes their absmax, and finds each element's nearest map value with
+common.nearest_code (a bucket table and one threshold compare; ties to the lower index, as the reference and
+csrc/ do).
 
 Hyperparameters travel as a small float64 tensor, not as kernel scalars: Triton passes Python floats as
 fp32, which is too coarse for fp64 params and for 1 - beta2 (0.999 in fp32 is off by 3e-5 of 1 - 0.999).
@@ -39,8 +40,8 @@ import triton
 import triton.language as tl
 
 from . import common
-from .common import (INTERPRET, GradTable, aligned, keep_limit, load16, load_ptr, multiples, program_table, ptr_table,
-                     round_to, segment_sum, stochastic_round_bf16, to_device)
+from .common import (INTERPRET, GradTable, aligned, keep_limit, load16, load_ptr, multiples, nearest_code, program_table,
+                     ptr_table, round_to, search_table, segment_sum, stochastic_round_bf16, to_device)
 
 # Elements per program. Small under the interpreter so that the tests' small params span several programs.
 BLOCK = 128 if INTERPRET else 2048
@@ -174,26 +175,13 @@ def _lamb_apply_kernel(p_ptrs, p_ref, m_ptrs, v_ptrs, step_ptrs, meta_ptr, prog_
 
 # ---- 8-bit state ----------------------------------------------------------------------------------------
 @triton.jit
-def _nearest_code(x, map_ptr):
-    """Index of the nearest of the 256 sorted map values for each fp32 x; ties go to the lower index."""
-    idx = tl.zeros(x.shape, dtype=tl.int32)
-    for s in tl.static_range(8):
-        cand = idx + (128 >> s)
-        idx = tl.where(tl.load(map_ptr + cand) <= x, cand, idx)  # largest j >= 1 with map[j] <= x, else 0
-    left = tl.load(map_ptr + idx)
-    right = tl.load(map_ptr + tl.minimum(idx + 1, 255))
-    up = (tl.abs(x - right) < tl.abs(x - left)) & (idx < 255)
-    return idx + up.to(tl.int32)
-
-
-@triton.jit
 def _quantize_store(x, codes_ptr, absmax_ptr, offs, blk, keep, bkeep, map_ptr):
     """Quantize an [NQ, QB] tile of whole blocks (zeros past the end) and store codes and block absmax."""
     xf = x.to(tl.float32)
     amax = tl.max(tl.abs(xf), axis=1)
     safe = tl.where(amax > 0, amax, 1.0)
     xn = tl.where(amax[:, None] > 0, tl.math.div_rn(xf, safe[:, None]), 0.0)
-    tl.store(codes_ptr + offs, _nearest_code(xn, map_ptr).to(tl.uint8), mask=keep)
+    tl.store(codes_ptr + offs, nearest_code(xn, map_ptr).to(tl.uint8), mask=keep)
     tl.store(absmax_ptr + blk, amax, mask=bkeep)
 
 
@@ -288,7 +276,7 @@ class _Tables:
 
     def __init__(self, idx, params, states, per_prog, device, keys):
         self.idx = idx
-        counts = [triton.cdiv(params[k].numel(), per_prog) for k in idx]
+        counts = [common.cdiv(params[k].numel(), per_prog) for k in idx]
         self.counts = counts
         self.prog_param, self.starts = program_table(counts, device)
         self.n_progs = sum(counts)
@@ -333,9 +321,8 @@ class LambPlan:
         self.hyper = None
         self.g32, self.g8 = GradTable(), GradTable()
         if idx8:
-            from fastopt.reference.quant import dynamic_map
-            self.map_s = dynamic_map(True, device)
-            self.map_u = dynamic_map(False, device)
+            self.map_s = search_table(True, device)
+            self.map_u = search_table(False, device)
 
     def grad_tables(self, grads, device) -> tuple:
         """Gradient pointer tables of both kinds (common.GradTable: rebuilt only when a gradient moved)."""
