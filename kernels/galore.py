@@ -1,12 +1,19 @@
 """Fused GaLore-AdamW (the math: fastopt/reference/galore.py).
 
-Launches per projected param and step (the SVD of the refresh steps is torch.linalg.svd, outside):
+Work per projected param and step (the SVD of the refresh steps is torch.linalg.svd, outside):
 
   left / right                                      full (P and Q)
   1 _galore_matmul_kernel  R = P^T G  or  G Q^T     1a T = P^T G        1b R = T Q^T
   2 _galore_adam_kernel    m_t, v_t (stored, fp32 or 8-bit codes), N = m_t / (sqrt(v_t) + eps) written over R
   3 _galore_matmul_kernel  p -= eta scale (P N | N Q) in the epilogue, then the decoupled decay
                                                     3a W = N Q          3b p -= eta scale P W, decay
+
+The products of every param of a bucket go out as one launch per stage (1 or 1a, 1b, 3 or 3a, 3b; a sharded
+param's projection, which rect.place reads right away, as its own): each program finds its job (a product of
+one matrix batch) by bisection in a small int64 table of pointers, sizes and strides, rebuilt per step and
+copied asynchronously; the strides that are 1 are declared so (A_K1, ...: the launch groups jobs by them), so
+the tiles load as from a contiguous matrix. Launches per step therefore do not grow with the matrices; the
+Adam kernel still takes one launch per param.
 
 So the full-size update is never materialized: the back-projection's output tile goes straight into the
 parameter (read once, written once), and only rank-sized buffers (R, N, T, W) go through memory. A param
@@ -53,7 +60,7 @@ import triton
 import triton.language as tl
 
 from . import common
-from .common import INTERPRET, keep_limit, round_to, search_table, to_device
+from .common import INTERPRET, keep_limit, load16, load_ptr, round_to, search_table, to_device
 from .lamb import _dequantize, _quantize_store
 
 DOT_PRECISIONS = ("auto", "ieee", "tf32", "tf32x3")
@@ -89,25 +96,65 @@ def _eta(step_ptr, hyper_ptr):
         (1.0 - tl.exp(t * tl.load(hyper_ptr + 5)))
 
 
-@triton.jit
-def _galore_matmul_kernel(a_ptr, b_ptr, c_ptr, acc_ref, op_ref, M, N, K, sab, sam, sak, sbb, sbk, sbn, scb, scm, scn,
-                          step_ptr, hyper_ptr, inv_scale_ptr, found_inf_ptr, UPDATE: tl.constexpr,
-                          HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr, HAS_WD: tl.constexpr,
-                          FP64: tl.constexpr, LOWP: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-                          BM: tl.constexpr,
-                          BN: tl.constexpr, BK: tl.constexpr):
-    """C = A @ B for one [BM, BN] tile of one matrix of the batch (program_id(1)).
+MM_WIDTH = 16  # int64 per matmul job: a, b, c, step pointers; M, N, K; strides of a, b, c (batch, row, col)
+_MM_WIDTH = tl.constexpr(MM_WIDTH)
 
+
+@triton.jit
+def _stride(ptr, UNIT: tl.constexpr, ALIGNED: tl.constexpr):
+    """A job's stride: 1 where the launch declared it so (UNIT; the compiler can then vectorize that dimension),
+    else loaded (a multiple of 16 with ALIGNED)."""
+    if UNIT:
+        return 1
+    else:
+        return load16(ptr, ALIGNED)
+
+
+@triton.jit
+def _galore_matmul_kernel(table_ptr, a_ref, b_ref, c_ref, step_ref, acc_ref, op_ref, hyper_ptr, inv_scale_ptr,
+                          found_inf_ptr, UPDATE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr,
+                          HAS_WD: tl.constexpr, FP64: tl.constexpr, LOWP: tl.constexpr, UPCAST: tl.constexpr,
+                          PRECISION: tl.constexpr, LOG_JOBS: tl.constexpr, A_K1: tl.constexpr, A_M1: tl.constexpr,
+                          B_N1: tl.constexpr, B_K1: tl.constexpr, C_N1: tl.constexpr, ALIGNED: tl.constexpr,
+                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """C = A @ B for one [BM, BN] tile of one matrix of one job's batch; one launch covers many jobs.
+
+    table: 2**LOG_JOBS int64 first programs of the jobs (padded with a huge value), then MM_WIDTH int64 per job.
+    A_K1 / A_M1 / B_N1 / B_K1 / C_N1: every job of the launch has that stride 1 (A's k or m, B's n or k, C's n).
     UPDATE=False: C is stored (times inv_scale when HAS_SCALE). UPDATE=True: C is the parameter, and the tile
     becomes p - eta * scale * (A @ B), then p - lr * weight_decay * p (HAS_WD), stored unless found_inf.
     LOWP: both operands rounded to op_ref's dtype (bf16/fp16) before the product; else fp32 at PRECISION."""
     acc_t = acc_ref.dtype.element_ty
     op_t = op_ref.dtype.element_ty if LOWP else acc_t
     pid = tl.program_id(0)
-    bid = tl.program_id(1).to(tl.int64)
+    j = 0
+    for s in tl.static_range(LOG_JOBS):  # the last job whose first program is <= pid
+        cand = j + ((1 << (LOG_JOBS - 1)) >> s)
+        j = tl.where(tl.load(table_ptr + cand) <= pid, cand, j)
+    first = tl.load(table_ptr + j)
+    meta = table_ptr + (1 << LOG_JOBS) + j * _MM_WIDTH
+    a_ptr = load_ptr(meta, 0, a_ref, ALIGNED)
+    b_ptr = load_ptr(meta, 1, b_ref, ALIGNED)
+    c_ptr = load_ptr(meta, 2, c_ref, ALIGNED)
+    M = load16(meta + 4, ALIGNED)
+    N = load16(meta + 5, ALIGNED)
+    K = load16(meta + 6, ALIGNED)
+    sab = load16(meta + 7, ALIGNED)
+    sam = _stride(meta + 8, A_M1, ALIGNED)
+    sak = _stride(meta + 9, A_K1, ALIGNED)
+    sbb = load16(meta + 10, ALIGNED)
+    sbk = _stride(meta + 11, B_K1, ALIGNED)
+    sbn = _stride(meta + 12, B_N1, ALIGNED)
+    scb = load16(meta + 13, ALIGNED)
+    scm = load16(meta + 14, ALIGNED)
+    scn = _stride(meta + 15, C_N1, ALIGNED)
     tiles_n = tl.cdiv(N, BN)
-    rm = (pid // tiles_n).to(tl.int64) * BM + tl.arange(0, BM)
-    rn = (pid % tiles_n).to(tl.int64) * BN + tl.arange(0, BN)
+    per_matrix = tl.cdiv(M, BM) * tiles_n
+    local = pid - first
+    bid = local // per_matrix
+    t = local % per_matrix
+    rm = (t // tiles_n) * BM + tl.arange(0, BM)
+    rn = (t % tiles_n) * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK).to(tl.int64)
     a_base = a_ptr + bid * sab
     b_base = b_ptr + bid * sbb
@@ -131,6 +178,7 @@ def _galore_matmul_kernel(a_ptr, b_ptr, c_ptr, acc_ref, op_ref, M, N, K, sab, sa
     c_offs = c_ptr + bid * scb + rm[:, None] * scm + rn[None, :] * scn
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     if UPDATE:
+        step_ptr = load_ptr(meta, 3, step_ref)
         coef = (_eta(step_ptr, hyper_ptr) * tl.load(hyper_ptr + 9)).to(acc_t)
         p = tl.load(c_offs, mask=mask, other=0.0).to(acc_t)
         p = p - coef * acc
@@ -227,22 +275,59 @@ class _Launch:
         self.op_dummy = op_dummy  # a tensor of the operand dtype when products run in bf16/fp16, else None
         self.precision = precision
 
-    def matmul(self, a, b, c, *, update=False, scale_input=False):
-        """c = a @ b (batched, any strides), or the parameter update into c (update=True)."""
+    def matmul(self, a, b, c, *, update=False, scale_input=False, group=None):
+        """c = a @ b (batched, any strides), or the parameter update into c (update=True): launched now, or
+        added to `group` (a dict) for one launch per kind of job at flush()."""
         nb, m, k = a.shape
         n = b.shape[2]
         if nb * m * n == 0:  # an empty local piece: nothing to compute (a K of 0 still stores zeros)
             return
+        units = (a.stride(2) == 1, a.stride(2) != 1 and a.stride(1) == 1, b.stride(2) == 1,
+                 b.stride(2) != 1 and b.stride(1) == 1, c.stride(2) == 1)
+        kind = (update, scale_input and self.inv_scale is not None, a.dtype, b.dtype, c.dtype, units)
+        job = (a, b, c, self.step)
+        if group is None:
+            self._launch(kind, [job])
+        else:
+            group.setdefault(kind, (self, []))[1].append(job)
+
+    @staticmethod
+    def flush(group: dict) -> None:
+        """Launch the jobs `matmul(..., group=group)` collected, one grid per kind."""
+        for kind, (run, jobs) in group.items():
+            run._launch(kind, jobs)
+        group.clear()
+
+    def _launch(self, kind, jobs) -> None:
+        update, has_scale, _, _, _, (a_k1, a_m1, b_n1, b_k1, c_n1) = kind
         bm, bn, bk = (BM64, BN64, BK64) if self.fp64 else (BM, BN, BK)
-        grid = (common.cdiv(m, bm) * common.cdiv(n, bn), nb)
-        _galore_matmul_kernel[grid](
-            a, b, c, self.dummy, self.op_dummy if self.op_dummy is not None else self.dummy, m, n, k,
-            *a.stride(), *b.stride(), *c.stride(), self.step, self.hyper,
+        log_jobs = (len(jobs) - 1).bit_length()
+        firsts, rows, total, flat = [], [], 0, []
+        for a, b, c, step in jobs:
+            nb, m, k = a.shape
+            n = b.shape[2]
+            firsts.append(total)
+            total += nb * common.cdiv(m, bm) * common.cdiv(n, bn)
+            rows.append([a.data_ptr(), b.data_ptr(), c.data_ptr(), step.data_ptr() if update else 0, m, n, k,
+                         *a.stride(), *b.stride(), *c.stride()])
+            flat.extend(rows[-1])
+        firsts += [1 << 62] * ((1 << log_jobs) - len(jobs))
+        ptrs = [t for job in jobs for t in job[:3]]
+        # every stride the kernel loads, and M, N, K, a multiple of 16 elements; every pointer 16-byte aligned
+        loaded = [r[i] for r in rows for i in (4, 5, 6, 7, 10, 13, 14)]
+        loaded += [r[i] for r in rows for i, unit in ((8, a_m1), (9, a_k1), (11, b_k1), (12, b_n1), (15, c_n1))
+                   if not unit]
+        al = common.aligned(ptrs) and common.multiples(loaded)
+        a0, b0, c0, step0 = jobs[0]
+        table = to_device(firsts + flat, torch.int64, c0.device)
+        _galore_matmul_kernel[(total,)](
+            table, a0, b0, c0, step0 if update else self.dummy, self.dummy,
+            self.op_dummy if self.op_dummy is not None else self.dummy, self.hyper,
             self.inv_scale if self.inv_scale is not None else self.dummy,
             self.found_inf if self.found_inf is not None else self.dummy,
-            UPDATE=update, HAS_SCALE=scale_input and self.inv_scale is not None,
-            HAS_INF=self.found_inf is not None, HAS_WD=self.has_wd, FP64=self.fp64,
-            LOWP=self.op_dummy is not None, UPCAST=INTERPRET, PRECISION=self.precision,
+            UPDATE=update, HAS_SCALE=has_scale, HAS_INF=self.found_inf is not None, HAS_WD=self.has_wd,
+            FP64=self.fp64, LOWP=self.op_dummy is not None, UPCAST=INTERPRET, PRECISION=self.precision,
+            LOG_JOBS=log_jobs, A_K1=a_k1, A_M1=a_m1, B_N1=b_n1, B_K1=b_k1, C_N1=c_n1, ALIGNED=al,
             BM=bm, BN=bn, BK=bk, num_warps=NUM_WARPS)
 
     def adam(self, r, state, out, *, apply, block_size, scale_input):
@@ -290,6 +375,7 @@ def galore_phases(params, grads, states, *, lr, betas, eps, weight_decay, scale=
     shapes, proj = plan.shapes, plan.proj
     buf = _scratch(plan.size, acc, device)
     rs, rects, bases, off = {}, {}, {}, 0
+    firsts, seconds = {}, {}  # matmul jobs launched together (_Launch.matmul's `group`)
     # Phase 1: every projected param's (partial) R into one flat buffer.
     for i in proj:
         s = states[i]
@@ -314,16 +400,21 @@ def galore_phases(params, grads, states, *, lr, betas, eps, weight_decay, scale=
             a = left.shape[2] if left is not None else m
             b = right.shape[1] if right is not None else n
             part = rs[i] if whole else _scratch((nb, a, b), acc, device)
+            # A whole param's products join the bucket's launches (first products, then second ones); a piece's
+            # go now, since rect.place reads them.
+            first, second = (firsts, seconds) if whole else (None, None)
             if left is not None and right is not None:
                 t = _scratch((nb, a, n), acc, device)
-                run.matmul(left.transpose(1, 2), g3, t, scale_input=True)
-                run.matmul(t, right.transpose(1, 2), part)
+                run.matmul(left.transpose(1, 2), g3, t, scale_input=True, group=first)
+                run.matmul(t, right.transpose(1, 2), part, group=second)
             elif left is not None:
-                run.matmul(left.transpose(1, 2), g3, part, scale_input=True)
+                run.matmul(left.transpose(1, 2), g3, part, scale_input=True, group=first)
             else:
-                run.matmul(g3, right.transpose(1, 2), part, scale_input=True)
+                run.matmul(g3, right.transpose(1, 2), part, scale_input=True, group=first)
             if not whole:
                 rect.place(rs[i], part, rows=left is None, cols=right is None)
+    _Launch.flush(firsts)
+    _Launch.flush(seconds)
     mine = yield from plan.reduce(buf, rs, sharded)
     # Phase 2: Adam (N over R, in place: over the rows kept here for sharded moments); plain AdamW, with the
     # update, for the params without a projection.
@@ -349,11 +440,14 @@ def galore_phases(params, grads, states, *, lr, betas, eps, weight_decay, scale=
             p3 = rect.view(work)
             if left is not None and right is not None:
                 w = _scratch((nloc.shape[0], nloc.shape[1], right.shape[2]), acc, device)
-                run.matmul(nloc, right, w)
-                run.matmul(left, w, p3, update=True)
+                run.matmul(nloc, right, w, group=firsts)
+                run.matmul(left, w, p3, update=True, group=seconds)
             elif left is not None:
-                run.matmul(left, nloc, p3, update=True)
+                run.matmul(left, nloc, p3, update=True, group=seconds)
             else:
-                run.matmul(nloc, right, p3, update=True)
-        if work is not p:
-            p.copy_(work)
+                run.matmul(nloc, right, p3, update=True, group=seconds)
+    _Launch.flush(firsts)
+    _Launch.flush(seconds)
+    for i in proj:
+        if works[i] is not params[i]:
+            params[i].copy_(works[i])

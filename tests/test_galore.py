@@ -434,10 +434,11 @@ def test_sparse_and_complex_refused_before_any_change(backend, device):
 
 
 @pytest.mark.parametrize("proj_type, matmuls", [("left", 2), ("right", 2), ("full", 4)])
-def test_launches_and_no_full_size_buffer(backend, device, proj_type, matmuls, monkeypatch):
-    """Per projected matrix and step: the projection, one Adam launch, the back-projection with the update
-    fused in (full: two products each way); a plain param: one launch. No scratch buffer is as large as the
-    param: the full-size update is never materialized."""
+@pytest.mark.parametrize("matrices", [1, 3])
+def test_launches_and_no_full_size_buffer(backend, device, proj_type, matmuls, matrices, monkeypatch):
+    """Per step: one projection launch for all projected matrices of a bucket, one Adam launch per param, one
+    back-projection launch with the update fused in (full: two products each way); a plain param: one launch.
+    The scratch buffers are rank-sized: the full-size update is never materialized."""
     if backend != "triton":
         pytest.skip("counts Triton launches")
     from fastopt.kernels import galore as k
@@ -447,15 +448,16 @@ def test_launches_and_no_full_size_buffer(backend, device, proj_type, matmuls, m
     real_scratch = k._scratch
     monkeypatch.setattr(k, "_scratch", lambda shape, *a: scratch.append(
         math.prod(shape) if isinstance(shape, tuple) else shape) or real_scratch(shape, *a))
-    w = torch.randn(40, 24, device=device, requires_grad=True)
+    ws = [torch.randn(40 - 3 * i, 24 + i, device=device, requires_grad=True) for i in range(matrices)]
     b = torch.randn(24, device=device, requires_grad=True)
-    opt = fastopt.GaLoreAdamW([{"params": [w], "rank": 4, "proj_type": proj_type}, {"params": [b]}], lr=LR)
+    opt = fastopt.GaLoreAdamW([{"params": ws, "rank": 4, "proj_type": proj_type}, {"params": [b]}], lr=LR)
     for t in range(2):
-        w.grad, b.grad = torch.randn_like(w), torch.randn_like(b)
+        for p in ws + [b]:
+            p.grad = torch.randn_like(p)
         launches.clear()
         opt.step()
-        assert sorted(launches) == sorted(["matmul"] * matmuls + ["adam", "adam"]), (t, launches)
-    assert scratch and max(scratch) < w.numel() // 4, scratch
+        assert sorted(launches) == sorted(["matmul"] * matmuls + ["adam"] * (matrices + 1)), (t, launches)
+    assert scratch and max(scratch) < sum(w.numel() for w in ws) // 4, scratch
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
