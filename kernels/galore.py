@@ -12,8 +12,8 @@ The products of every param of a bucket go out as one launch per stage (1 or 1a,
 param's projection, which rect.place reads right away, as its own): each program finds its job (a product of
 one matrix batch) by bisection in a small int64 table of pointers, sizes and strides, rebuilt per step and
 copied asynchronously; the strides that are 1 are declared so (A_K1, ...: the launch groups jobs by them), so
-the tiles load as from a contiguous matrix. Launches per step therefore do not grow with the matrices; the
-Adam kernel still takes one launch per param.
+the tiles load as from a contiguous matrix. The Adam kernel does the same over its params (projected ones in
+one launch, plain ones in another). Launches per step therefore do not grow with the params.
 
 So the full-size update is never materialized: the back-projection's output tile goes straight into the
 parameter (read once, written once), and only rank-sized buffers (R, N, T, W) go through memory. A param
@@ -98,6 +98,20 @@ def _eta(step_ptr, hyper_ptr):
 
 MM_WIDTH = 16  # int64 per matmul job: a, b, c, step pointers; M, N, K; strides of a, b, c (batch, row, col)
 _MM_WIDTH = tl.constexpr(MM_WIDTH)
+ADAM_WIDTH = 8  # int64 per Adam job: r, m, v, m absmax, v absmax, out, step pointers; numel
+_ADAM_WIDTH = tl.constexpr(ADAM_WIDTH)
+
+
+@triton.jit
+def _job(table_ptr, LOG_JOBS: tl.constexpr, WIDTH: tl.constexpr):
+    """(job index, its first program, its row of the table) of this program, in a launch of many jobs. table:
+    2**LOG_JOBS int64 first programs of the jobs (padded with a huge value), then WIDTH int64 per job."""
+    pid = tl.program_id(0)
+    j = 0
+    for s in tl.static_range(LOG_JOBS):  # the last job whose first program is <= pid
+        cand = j + ((1 << (LOG_JOBS - 1)) >> s)
+        j = tl.where(tl.load(table_ptr + cand) <= pid, cand, j)
+    return j, tl.load(table_ptr + j), table_ptr + (1 << LOG_JOBS) + j * WIDTH
 
 
 @triton.jit
@@ -119,7 +133,7 @@ def _galore_matmul_kernel(table_ptr, a_ref, b_ref, c_ref, step_ref, acc_ref, op_
                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """C = A @ B for one [BM, BN] tile of one matrix of one job's batch; one launch covers many jobs.
 
-    table: 2**LOG_JOBS int64 first programs of the jobs (padded with a huge value), then MM_WIDTH int64 per job.
+    table: see _job; MM_WIDTH int64 per job.
     A_K1 / A_M1 / B_N1 / B_K1 / C_N1: every job of the launch has that stride 1 (A's k or m, B's n or k, C's n).
     UPDATE=False: C is stored (times inv_scale when HAS_SCALE). UPDATE=True: C is the parameter, and the tile
     becomes p - eta * scale * (A @ B), then p - lr * weight_decay * p (HAS_WD), stored unless found_inf.
@@ -127,12 +141,7 @@ def _galore_matmul_kernel(table_ptr, a_ref, b_ref, c_ref, step_ref, acc_ref, op_
     acc_t = acc_ref.dtype.element_ty
     op_t = op_ref.dtype.element_ty if LOWP else acc_t
     pid = tl.program_id(0)
-    j = 0
-    for s in tl.static_range(LOG_JOBS):  # the last job whose first program is <= pid
-        cand = j + ((1 << (LOG_JOBS - 1)) >> s)
-        j = tl.where(tl.load(table_ptr + cand) <= pid, cand, j)
-    first = tl.load(table_ptr + j)
-    meta = table_ptr + (1 << LOG_JOBS) + j * _MM_WIDTH
+    j, first, meta = _job(table_ptr, LOG_JOBS, _MM_WIDTH)
     a_ptr = load_ptr(meta, 0, a_ref, ALIGNED)
     b_ptr = load_ptr(meta, 1, b_ref, ALIGNED)
     c_ptr = load_ptr(meta, 2, c_ref, ALIGNED)
@@ -193,15 +202,25 @@ def _galore_matmul_kernel(table_ptr, a_ref, b_ref, c_ref, step_ref, acc_ref, op_
 
 
 @triton.jit
-def _galore_adam_kernel(r_ptr, m_ptr, v_ptr, ma_ptr, va_ptr, out_ptr, acc_ref, n, step_ptr, hyper_ptr,
-                        inv_scale_ptr, found_inf_ptr, map_s_ptr, map_u_ptr, HAS_SCALE: tl.constexpr,
-                        HAS_INF: tl.constexpr, HAS_WD: tl.constexpr, EIGHT: tl.constexpr, APPLY: tl.constexpr,
+def _galore_adam_kernel(table_ptr, r_ref, m_ref, ma_ref, out_ref, step_ref, acc_ref, hyper_ptr, inv_scale_ptr,
+                        found_inf_ptr, map_s_ptr, map_u_ptr, HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr,
+                        HAS_WD: tl.constexpr, EIGHT: tl.constexpr, APPLY: tl.constexpr, LOG_JOBS: tl.constexpr,
                         QB: tl.constexpr, NQ: tl.constexpr):
     """Adam on the flat (projected) gradient r: m_t, v_t stored (fp32/fp64, or requantized 8-bit codes with
     EIGHT), then N = m_t / (sqrt(v_t) + eps) written to out (projected params), or, with APPLY (params
-    without a projection), the parameter update p -= eta N, p -= lr weight_decay p, with p at out."""
+    without a projection), the parameter update p -= eta N, p -= lr weight_decay p, with p at out.
+    One launch covers many params: table as _galore_matmul_kernel's, ADAM_WIDTH int64 per job."""
     acc_t = acc_ref.dtype.element_ty
-    blk = tl.program_id(0).to(tl.int64) * NQ + tl.arange(0, NQ)
+    j, first, meta = _job(table_ptr, LOG_JOBS, _ADAM_WIDTH)
+    r_ptr = load_ptr(meta, 0, r_ref)
+    m_ptr = load_ptr(meta, 1, m_ref)
+    v_ptr = load_ptr(meta, 2, m_ref)
+    ma_ptr = load_ptr(meta, 3, ma_ref)
+    va_ptr = load_ptr(meta, 4, ma_ref)
+    out_ptr = load_ptr(meta, 5, out_ref)
+    step_ptr = load_ptr(meta, 6, step_ref)
+    n = tl.load(meta + 7)
+    blk = (tl.program_id(0) - first) * NQ + tl.arange(0, NQ)
     offs = blk[:, None] * QB + tl.arange(0, QB)[None, :]
     mask = offs < n
     limit = keep_limit(n, found_inf_ptr, HAS_INF)
@@ -284,8 +303,20 @@ class _Launch:
             return
         units = (a.stride(2) == 1, a.stride(2) != 1 and a.stride(1) == 1, b.stride(2) == 1,
                  b.stride(2) != 1 and b.stride(1) == 1, c.stride(2) == 1)
-        kind = (update, scale_input and self.inv_scale is not None, a.dtype, b.dtype, c.dtype, units)
-        job = (a, b, c, self.step)
+        kind = ("matmul", update, scale_input and self.inv_scale is not None, a.dtype, b.dtype, c.dtype, units)
+        self._add(kind, (a, b, c, self.step), group)
+
+    def adam(self, r, state, out, *, apply, block_size, scale_input, group=None):
+        """Adam over the flat r into out (N, or the parameter with `apply`): now, or at flush() of `group`."""
+        if r.numel() == 0:
+            return
+        eight = state["exp_avg"].dtype == torch.uint8
+        kind = ("adam", apply, eight, scale_input and self.inv_scale is not None, block_size, r.dtype,
+                state["exp_avg"].dtype, out.dtype)
+        absmax = (state["exp_avg_absmax"], state["exp_avg_sq_absmax"]) if eight else (None, None)
+        self._add(kind, (r, state["exp_avg"], state["exp_avg_sq"], *absmax, out, self.step), group)
+
+    def _add(self, kind, job, group) -> None:
         if group is None:
             self._launch(kind, [job])
         else:
@@ -293,25 +324,23 @@ class _Launch:
 
     @staticmethod
     def flush(group: dict) -> None:
-        """Launch the jobs `matmul(..., group=group)` collected, one grid per kind."""
+        """Launch the jobs `matmul` / `adam` collected in `group`, one grid per kind."""
         for kind, (run, jobs) in group.items():
             run._launch(kind, jobs)
         group.clear()
 
     def _launch(self, kind, jobs) -> None:
-        update, has_scale, _, _, _, (a_k1, a_m1, b_n1, b_k1, c_n1) = kind
+        if kind[0] == "adam":
+            self._launch_adam(kind, jobs)
+            return
+        update, has_scale, _, _, _, (a_k1, a_m1, b_n1, b_k1, c_n1) = kind[1:]
         bm, bn, bk = (BM64, BN64, BK64) if self.fp64 else (BM, BN, BK)
-        log_jobs = (len(jobs) - 1).bit_length()
-        firsts, rows, total, flat = [], [], 0, []
+        rows = []
         for a, b, c, step in jobs:
-            nb, m, k = a.shape
-            n = b.shape[2]
-            firsts.append(total)
-            total += nb * common.cdiv(m, bm) * common.cdiv(n, bn)
-            rows.append([a.data_ptr(), b.data_ptr(), c.data_ptr(), step.data_ptr() if update else 0, m, n, k,
-                         *a.stride(), *b.stride(), *c.stride()])
-            flat.extend(rows[-1])
-        firsts += [1 << 62] * ((1 << log_jobs) - len(jobs))
+            rows.append([a.data_ptr(), b.data_ptr(), c.data_ptr(), step.data_ptr() if update else 0,
+                         a.shape[1], b.shape[2], a.shape[2], *a.stride(), *b.stride(), *c.stride()])
+        programs = [a.shape[0] * common.cdiv(a.shape[1], bm) * common.cdiv(b.shape[2], bn) for a, b, _, _ in jobs]
+        table, total, log_jobs = _job_table(programs, rows, jobs[0][2].device)
         ptrs = [t for job in jobs for t in job[:3]]
         # every stride the kernel loads, and M, N, K, a multiple of 16 elements; every pointer 16-byte aligned
         loaded = [r[i] for r in rows for i in (4, 5, 6, 7, 10, 13, 14)]
@@ -319,7 +348,6 @@ class _Launch:
                    if not unit]
         al = common.aligned(ptrs) and common.multiples(loaded)
         a0, b0, c0, step0 = jobs[0]
-        table = to_device(firsts + flat, torch.int64, c0.device)
         _galore_matmul_kernel[(total,)](
             table, a0, b0, c0, step0 if update else self.dummy, self.dummy,
             self.op_dummy if self.op_dummy is not None else self.dummy, self.hyper,
@@ -330,23 +358,32 @@ class _Launch:
             LOG_JOBS=log_jobs, A_K1=a_k1, A_M1=a_m1, B_N1=b_n1, B_K1=b_k1, C_N1=c_n1, ALIGNED=al,
             BM=bm, BN=bn, BK=bk, num_warps=NUM_WARPS)
 
-    def adam(self, r, state, out, *, apply, block_size, scale_input):
-        n = r.numel()
-        if n == 0:
-            return
-        eight = state["exp_avg"].dtype == torch.uint8
+    def _launch_adam(self, kind, jobs) -> None:
+        apply, eight, has_scale, block_size = kind[1:5]
         qb, nq = (block_size, max(1, TILE8 // block_size)) if eight else (QB32, NQ32)
-        if eight:
-            maps = (search_table(True, r.device), search_table(False, r.device))
-            absmax = (state["exp_avg_absmax"], state["exp_avg_sq_absmax"])
-        else:
-            maps = absmax = (self.dummy, self.dummy)
-        _galore_adam_kernel[(common.cdiv(n, qb * nq),)](
-            r, state["exp_avg"], state["exp_avg_sq"], *absmax, out, self.dummy, n, self.step, self.hyper,
+        rows = [[t.data_ptr() if t is not None else 0 for t in job] + [job[0].numel()] for job in jobs]
+        programs = [common.cdiv(job[0].numel(), qb * nq) for job in jobs]
+        r0, m0, _, ma0, _, out0, step0 = jobs[0]
+        table, total, log_jobs = _job_table(programs, rows, r0.device)
+        maps = (search_table(True, r0.device), search_table(False, r0.device)) if eight else (self.dummy,) * 2
+        _galore_adam_kernel[(total,)](
+            table, r0, m0, ma0 if eight else self.dummy, out0, step0, self.dummy, self.hyper,
             self.inv_scale if self.inv_scale is not None else self.dummy,
             self.found_inf if self.found_inf is not None else self.dummy, *maps,
-            HAS_SCALE=scale_input and self.inv_scale is not None, HAS_INF=self.found_inf is not None,
-            HAS_WD=self.has_wd, EIGHT=eight, APPLY=apply, QB=qb, NQ=nq, num_warps=NUM_WARPS)
+            HAS_SCALE=has_scale, HAS_INF=self.found_inf is not None, HAS_WD=self.has_wd, EIGHT=eight, APPLY=apply,
+            LOG_JOBS=log_jobs, QB=qb, NQ=nq, num_warps=NUM_WARPS)
+
+
+def _job_table(programs: list[int], rows: list[list[int]], device) -> tuple[torch.Tensor, int, int]:
+    """(table, programs in all, LOG_JOBS) of a launch of many jobs (see _job): the first program of each job,
+    padded to a power of two with a value no program reaches, then each job's row; copied asynchronously."""
+    log_jobs = (len(rows) - 1).bit_length()
+    firsts, total = [], 0
+    for n in programs:
+        firsts.append(total)
+        total += n
+    firsts += [1 << 62] * ((1 << log_jobs) - len(rows))
+    return to_device(firsts + [x for row in rows for x in row], torch.int64, device), total, log_jobs
 
 
 def galore_phases(params, grads, states, *, lr, betas, eps, weight_decay, scale=1.0, block_size=256, inv_scale=None,
@@ -422,12 +459,14 @@ def galore_phases(params, grads, states, *, lr, betas, eps, weight_decay, scale=
         run = _Launch(s["step"], hyper, inv_scale, found_inf, weight_decay, acc == torch.float64, dummy, op_dummy,
                       precision)
         if i not in rs:
-            run.adam(g.contiguous(), s, work, apply=True, block_size=block_size, scale_input=True)
-            if work is not p:
-                p.copy_(work)
+            run.adam(g.contiguous(), s, work, apply=True, block_size=block_size, scale_input=True, group=firsts)
         else:
             r = mine.get(i, rs[i])
-            run.adam(r, s, r, apply=False, block_size=block_size, scale_input=False)
+            run.adam(r, s, r, apply=False, block_size=block_size, scale_input=False, group=firsts)
+    _Launch.flush(firsts)
+    for i, (p, work) in enumerate(zip(params, works)):
+        if i not in rs and work is not p:
+            p.copy_(work)
     yield from plan.gather()
     # Phase 3: the back-projection fused with the update of each rectangle.
     for i in proj:

@@ -436,9 +436,9 @@ def test_sparse_and_complex_refused_before_any_change(backend, device):
 @pytest.mark.parametrize("proj_type, matmuls", [("left", 2), ("right", 2), ("full", 4)])
 @pytest.mark.parametrize("matrices", [1, 3])
 def test_launches_and_no_full_size_buffer(backend, device, proj_type, matmuls, matrices, monkeypatch):
-    """Per step: one projection launch for all projected matrices of a bucket, one Adam launch per param, one
-    back-projection launch with the update fused in (full: two products each way); a plain param: one launch.
-    The scratch buffers are rank-sized: the full-size update is never materialized."""
+    """Per step and bucket, however many matrices: one projection launch, one Adam launch for the projected
+    params and one for the plain ones, one back-projection launch with the update fused in (full: two products
+    each way). The scratch buffers are rank-sized: the full-size update is never materialized."""
     if backend != "triton":
         pytest.skip("counts Triton launches")
     from fastopt.kernels import galore as k
@@ -456,7 +456,7 @@ def test_launches_and_no_full_size_buffer(backend, device, proj_type, matmuls, m
             p.grad = torch.randn_like(p)
         launches.clear()
         opt.step()
-        assert sorted(launches) == sorted(["matmul"] * matmuls + ["adam"] * (matrices + 1)), (t, launches)
+        assert sorted(launches) == sorted(["matmul"] * matmuls + ["adam"] * 2), (t, launches)
     assert scratch and max(scratch) < sum(w.numel() for w in ws) // 4, scratch
 
 
