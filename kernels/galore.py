@@ -96,9 +96,12 @@ def _eta(step_ptr, hyper_ptr):
         (1.0 - tl.exp(t * tl.load(hyper_ptr + 5)))
 
 
-MM_WIDTH = 16  # int64 per matmul job: a, b, c, step pointers; M, N, K; strides of a, b, c (batch, row, col)
+# Job tables (int64 rows). Each row ends with a bit mask of its pointers that are offsets into the step's scratch
+# buffer (its address is a kernel argument, `base`): then a table does not change from step to step while the
+# params, states and gradients stay where they are, and is copied from the host only when one of those moved.
+MM_WIDTH = 17  # matmul job: a, b, c, step pointers; M, N, K; strides of a, b, c (batch, row, col); relative mask
 _MM_WIDTH = tl.constexpr(MM_WIDTH)
-ADAM_WIDTH = 8  # int64 per Adam job: r, m, v, m absmax, v absmax, out, step pointers; numel
+ADAM_WIDTH = 9  # Adam job: r, m, v, m absmax, v absmax, out, step pointers; numel; relative mask
 _ADAM_WIDTH = tl.constexpr(ADAM_WIDTH)
 
 
@@ -115,6 +118,15 @@ def _job(table_ptr, LOG_JOBS: tl.constexpr, WIDTH: tl.constexpr):
 
 
 @triton.jit
+def _job_ptr(meta, k, rel, base, ref, ALIGNED: tl.constexpr = False):
+    """Pointer k of a job's row: absolute, or an offset from `base` where bit k of `rel` is set."""
+    p = (tl.load(meta + k) + ((rel >> k) & 1) * base).to(ref.dtype)
+    if ALIGNED:
+        p = tl.multiple_of(p, 16)
+    return p
+
+
+@triton.jit
 def _stride(ptr, UNIT: tl.constexpr, ALIGNED: tl.constexpr):
     """A job's stride: 1 where the launch declared it so (UNIT; the compiler can then vectorize that dimension),
     else loaded (a multiple of 16 with ALIGNED)."""
@@ -125,7 +137,7 @@ def _stride(ptr, UNIT: tl.constexpr, ALIGNED: tl.constexpr):
 
 
 @triton.jit
-def _galore_matmul_kernel(table_ptr, a_ref, b_ref, c_ref, step_ref, acc_ref, op_ref, hyper_ptr, inv_scale_ptr,
+def _galore_matmul_kernel(table_ptr, base, a_ref, b_ref, c_ref, step_ref, acc_ref, op_ref, hyper_ptr, inv_scale_ptr,
                           found_inf_ptr, UPDATE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr,
                           HAS_WD: tl.constexpr, FP64: tl.constexpr, LOWP: tl.constexpr, UPCAST: tl.constexpr,
                           PRECISION: tl.constexpr, LOG_JOBS: tl.constexpr, A_K1: tl.constexpr, A_M1: tl.constexpr,
@@ -142,9 +154,10 @@ def _galore_matmul_kernel(table_ptr, a_ref, b_ref, c_ref, step_ref, acc_ref, op_
     op_t = op_ref.dtype.element_ty if LOWP else acc_t
     pid = tl.program_id(0)
     j, first, meta = _job(table_ptr, LOG_JOBS, _MM_WIDTH)
-    a_ptr = load_ptr(meta, 0, a_ref, ALIGNED)
-    b_ptr = load_ptr(meta, 1, b_ref, ALIGNED)
-    c_ptr = load_ptr(meta, 2, c_ref, ALIGNED)
+    rel = tl.load(meta + _MM_WIDTH - 1)
+    a_ptr = _job_ptr(meta, 0, rel, base, a_ref, ALIGNED)
+    b_ptr = _job_ptr(meta, 1, rel, base, b_ref, ALIGNED)
+    c_ptr = _job_ptr(meta, 2, rel, base, c_ref, ALIGNED)
     M = load16(meta + 4, ALIGNED)
     N = load16(meta + 5, ALIGNED)
     K = load16(meta + 6, ALIGNED)
@@ -187,7 +200,7 @@ def _galore_matmul_kernel(table_ptr, a_ref, b_ref, c_ref, step_ref, acc_ref, op_
     c_offs = c_ptr + bid * scb + rm[:, None] * scm + rn[None, :] * scn
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     if UPDATE:
-        step_ptr = load_ptr(meta, 3, step_ref)
+        step_ptr = _job_ptr(meta, 3, rel, base, step_ref)
         coef = (_eta(step_ptr, hyper_ptr) * tl.load(hyper_ptr + 9)).to(acc_t)
         p = tl.load(c_offs, mask=mask, other=0.0).to(acc_t)
         p = p - coef * acc
@@ -202,7 +215,7 @@ def _galore_matmul_kernel(table_ptr, a_ref, b_ref, c_ref, step_ref, acc_ref, op_
 
 
 @triton.jit
-def _galore_adam_kernel(table_ptr, r_ref, m_ref, ma_ref, out_ref, step_ref, acc_ref, hyper_ptr, inv_scale_ptr,
+def _galore_adam_kernel(table_ptr, base, r_ref, m_ref, ma_ref, out_ref, step_ref, acc_ref, hyper_ptr, inv_scale_ptr,
                         found_inf_ptr, map_s_ptr, map_u_ptr, HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr,
                         HAS_WD: tl.constexpr, EIGHT: tl.constexpr, APPLY: tl.constexpr, LOG_JOBS: tl.constexpr,
                         QB: tl.constexpr, NQ: tl.constexpr):
@@ -212,13 +225,14 @@ def _galore_adam_kernel(table_ptr, r_ref, m_ref, ma_ref, out_ref, step_ref, acc_
     One launch covers many params: table as _galore_matmul_kernel's, ADAM_WIDTH int64 per job."""
     acc_t = acc_ref.dtype.element_ty
     j, first, meta = _job(table_ptr, LOG_JOBS, _ADAM_WIDTH)
-    r_ptr = load_ptr(meta, 0, r_ref)
-    m_ptr = load_ptr(meta, 1, m_ref)
-    v_ptr = load_ptr(meta, 2, m_ref)
-    ma_ptr = load_ptr(meta, 3, ma_ref)
-    va_ptr = load_ptr(meta, 4, ma_ref)
-    out_ptr = load_ptr(meta, 5, out_ref)
-    step_ptr = load_ptr(meta, 6, step_ref)
+    rel = tl.load(meta + _ADAM_WIDTH - 1)
+    r_ptr = _job_ptr(meta, 0, rel, base, r_ref)
+    m_ptr = _job_ptr(meta, 1, rel, base, m_ref)
+    v_ptr = _job_ptr(meta, 2, rel, base, m_ref)
+    ma_ptr = _job_ptr(meta, 3, rel, base, ma_ref)
+    va_ptr = _job_ptr(meta, 4, rel, base, ma_ref)
+    out_ptr = _job_ptr(meta, 5, rel, base, out_ref)
+    step_ptr = _job_ptr(meta, 6, rel, base, step_ref)
     n = tl.load(meta + 7)
     blk = (tl.program_id(0) - first) * NQ + tl.arange(0, NQ)
     offs = blk[:, None] * QB + tl.arange(0, QB)[None, :]
@@ -285,7 +299,10 @@ def _scratch(shape, dtype, device) -> torch.Tensor:
 class _Launch:
     """Arguments every launch of one step shares."""
 
-    def __init__(self, step, hyper, inv_scale, found_inf, weight_decay, fp64, dummy, op_dummy, precision):
+    def __init__(self, step, hyper, inv_scale, found_inf, weight_decay, fp64, dummy, op_dummy, precision,
+                 scratch=None, tables=None):
+        self.scratch = scratch  # the step's scratch buffer: pointers into it go into job tables as offsets
+        self.tables = tables if tables is not None else _Tables(None)
         self.step, self.hyper = step, hyper
         self.inv_scale, self.found_inf = inv_scale, found_inf
         self.has_wd = weight_decay > 0
@@ -322,6 +339,24 @@ class _Launch:
         else:
             group.setdefault(kind, (self, []))[1].append(job)
 
+    def _pointers(self, tensors) -> tuple[list[int], int]:
+        """Data pointers (0 for None) for a job's row, those into the scratch buffer as offsets, and their mask."""
+        vals, rel = [], 0
+        home = self.scratch.untyped_storage().data_ptr() if self.scratch is not None and self.scratch.numel() \
+            else None
+        for k, t in enumerate(tensors):
+            if t is None:
+                vals.append(0)
+            elif home is not None and t.untyped_storage().data_ptr() == home:
+                vals.append(t.data_ptr() - self.scratch.data_ptr())
+                rel |= 1 << k
+            else:
+                vals.append(t.data_ptr())
+        return vals, rel
+
+    def _base(self) -> int:
+        return self.scratch.data_ptr() if self.scratch is not None else 0
+
     @staticmethod
     def flush(group: dict) -> None:
         """Launch the jobs `matmul` / `adam` collected in `group`, one grid per kind."""
@@ -337,10 +372,10 @@ class _Launch:
         bm, bn, bk = (BM64, BN64, BK64) if self.fp64 else (BM, BN, BK)
         rows = []
         for a, b, c, step in jobs:
-            rows.append([a.data_ptr(), b.data_ptr(), c.data_ptr(), step.data_ptr() if update else 0,
-                         a.shape[1], b.shape[2], a.shape[2], *a.stride(), *b.stride(), *c.stride()])
+            ptrs, rel = self._pointers((a, b, c, step if update else None))
+            rows.append([*ptrs, a.shape[1], b.shape[2], a.shape[2], *a.stride(), *b.stride(), *c.stride(), rel])
         programs = [a.shape[0] * common.cdiv(a.shape[1], bm) * common.cdiv(b.shape[2], bn) for a, b, _, _ in jobs]
-        table, total, log_jobs = _job_table(programs, rows, jobs[0][2].device)
+        table, total, log_jobs = self.tables.get(programs, rows, jobs[0][2].device)
         ptrs = [t for job in jobs for t in job[:3]]
         # every stride the kernel loads, and M, N, K, a multiple of 16 elements; every pointer 16-byte aligned
         loaded = [r[i] for r in rows for i in (4, 5, 6, 7, 10, 13, 14)]
@@ -349,7 +384,7 @@ class _Launch:
         al = common.aligned(ptrs) and common.multiples(loaded)
         a0, b0, c0, step0 = jobs[0]
         _galore_matmul_kernel[(total,)](
-            table, a0, b0, c0, step0 if update else self.dummy, self.dummy,
+            table, self._base(), a0, b0, c0, step0 if update else self.dummy, self.dummy,
             self.op_dummy if self.op_dummy is not None else self.dummy, self.hyper,
             self.inv_scale if self.inv_scale is not None else self.dummy,
             self.found_inf if self.found_inf is not None else self.dummy,
@@ -361,29 +396,63 @@ class _Launch:
     def _launch_adam(self, kind, jobs) -> None:
         apply, eight, has_scale, block_size = kind[1:5]
         qb, nq = (block_size, max(1, TILE8 // block_size)) if eight else (QB32, NQ32)
-        rows = [[t.data_ptr() if t is not None else 0 for t in job] + [job[0].numel()] for job in jobs]
+        rows = []
+        for job in jobs:
+            ptrs, rel = self._pointers(job)
+            rows.append([*ptrs, job[0].numel(), rel])
         programs = [common.cdiv(job[0].numel(), qb * nq) for job in jobs]
         r0, m0, _, ma0, _, out0, step0 = jobs[0]
-        table, total, log_jobs = _job_table(programs, rows, r0.device)
+        table, total, log_jobs = self.tables.get(programs, rows, r0.device)
         maps = (search_table(True, r0.device), search_table(False, r0.device)) if eight else (self.dummy,) * 2
         _galore_adam_kernel[(total,)](
-            table, r0, m0, ma0 if eight else self.dummy, out0, step0, self.dummy, self.hyper,
+            table, self._base(), r0, m0, ma0 if eight else self.dummy, out0, step0, self.dummy, self.hyper,
             self.inv_scale if self.inv_scale is not None else self.dummy,
             self.found_inf if self.found_inf is not None else self.dummy, *maps,
             HAS_SCALE=has_scale, HAS_INF=self.found_inf is not None, HAS_WD=self.has_wd, EIGHT=eight, APPLY=apply,
             LOG_JOBS=log_jobs, QB=qb, NQ=nq, num_warps=NUM_WARPS)
 
 
-def _job_table(programs: list[int], rows: list[list[int]], device) -> tuple[torch.Tensor, int, int]:
-    """(table, programs in all, LOG_JOBS) of a launch of many jobs (see _job): the first program of each job,
-    padded to a power of two with a value no program reaches, then each job's row; copied asynchronously."""
-    log_jobs = (len(rows) - 1).bit_length()
-    firsts, total = [], 0
-    for n in programs:
-        firsts.append(total)
-        total += n
-    firsts += [1 << 62] * ((1 << log_jobs) - len(rows))
-    return to_device(firsts + [x for row in rows for x in row], torch.int64, device), total, log_jobs
+class _Tables:
+    """The job tables of a bucket's launches by content, kept from one step to the next in the optimizer's cache
+    (those a step did not use are dropped): a table whose params, states and gradients did not move is not
+    copied again. One that must be copied goes from pinned memory, asynchronously; one copied while a CUDA graph
+    is being captured keeps its host side for the life of the process (the graph copies from it on every
+    replay), which the offsets into the scratch buffer make rare: a capture sees the tables of the eager steps."""
+
+    _captured: list = []
+
+    def __init__(self, cache):
+        prev = cache.get("job_tables", {}) if cache is not None else {}
+        self.prev, self.now = prev, {}
+        if cache is not None:
+            cache["job_tables"] = self.now
+
+    def get(self, programs: list[int], rows: list[list[int]], device) -> tuple[torch.Tensor, int, int]:
+        """(table, programs in all, LOG_JOBS) of a launch of many jobs (see _job): the first program of each job,
+        padded to a power of two with a value no program reaches, then each job's row."""
+        log_jobs = (len(rows) - 1).bit_length()
+        firsts, total = [], 0
+        for n in programs:
+            firsts.append(total)
+            total += n
+        firsts += [1 << 62] * ((1 << log_jobs) - len(rows))
+        values = firsts + [x for row in rows for x in row]
+        key = (device, tuple(values))
+        table = self.now.get(key)
+        if table is None:
+            table = self.prev.get(key)
+            if table is None:
+                table = self._copy(values, device)
+            self.now[key] = table
+        return table, total, log_jobs
+
+    @classmethod
+    def _copy(cls, values: list[int], device) -> torch.Tensor:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            host = torch.tensor(values, dtype=torch.int64).pin_memory()
+            cls._captured.append(host)
+            return host.to(device, non_blocking=True)
+        return to_device(values, torch.int64, device)
 
 
 def galore_phases(params, grads, states, *, lr, betas, eps, weight_decay, scale=1.0, block_size=256, inv_scale=None,
@@ -412,12 +481,14 @@ def galore_phases(params, grads, states, *, lr, betas, eps, weight_decay, scale=
     shapes, proj = plan.shapes, plan.proj
     buf = _scratch(plan.size, acc, device)
     rs, rects, bases, off = {}, {}, {}, 0
-    firsts, seconds = {}, {}  # matmul jobs launched together (_Launch.matmul's `group`)
+    firsts, seconds = {}, {}  # jobs launched together (_Launch.matmul's and adam's `group`)
+    tables = _Tables(cache)
+    launch = lambda step: _Launch(step, hyper, inv_scale, found_inf, weight_decay,  # noqa: E731
+                                  acc == torch.float64, dummy, op_dummy, precision, scratch=buf, tables=tables)
     # Phase 1: every projected param's (partial) R into one flat buffer.
     for i in proj:
         s = states[i]
-        run = _Launch(s["step"], hyper, inv_scale, found_inf, weight_decay, acc == torch.float64, dummy, op_dummy,
-                      precision)
+        run = launch(s["step"])
         rects[i] = local_rects(layouts[i], shapes[i], tuple(params[i].shape), device)
         shape3 = state_views(s, shapes[i])[2]
         rs[i] = buf[off:off + math.prod(shape3)].view(shape3)
@@ -456,8 +527,7 @@ def galore_phases(params, grads, states, *, lr, betas, eps, weight_decay, scale=
     # Phase 2: Adam (N over R, in place: over the rows kept here for sharded moments); plain AdamW, with the
     # update, for the params without a projection.
     for i, (p, g, s, work) in enumerate(zip(params, grads, states, works)):
-        run = _Launch(s["step"], hyper, inv_scale, found_inf, weight_decay, acc == torch.float64, dummy, op_dummy,
-                      precision)
+        run = launch(s["step"])
         if i not in rs:
             run.adam(g.contiguous(), s, work, apply=True, block_size=block_size, scale_input=True, group=firsts)
         else:
@@ -471,8 +541,7 @@ def galore_phases(params, grads, states, *, lr, betas, eps, weight_decay, scale=
     # Phase 3: the back-projection fused with the update of each rectangle.
     for i in proj:
         s, p, work, r = states[i], params[i], works[i], rs[i]
-        run = _Launch(s["step"], hyper, inv_scale, found_inf, weight_decay, acc == torch.float64, dummy, op_dummy,
-                      precision)
+        run = launch(s["step"])
         for rect, (left, right) in zip(rects[i], bases[i]):
             nloc = rect.pick(r, rows=left is None, cols=right is None)
             nloc = nloc if nloc.is_contiguous() else nloc.contiguous()

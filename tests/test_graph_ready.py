@@ -26,7 +26,7 @@ OPTS = {
     "adamw8bit": lambda ps: fastopt.AdamW8bit(ps, lr=1e-2, min_8bit_size=8, block_size=64),
 }
 SHAPES = [(6, 5), (7,), (2, 3, 4)]
-NO_GRAD_TABLE = {"galore"}  # launches per param with the gradient tensor itself: no pointer table to rebuild
+NO_GRAD_TABLE: set = set()  # optimizers whose launches take the gradient tensors themselves: no table to rebuild
 
 
 def _host_copies(monkeypatch) -> list:
