@@ -148,7 +148,7 @@ FO_HD void fill_search_key(SearchTables& s, const float* map, int t) {
   const float l = map[t], r = map[t + 1];
   int32_t lo = float_order(l) + 1, hi = float_order(r);  // r itself goes right (distance 0)
   while (lo < hi) {
-    const int32_t mid = lo + (hi - lo) / 2;
+    const int32_t mid = (int32_t)(((int64_t)lo + (int64_t)hi) >> 1);  // hi - lo may not fit in int32
     if (nearer_right(order_float(mid), l, r)) hi = mid; else lo = mid + 1;
   }
   s.thresh[t] = order_float(lo);

@@ -45,8 +45,8 @@ import triton.language as tl
 
 from fastopt.reference.came import QBLOCK as QBLOCK_
 from . import common
-from .common import (INTERPRET, GradTable, aligned, keep_limit, load16, load_ptr, multiples, nearest_code, program_table,
-                     ptr_table, round_to, search_table, segment_sum, stochastic_round_bf16, to_device)
+from .common import (INTERPRET, GradTable, aligned, keep_limit, load16, load_ptr, multiples, nearest_code,
+                     program_table, ptr_table, round_to, search_table, segment_sum, stochastic_round_bf16, to_device)
 from .factored import (FactoredPlan, col_map, global_numel, in_piece, launch_col_reduce, launch_factors,
                        launch_sq_stats, launch_usq, load_meta, matrix_view, row_block, row_map)
 

@@ -233,7 +233,10 @@ _device_tables: dict = {}
 def search_table(signed: bool, device: torch.device) -> torch.Tensor:
     """The 8-bit map with its search tables (layout above), cached per device. Its first 256 values are the map
     itself, so `table + code` dequantizes. Do not modify."""
-    key = (bool(signed), torch.device(device))
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # one table per GPU, however the device is named
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (bool(signed), device)
     t = _device_tables.get(key)
     if t is None:
         t = _device_tables[key] = _search_table_cpu(bool(signed)).to(device)

@@ -40,8 +40,8 @@ import triton
 import triton.language as tl
 
 from . import common
-from .common import (INTERPRET, GradTable, aligned, keep_limit, load16, load_ptr, multiples, nearest_code, program_table,
-                     ptr_table, round_to, search_table, segment_sum, stochastic_round_bf16, to_device)
+from .common import (INTERPRET, GradTable, aligned, keep_limit, load16, load_ptr, multiples, nearest_code,
+                     program_table, ptr_table, round_to, search_table, segment_sum, stochastic_round_bf16, to_device)
 
 # Elements per program. Small under the interpreter so that the tests' small params span several programs.
 BLOCK = 128 if INTERPRET else 2048

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "cpu_kernels.h"
+#include "test_maps.h"
 
 using namespace fastopt;
 
@@ -23,27 +24,6 @@ static int failures = 0;
       fprintf(stderr, "\n");                                      \
     }                                                             \
   } while (0)
-
-// bitsandbytes' dynamic map, rebuilt in C++ (fp32 means of a linspace, like create_dynamic_map; the exact
-// values of the Python map are checked against bitsandbytes by the Python tests). Sorted, 256 values.
-static std::vector<float> dynamic_map(bool is_signed) {
-  std::vector<float> data;
-  for (int i = 0; i < 7; ++i) {
-    const int items = is_signed ? (1 << i) + 1 : (1 << (i + 1)) + 1;
-    const float step = (1.0f - 0.1f) / (float)(items - 1);
-    for (int j = 0; j + 1 < items; ++j) {
-      const float lo = 0.1f + step * (float)j, hi = 0.1f + step * (float)(j + 1);
-      const float mean = (lo + hi) / 2.0f * (float)pow(10.0, -6 + i);
-      data.push_back(mean);
-      if (is_signed) data.push_back(-mean);
-    }
-  }
-  data.push_back(0.0f);
-  data.push_back(1.0f);
-  while (data.size() < 256) data.push_back(0.0f);
-  std::sort(data.begin(), data.end());
-  return data;
-}
 
 // The specification: lowest index among the nearest (fp32 distance), scanning every code.
 static int brute_nearest(const std::vector<float>& map, float x) {
@@ -152,14 +132,20 @@ static void test_search_tables() {
     // One threshold compare per value is what makes the GPU search two dependent loads.
     CHECK(t.steps == 1, "signed=%d: %d steps, expected 1", (int)is_signed, t.steps);
   }
-  // Any strictly increasing map: crowded near 0.3 (many thresholds in one bucket), then spread to 1.
-  std::vector<float> crowded(256);
-  for (int j = 0; j < 256; ++j)
-    crowded[j] = j < 200 ? 0.3f + 1e-6f * (float)(j - 100) : 0.3f + (float)(j - 199) / 56.0f * 0.7f;
+  // Any strictly increasing map
+  const std::vector<float> crowded = crowded_map();
   SearchTables tc;
   cpu::build_search_tables(crowded.data(), &tc);
   CHECK(tc.steps > 10, "crowded map: %d steps", tc.steps);
   check_search_everywhere(crowded, "crowded map");
+  // Keys outside [-1, 1], +-4 to +-2^65.5: the neighbours -4 and 4 lie over 2^31 apart in fp32 order (the
+  // bisection's midpoint must not overflow), and every key sits past the last bucket's 1.0.
+  std::vector<float> wide(256);
+  for (int j = 0; j < 256; ++j) {
+    const float e = 2.0f + 0.5f * (float)(j < 128 ? 127 - j : j - 128);
+    wide[j] = (j < 128 ? -1.0f : 1.0f) * powf(2.0f, e);
+  }
+  check_search_everywhere(wide, "wide map");
 }
 
 static void test_quantize_roundtrip() {

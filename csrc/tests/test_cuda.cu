@@ -10,6 +10,7 @@
 
 #include "cpu_kernels.h"
 #include "cuda_kernels.h"
+#include "test_maps.h"
 
 using namespace fastopt;
 
@@ -54,8 +55,7 @@ static std::vector<float> linear_map(bool is_signed) {  // any sorted 256-value 
   return m;
 }
 
-static void test_quantize(int64_t B) {
-  const std::vector<float> map = linear_map(true);
+static void test_quantize(int64_t B, const std::vector<float>& map) {
   SearchTables t;
   cpu::build_search_tables(map.data(), &t);
   std::vector<int64_t> ns = {3000, 0, 1, 70000};
@@ -94,8 +94,7 @@ static void test_quantize(int64_t B) {
   }
 }
 
-static void test_adamw8bit(int64_t B) {
-  const std::vector<float> m1 = linear_map(true), m2 = linear_map(false);
+static void test_adamw8bit(int64_t B, const std::vector<float>& m1, const std::vector<float>& m2) {
   SearchTables t1, t2;
   cpu::build_search_tables(m1.data(), &t1);
   cpu::build_search_tables(m2.data(), &t2);
@@ -150,8 +149,10 @@ int main() {
     return 77;
   }
   for (int64_t B : {64, 256, 1024, 2048, 4096}) {
-    test_quantize(B);
-    test_adamw8bit(B);
+    // the maps' search tables are built on the host for the CPU kernels and by every CUDA block for its own
+    for (const auto& map : {linear_map(true), dynamic_map(true), crowded_map()}) test_quantize(B, map);
+    test_adamw8bit(B, linear_map(true), linear_map(false));
+    test_adamw8bit(B, dynamic_map(true), dynamic_map(false));
   }
   if (failures) fprintf(stderr, "%d check(s) failed\n", failures);
   else printf("all CUDA tests passed\n");
