@@ -234,7 +234,7 @@ void dequantize_multi_impl(TensorList codes, TensorList absmax, TensorList out, 
   if (tab.total == 0) return;
   if (device.is_cpu()) {
     SearchTables st;
-    cpu::build_search_tables(map.data_ptr<float>(), &st);
+    fill_search_keys_only(st, map.data_ptr<float>());  // dequantize reads only the keys
     parallel_tiles(tab.total, quant_tile(block_size), [&](int64_t b, int64_t e) {
       cpu::dequantize_tiles(dt, tab.host_entries(), tab.host_tile_start(), tab.n, block_size, st, b, e);
     });

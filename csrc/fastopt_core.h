@@ -154,6 +154,11 @@ FO_HD void fill_search_key(SearchTables& s, const float* map, int t) {
   s.thresh[t] = order_float(lo);
 }
 
+// The keys alone: all that dequantization reads.
+FO_HD void fill_search_keys_only(SearchTables& s, const float* map) {
+  for (int t = 0; t < kCodeSize; ++t) s.keys[t] = map[t];
+}
+
 // #{c < 255 : thresh[c] <= v}, thresholds sorted.
 FO_HD int count_thresholds(const SearchTables& s, float v) {
   int c = 0;

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastopt.reference.quant import dynamic_map
+from fastopt.reference.quant import dynamic_map, on_device
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 # Tests set this: scratch buffers are filled with NaN before each step, so an element no kernel wrote fails loudly.
@@ -233,14 +233,7 @@ _device_tables: dict = {}
 def search_table(signed: bool, device: torch.device) -> torch.Tensor:
     """The 8-bit map with its search tables (layout above), cached per device. Its first 256 values are the map
     itself, so `table + code` dequantizes. Do not modify."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:  # one table per GPU, however the device is named
-        device = torch.device("cuda", torch.cuda.current_device())
-    key = (bool(signed), device)
-    t = _device_tables.get(key)
-    if t is None:
-        t = _device_tables[key] = _search_table_cpu(bool(signed)).to(device)
-    return t
+    return on_device(_device_tables, signed, device, _search_table_cpu)
 
 
 @triton.jit

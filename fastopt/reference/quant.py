@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -62,17 +63,21 @@ def _map_cpu(signed: bool) -> Tensor:
 _device_maps: dict = {}
 
 
-def dynamic_map(signed: bool, device: torch.device | str = "cpu") -> Tensor:
-    """The 8-bit map (signed: first moments; unsigned: second moments), cached per device. Do not modify."""
+def on_device(cache: dict, signed: bool, device: torch.device | str, cpu: Callable[[bool], Tensor]) -> Tensor:
+    """`cpu(signed)` copied to `device` once and kept in `cache` (one copy per GPU, however the device is named)."""
     device = torch.device(device)
-    if device.type == "cuda" and device.index is None:  # one map per GPU, however the device is named
+    if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     key = (bool(signed), device)
-    m = _device_maps.get(key)
-    if m is None:
-        m = _map_cpu(bool(signed)).to(device)
-        _device_maps[key] = m
-    return m
+    t = cache.get(key)
+    if t is None:
+        t = cache[key] = cpu(bool(signed)).to(device)
+    return t
+
+
+def dynamic_map(signed: bool, device: torch.device | str = "cpu") -> Tensor:
+    """The 8-bit map (signed: first moments; unsigned: second moments), cached per device. Do not modify."""
+    return on_device(_device_maps, signed, device, _map_cpu)
 
 
 def check_block_size(block_size, owner: str = "quantize_blockwise") -> int:
