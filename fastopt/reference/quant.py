@@ -64,14 +64,24 @@ _device_maps: dict = {}
 
 
 def on_device(cache: dict, signed: bool, device: torch.device | str, cpu: Callable[[bool], Tensor]) -> Tensor:
-    """`cpu(signed)` copied to `device` once and kept in `cache` (one copy per GPU, however the device is named)."""
+    """`cpu(signed)` copied to `device` once and kept in `cache` (one copy per GPU, however the device is named).
+    A GPU's copy goes through pinned memory without blocking: a copy from pageable memory synchronizes with the
+    host, which a step must not do, and the first step may be the one that asks (a CUDA graph may even capture
+    the copy: the pinned source is kept with it)."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     key = (bool(signed), device)
     t = cache.get(key)
     if t is None:
-        t = cache[key] = cpu(bool(signed)).to(device)
+        host = cpu(bool(signed))
+        if device.type == "cuda":
+            host = host.pin_memory()
+            t = host.to(device, non_blocking=True)
+            cache[key, "host"] = host
+        else:
+            t = host.to(device)
+        cache[key] = t
     return t
 
 
