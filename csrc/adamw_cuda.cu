@@ -17,9 +17,10 @@ __global__ void __launch_bounds__(kThreads, KMAX == 4 ? 4 : 2)
   using C = typename ComputeOf<T>::type;
   if (found_inf != nullptr && *found_inf != 0.0f) return;
   __shared__ SearchTables tab1, tab2;
-  __shared__ float red[kThreads / 32];
+  __shared__ float red[2 * kThreads / 32];
   build_search_tables_block(tab1, map1);
   build_search_tables_block(tab2, map2);
+  const int steps1 = tab1.steps, steps2 = tab2.steps;
   const C inv = inv_scale != nullptr ? (C)*inv_scale : (C)1;
   const QuantLayout L(B);
   const int grp = threadIdx.x / L.G, lane = threadIdx.x % L.G;
@@ -29,13 +30,14 @@ __global__ void __launch_bounds__(kThreads, KMAX == 4 ? 4 : 2)
     const bool moved = cur.seek(tile_start, n_tensors, tile);
     const AdamWEntry e = entries[cur.i];
     if (moved) s = adamw_scalars<C>(h, *e.step);
-    T* p = static_cast<T*>(e.p);
-    const T* g = static_cast<const T*>(e.g);
-    uint8_t* c1 = static_cast<uint8_t*>(e.s1);
-    uint8_t* c2 = static_cast<uint8_t*>(e.s2);
     const int64_t qb = (tile - cur.lo) * L.Q + grp;
     const int64_t start = qb * B;
-    const bool active = start < e.n;
+    const int lim = block_limit(e.n, start, B);  // offsets [0, lim) from `start`: 32-bit index arithmetic
+    const bool active = lim > 0;
+    T* p = static_cast<T*>(e.p) + start;
+    const T* g = static_cast<const T*>(e.g) + start;
+    uint8_t* c1 = static_cast<uint8_t*>(e.s1) + start;
+    uint8_t* c2 = static_cast<uint8_t*>(e.s2) + start;
     const float old1 = active ? e.a1[qb] : 0.0f;
     const float old2 = active ? e.a2[qb] : 0.0f;
     // Every load of the tile first, then the math and the stores: a store to p between them would keep the
@@ -44,12 +46,12 @@ __global__ void __launch_bounds__(kThreads, KMAX == 4 ? 4 : 2)
     uint8_t q1[KMAX], q2[KMAX];
 #pragma unroll
     for (int k = 0; k < KMAX; ++k) {
-      const int64_t j = start + lane + (int64_t)k * L.G;
-      const bool in = k < L.K && j < e.n;
-      pv[k] = in ? (C)ld(p, j) : (C)0;
-      gv[k] = in ? (C)ld(g, j) : (C)0;
-      q1[k] = in ? c1[j] : (uint8_t)0;
-      q2[k] = in ? c2[j] : (uint8_t)0;
+      const int o = lane + k * L.G;
+      const bool in = k < L.K && o < lim;
+      pv[k] = in ? (C)ld(p, o) : (C)0;
+      gv[k] = in ? (C)ld(g, o) : (C)0;
+      q1[k] = in ? c1[o] : (uint8_t)0;
+      q2[k] = in ? c2[o] : (uint8_t)0;
     }
     float mq[KMAX], vq[KMAX];
     float new1 = 0.0f, new2 = 0.0f;
@@ -57,11 +59,11 @@ __global__ void __launch_bounds__(kThreads, KMAX == 4 ? 4 : 2)
     for (int k = 0; k < KMAX; ++k) {
       mq[k] = 0.0f;
       vq[k] = 0.0f;
-      const int64_t j = start + lane + (int64_t)k * L.G;
-      if (k < L.K && j < e.n) {
+      const int o = lane + k * L.G;
+      if (k < L.K && o < lim) {
         C m = (C)(dequantize_code(tab1, q1[k]) * old1);
         C v = (C)(dequantize_code(tab2, q2[k]) * old2);
-        st(p, j, adamw_element<C>(pv[k], gv[k] * inv, m, v, s));
+        st(p, o, adamw_element<C>(pv[k], gv[k] * inv, m, v, s));
         mq[k] = (float)m;
         vq[k] = (float)v;
       }
@@ -69,8 +71,7 @@ __global__ void __launch_bounds__(kThreads, KMAX == 4 ? 4 : 2)
       new2 = fmaxf(new2, fabsf(vq[k]));
     }
     // Every thread of the group has read the old absmax (its value feeds new1/new2) before lane 0 writes.
-    new1 = group_max(new1, L.G, red);
-    new2 = group_max(new2, L.G, red);
+    group_max2(new1, new2, L.G, red);
     if (active) {
       if (lane == 0) {
         e.a1[qb] = new1;
@@ -78,10 +79,10 @@ __global__ void __launch_bounds__(kThreads, KMAX == 4 ? 4 : 2)
       }
 #pragma unroll
       for (int k = 0; k < KMAX; ++k) {
-        const int64_t j = start + lane + (int64_t)k * L.G;
-        if (k < L.K && j < e.n) {
-          c1[j] = quantize_nearest(tab1, normalize(mq[k], new1));
-          c2[j] = quantize_nearest(tab2, normalize(vq[k], new2));
+        const int o = lane + k * L.G;
+        if (k < L.K && o < lim) {
+          c1[o] = quantize_nearest(tab1, normalize(mq[k], new1), steps1);
+          c2[o] = quantize_nearest(tab2, normalize(vq[k], new2), steps2);
         }
       }
     }

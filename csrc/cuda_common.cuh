@@ -36,6 +36,12 @@ __device__ __forceinline__ void build_search_tables_block(SearchTables& s, const
   __syncthreads();
 }
 
+// Elements of the quantization block that starts at `start` in a tensor of n: min(n - start, B), 0 past the end.
+// Offsets inside a block then take 32-bit arithmetic, from pointers moved to `start` once per tile.
+__device__ __forceinline__ int block_limit(int64_t n, int64_t start, int B) {
+  return start >= n ? 0 : n - start < B ? (int)(n - start) : B;
+}
+
 // How a CUDA block of kThreads threads covers one tile of quant_tile(B) elements: Q quantization blocks per
 // tile, G threads per quantization block, K elements per thread (strided by G, so that each load of a warp
 // is contiguous).
@@ -62,6 +68,32 @@ __device__ __forceinline__ float group_max(float v, int G, float* red) {
     for (int w = 1; w < per_group; ++w) v = fmaxf(v, red[first + w]);
   }
   return v;
+}
+
+// group_max of two values at once (AdamW8bit's two moments): one round of barriers for both. `red` holds
+// 2 * kThreads / 32 floats.
+__device__ __forceinline__ void group_max2(float& a, float& b, int G, float* red) {
+  const int width = G < 32 ? G : 32;
+  for (int o = width >> 1; o > 0; o >>= 1) {
+    a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
+    b = fmaxf(b, __shfl_xor_sync(0xffffffffu, b, o));
+  }
+  if (G > 32) {
+    constexpr int W = kThreads / 32;
+    const int warp = threadIdx.x >> 5, per_group = G >> 5, first = (warp / per_group) * per_group;
+    __syncthreads();  // the previous call's readers are done with `red`
+    if ((threadIdx.x & 31) == 0) {
+      red[warp] = a;
+      red[W + warp] = b;
+    }
+    __syncthreads();
+    a = red[first];
+    b = red[W + first];
+    for (int w = 1; w < per_group; ++w) {
+      a = fmaxf(a, red[first + w]);
+      b = fmaxf(b, red[W + first + w]);
+    }
+  }
 }
 
 // The tensor a persistent block is working on. Its tiles only grow (grid-stride loop), so the binary search in

@@ -15,31 +15,33 @@ __global__ void __launch_bounds__(kThreads, KMAX == 4 ? 4 : 2)
   __shared__ SearchTables tab;
   __shared__ float red[kThreads / 32];
   build_search_tables_block(tab, map);
+  const int steps = tab.steps;
   const QuantLayout L(B);
   const int grp = threadIdx.x / L.G, lane = threadIdx.x % L.G;
   TensorCursor cur;
   for (int64_t tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
     cur.seek(tile_start, n_tensors, tile);
     const QuantEntry e = entries[cur.i];
-    const T* x = static_cast<const T*>(e.x);
     const int64_t qb = (tile - cur.lo) * L.Q + grp;
     const int64_t start = qb * B;
+    const int lim = block_limit(e.n, start, B);  // this quantization block's elements: offsets [0, lim)
+    const T* x = static_cast<const T*>(e.x) + start;
     float vals[KMAX];
     float amax = 0.0f;
 #pragma unroll
     for (int k = 0; k < KMAX; ++k) {
-      vals[k] = 0.0f;
-      const int64_t j = start + lane + (int64_t)k * L.G;
-      if (k < L.K && j < e.n) vals[k] = (float)ld(x, j);
+      const int o = lane + k * L.G;
+      vals[k] = k < L.K && o < lim ? (float)ld(x, o) : 0.0f;
       amax = fmaxf(amax, fabsf(vals[k]));
     }
     amax = group_max(amax, L.G, red);
-    if (start < e.n) {
+    if (lim > 0) {
       if (lane == 0) e.absmax[qb] = amax;
+      uint8_t* codes = e.codes + start;
 #pragma unroll
       for (int k = 0; k < KMAX; ++k) {
-        const int64_t j = start + lane + (int64_t)k * L.G;
-        if (k < L.K && j < e.n) e.codes[j] = quantize_nearest(tab, normalize(vals[k], amax));
+        const int o = lane + k * L.G;
+        if (k < L.K && o < lim) codes[o] = quantize_nearest(tab, normalize(vals[k], amax), steps);
       }
     }
   }
@@ -61,18 +63,21 @@ __global__ void __launch_bounds__(kThreads)
     T* out = static_cast<T*>(e.out);
     const int64_t qb = (tile - cur.lo) * L.Q + grp;
     const int64_t start = qb * B;
-    if (start >= e.n) continue;
+    const int lim = block_limit(e.n, start, B);
+    if (lim == 0) continue;
     const float scale = e.absmax[qb];
+    const uint8_t* codes = e.codes + start;
+    out += start;
     uint8_t q[KMAX];  // the tile's codes first: a store to `out` in between would serialize the loads
 #pragma unroll
     for (int k = 0; k < KMAX; ++k) {
-      const int64_t j = start + lane + (int64_t)k * L.G;
-      q[k] = k < L.K && j < e.n ? e.codes[j] : (uint8_t)0;
+      const int o = lane + k * L.G;
+      q[k] = k < L.K && o < lim ? codes[o] : (uint8_t)0;
     }
 #pragma unroll
     for (int k = 0; k < KMAX; ++k) {
-      const int64_t j = start + lane + (int64_t)k * L.G;
-      if (k < L.K && j < e.n) st(out, j, (typename ComputeOf<T>::type)(keys[q[k]] * scale));
+      const int o = lane + k * L.G;
+      if (k < L.K && o < lim) st(out, o, (typename ComputeOf<T>::type)(keys[q[k]] * scale));
     }
   }
 }
