@@ -10,6 +10,11 @@ When host_ms is close to wall_ms and device_ms well below it, the step is host-b
 Python per param would help, faster kernels would not. Also the launches per step and the kernels that take
 the most device time (name, calls per step, ms per step). Runs on CPU too (the torch reference; no device
 numbers) so that CI exercises it; the numbers that mean something come from a GPU.
+
+`--stub-kernels` (CPU): the fused path's host work without a GPU. The step goes down the Triton path with every
+Triton kernel's launch a no-op that counts itself (`launches` then counts those), so host_ms is the Python and
+table building of the fused step without the launches' own cost; the params do not change. It is how the
+host time of GaLore's steps was taken apart on this project's CPU machine.
 """
 from __future__ import annotations
 
@@ -59,6 +64,8 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--steps", type=common.number(int, 1), default=10)
     ap.add_argument("--top", type=common.number(int, 1), default=8, help="kernels listed")
     ap.add_argument("--json", type=Path, default=None, help="also write the numbers here")
+    ap.add_argument("--stub-kernels", action="store_true",
+                    help="CPU: the Triton path with no-op launches (its host work alone; see the docstring)")
     return ap.parse_args(argv)
 
 
@@ -83,7 +90,52 @@ def _device_profile(fn, device: torch.device, steps: int, top: int) -> dict:
             "top": [{"kernel": k[:120], "calls": len(v) / steps, "ms": sum(v) / steps} for k, v in rows]}
 
 
+class _NoLaunch:
+    """Stands in for a @triton.jit kernel: `kernel[grid](...)` counts the launch and does nothing."""
+
+    count = 0
+
+    def __getitem__(self, grid):
+        return self._launch
+
+    def _launch(self, *args, **kwargs) -> None:
+        _NoLaunch.count += 1
+
+
+@contextlib.contextmanager
+def stubbed_kernels():
+    """Every @triton.jit function in fastopt.kernels' modules replaced by a `_NoLaunch`, and fastopt.ops sending
+    CPU tensors to the Triton path; both restored on exit."""
+    import importlib
+    import pkgutil
+
+    import triton
+    from fastopt import kernels, ops
+    saved = [(ops, "use_triton", ops.use_triton)]
+    for info in pkgutil.iter_modules(kernels.__path__):
+        mod = importlib.import_module(f"{kernels.__name__}.{info.name}")
+        for name, obj in list(vars(mod).items()):
+            if isinstance(obj, triton.runtime.jit.JITFunction):
+                saved.append((mod, name, obj))
+                setattr(mod, name, _NoLaunch())
+    ops.use_triton = lambda t: True
+    try:
+        yield
+    finally:
+        for mod, name, obj in saved:
+            setattr(mod, name, obj)
+
+
 def profile_step(args) -> dict:
+    if args.stub_kernels:
+        if args.device != "cpu":
+            raise SystemExit("--stub-kernels measures the host work on the CPU: use it with --device cpu")
+        with stubbed_kernels():
+            return _profile_step(args)
+    return _profile_step(args)
+
+
+def _profile_step(args) -> dict:
     device = torch.device(args.device)
     m = common.MODELS[args.set]
     layers = min(m.layers, args.layers or (4 if args.set == "7b" else m.layers))
@@ -100,6 +152,7 @@ def profile_step(args) -> dict:
         opt.step()
     common._sync(device)
     wall, host = [], []
+    _NoLaunch.count = 0
     for _ in range(args.steps):
         t0 = time.perf_counter()
         opt.step()
@@ -109,10 +162,13 @@ def profile_step(args) -> dict:
         host.append((t1 - t0) * 1e3)
         wall.append((t2 - t0) * 1e3)
     dev = _device_profile(opt.step, device, args.steps, args.top)
+    if args.stub_kernels:
+        dev["launches"] = _NoLaunch.count / args.steps
     return {"optim": args.optim, "set": pset.label, "n_params": pset.n_params, "n_tensors": len(params),
             "dtype": args.dtype, "rank": args.rank if args.optim.startswith("galore") else None,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "torch": torch.__version__, "steps": args.steps, "wall_ms": statistics.median(wall),
+            "torch": torch.__version__, "stubbed": args.stub_kernels, "steps": args.steps,
+            "wall_ms": statistics.median(wall),
             "host_ms": statistics.median(host), **dev}
 
 
@@ -121,6 +177,9 @@ def report(r: dict) -> str:
              f"{r['dtype']}" + (f", rank {r['rank']}" if r["rank"] else "") + f", {r['device']}, torch {r['torch']}",
              f"  wall   {r['wall_ms']:9.3f} ms/step (step + sync, median of {r['steps']})",
              f"  host   {r['host_ms']:9.3f} ms/step (step alone: Python and launches)"]
+    if r["stubbed"]:
+        lines[0] += ", Triton launches stubbed out"
+        lines.append(f"  {r['launches']:.0f} (stubbed) Triton launches/step")
     if r["device_ms"] is not None:
         lines.append(f"  device {r['device_ms']:9.3f} ms/step (kernels' durations), {r['launches']:.0f} launches/step")
         lines += [f"    {k['ms']:8.3f} ms  {k['calls']:6.1f}x  {k['kernel']}" for k in r["top"]]

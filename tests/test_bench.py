@@ -569,3 +569,21 @@ def test_profile_step_on_cpu(suite, optim, tmp_path, capsys):
     with pytest.raises(SystemExit):
         prof.main(["--optim", "adamw"])
     assert "invalid choice: 'adamw'" in capsys.readouterr().err
+
+
+def test_profile_step_stubbed_kernels(suite, capsys):
+    """--stub-kernels: GaLore's fused path on CPU tensors with no-op launches, counted: 5 per step for a layer
+    (projections of the tall and of the wide matrices, whose unit strides differ, one Adam launch per group, one
+    back-projection); the kernels restored afterwards; refused on another device."""
+    run = suite[0]
+    prof = importlib.import_module(run.__package__ + ".profile_step")
+    from fastopt import ops
+    from fastopt.kernels import galore as k
+    kernel, use = k._galore_matmul_kernel, ops.use_triton
+    r = prof.main(["--optim", "galore", "--set", "1b", "--layers", "1", "--scale", "64", "--steps", "3",
+                   "--warmup", "1", "--device", "cpu", "--stub-kernels"])
+    assert r["stubbed"] and r["launches"] == 5 and r["host_ms"] > 0
+    assert "Triton launches stubbed out" in capsys.readouterr().out
+    assert k._galore_matmul_kernel is kernel and ops.use_triton is use
+    with pytest.raises(SystemExit, match="--device cpu"):
+        prof.main(["--optim", "galore", "--device", "meta", "--stub-kernels"])

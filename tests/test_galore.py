@@ -433,6 +433,57 @@ def test_sparse_and_complex_refused_before_any_change(backend, device):
         lambda a, other: fastopt.GaLoreAdamW([{"params": [a], "rank": 2}, {"params": [other]}]), device)
 
 
+@pytest.mark.parametrize("nbits, proj_type", [(32, "std"), (8, "std"), (32, "full")])
+def test_replayed_steps_are_bit_identical(backend, device, nbits, proj_type, monkeypatch):
+    """A step whose params, gradients and states sit where they sat the step before replays the launches it
+    recorded then (kernels/galore.py's _Record) instead of building them again, and gives the same bits as the
+    steps that build them: 12 steps with a learning rate that changes every step, GradScaler with an inf step,
+    refreshes at steps 1, 6 and 11, a gradient swapped for its transpose in the same memory (same address and
+    shape: built again), a state_dict load midway. Full projections (buffers of their own) are not replayed."""
+    if backend != "triton":
+        pytest.skip("the Triton launches")
+    from fastopt.kernels import galore as k
+    real_key, real_replay, replays, on = k._replay_key, k._Record.replay, [], [True]
+    monkeypatch.setattr(k, "_replay_key", lambda *a: real_key(*a) if on[0] else None)
+    monkeypatch.setattr(k._Record, "replay", lambda self, *a: replays.append(1) or real_replay(self, *a))
+    shapes = [(20, 20), (12, 20), (2, 12, 18), (5, 6), (7,)]
+    init, grads = make_problem(shapes, steps=12)
+    runs = []
+    for replay in (True, False):
+        ps = [x.to(device=device, dtype=torch.float32, copy=True).requires_grad_() for x in init]
+        for p in ps:
+            p.grad = torch.zeros_like(p)  # kept where it is: each step writes into it
+        opt = fastopt.GaLoreAdamW([{"params": ps[:3], "rank": RANK, "update_proj_gap": 5, "proj_type": proj_type},
+                                   {"params": ps[3:]}], lr=LR, weight_decay=WD, nbits=nbits, **SMALL_8BIT)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1 / (1 + t))
+        runs.append((ps, opt, sched, torch.amp.GradScaler(device.type, init_scale=2.0 ** 12), replay))
+    for t, step_grads in enumerate(grads):
+        for ps, opt, sched, scaler, replay in runs:
+            on[0] = replay
+            scaler.scale(torch.zeros((), device=device))  # the scale, made on first use
+            for p, gr in zip(ps, step_grads):
+                p.grad.copy_(gr * scaler.get_scale())
+            if t == 3:
+                ps[0].grad[1, 2] = float("inf")
+            if t in (7, 8):  # the square gradient's memory read transposed for a step, then as before
+                ps[0].grad = ps[0].grad.t()
+            if t == 5:
+                opt.load_state_dict(pickle.loads(pickle.dumps(opt.state_dict())))
+            scaler.step(opt)
+            scaler.update()
+            sched.step()
+    (ours, opt, *_), (want, opt_b, *_) = runs
+    for p, q in zip(ours, want):
+        assert torch.equal(p, q)
+        assert set(opt.state[p]) == set(opt_b.state[q])
+        for key, v in opt.state[p].items():
+            assert torch.equal(v, opt_b.state[q][key]), key
+    # Replayed, in each of the two buckets (projected, plain), the steps after one that recorded: 8 of the
+    # projected one (not the first, the load, the transposed step and the one after it; none with full
+    # projections), 10 of the plain one.
+    assert len(replays) == (0 if proj_type == "full" else 8) + 10, len(replays)
+
+
 @pytest.mark.parametrize("proj_type, matmuls", [("left", 2), ("right", 2), ("full", 4)])
 @pytest.mark.parametrize("matrices", [1, 3])
 def test_launches_and_no_full_size_buffer(backend, device, proj_type, matmuls, matrices, monkeypatch):
