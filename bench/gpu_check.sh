@@ -12,6 +12,7 @@
 #   3. bench/gpu_checks.py: no host sync in step(), CUDA-graph capture + replay   -> $OUT/gpu_checks.json
 #   4. the demo on the GPU, every optimizer, DEMO_STEPS (30) steps                 -> demo/ in results.tar.gz
 #   4b. bench/profile_step.py: host against device time of one step, the slow cases -> profile/ in results.tar.gz
+#   4c. (opt-in, stage `tiles`) bench/galore_tiles.py: GaLore's matmul tiles timed -> galore_tiles.json in the tarball
 #   5. the benchmark suite (bench/run.py) with the time that is left              -> $OUT/suite-<gpu>.{json,md,png}
 # Everything printed goes to $OUT/gpu_check.log; the per-bench files go into $OUT/results.tar.gz (the
 # device returns at most 8 files). Unpack that into bench/results/ to commit it.
@@ -20,7 +21,8 @@
 # Knobs: PYTHON, GPU_CHECK_BUDGET_S, PYTEST_WORKERS (default 4 with pytest-xdist, 0: serial),
 # PYTEST_ARGS, BENCH_ARGS, FASTOPT_COMMIT, and for splitting the work over
 # several device calls (each at most 10 minutes; the machine stays warm only 30 s between them):
-#   GPU_CHECK_STAGES   the stages to run, of: info install tests gpu_checks demo profile bench (default: all)
+#   GPU_CHECK_STAGES   the stages to run, of: info install tests gpu_checks demo profile tiles bench (default:
+#                      all but tiles)
 #   TESTS_MAX_S        the tests stage's cap (default 270; e.g. 500 when a call runs info install tests alone)
 #   CHECKS_MAX_S       the gpu_checks stage's cap (default 240: ten configurations, up to 6 at a time; each
 #                      is killed at what is left of the stage, and gpu_checks.json is rewritten as each ends)
@@ -194,6 +196,16 @@ profile() {
   return $rc
 }
 
+tiles() {
+  # Opt-in (not in the default stages): bench/galore_tiles.py, GaLore's matmul tiles timed on the 7b set
+  # (TILES_ARGS adds to or overrides its arguments); it starts no new case after --budget-s.
+  local budget=$((T - 60))
+  [ "$budget" -lt 5 ] && budget=5
+  # shellcheck disable=SC2086
+  timeout -k 10 "$T" "$PY" bench/galore_tiles.py --budget-s "$budget" --json "$WORK/results/galore_tiles.json" \
+    ${TILES_ARGS:-}
+}
+
 bench() {
   # run.py starts no new measurement after --budget-s; the timeout leaves it 45 s to finish the last one.
   local budget=$((T - 45))
@@ -230,6 +242,7 @@ WARNING: \"commit\": \"unknown\". Before the device call: git rev-parse HEAD > .
   [[ $want == *" gpu_checks "* ]] && stage gpu_checks "${CHECKS_MAX_S:-240}" "$r_bench" checks
   [[ $want == *" demo "* ]] && stage demo 90 "$r_bench" demo
   [[ $want == *" profile "* ]] && stage profile 150 "$r_bench" profile
+  [[ $want == *" tiles "* ]] && stage tiles 540 "$r_bench" tiles
   [[ $want == *" bench "* ]] && stage bench 600 10 bench
 
   # The suite files go to $OUT as they are, everything else into one tarball (at most 8 files come back).

@@ -83,11 +83,14 @@ def dot_precision() -> tuple[str, bool]:
     return ("tf32x3", True) if want == "auto" else (want, False)
 
 
-# Matmul tiles: tl.dot needs 16 at least; small under the interpreter so the tests' matrices span several.
-# fp64 multiplies a [BM, BK, BN] product in registers: small tiles there.
-BM, BN, BK = (16, 16, 16) if INTERPRET else (64, 64, 32)
-BM64, BN64, BK64 = 16, 16, 16
-NUM_WARPS = 4
+# Matmul tiles (BM, BN, BK, num_warps, num_stages) of the projections (R = P^T G, G Q^T and the rank-sized
+# products of a full projection) and of the back-projections with the update (p -= eta scale P N, N Q):
+# tl.dot needs 16 at least; small under the interpreter so the tests' matrices span several. fp64 multiplies a
+# [BM, BK, BN] product in registers: small tiles there. bench/galore_tiles.py times others on a GPU.
+TILES = {"project": (16, 16, 16, 4, 1), "back": (16, 16, 16, 4, 1)} if INTERPRET else \
+    {"project": (64, 64, 32, 4, 3), "back": (64, 64, 32, 4, 3)}
+TILES64 = (16, 16, 16, 4, 1)
+NUM_WARPS = 4  # the Adam kernel's
 # Adam kernel: [NQ, QB] tiles of the flat moments (QB = the quantization block with 8-bit state).
 QB32, NQ32 = (64, 2) if INTERPRET else (256, 8)
 TILE8 = 128 if INTERPRET else 2048
@@ -179,13 +182,17 @@ def _galore_matmul_kernel(table_ptr, base, a_ref, b_ref, c_ref, step_ref, acc_re
     scb = load16(meta + 13, ALIGNED)
     scm = load16(meta + 14, ALIGNED)
     scn = _stride(meta + 15, C_N1, ALIGNED)
+    tiles_m = tl.cdiv(M, BM)
     tiles_n = tl.cdiv(N, BN)
-    per_matrix = tl.cdiv(M, BM) * tiles_n
+    per_matrix = tiles_m * tiles_n
     local = pid - first
     bid = local // per_matrix
     t = local % per_matrix
-    rm = (t // tiles_n) * BM + tl.arange(0, BM)
-    rn = (t % tiles_n) * BN + tl.arange(0, BN)
+    # Consecutive programs (which run at the same time) share a slice of the larger operand, read from DRAM
+    # once for them: B's columns (M < N: A is the smaller, e.g. P^T of a projection onto the left) or A's rows.
+    m_fast = M < N
+    rm = tl.where(m_fast, t % tiles_m, t // tiles_n) * BM + tl.arange(0, BM)
+    rn = tl.where(m_fast, t // tiles_m, t % tiles_n) * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK).to(tl.int64)
     a_base = a_ptr + bid * sab
     b_base = b_ptr + bid * sbb
@@ -465,7 +472,7 @@ class _Launch:
             self._launch_adam(kind, jobs)
             return
         update, has_scale, _, _, _, (a_k1, a_m1, b_n1, b_k1, c_n1) = kind[1:]
-        bm, bn, bk = (BM64, BN64, BK64) if self.fp64 else (BM, BN, BK)
+        bm, bn, bk, warps, stages = TILES64 if self.fp64 else TILES["back" if update else "project"]
         rows = []
         for a, b, c, step in jobs:
             ptrs, rel = self._pointers((a, b, c, step if update else None))
@@ -488,7 +495,7 @@ class _Launch:
             UPDATE=update, HAS_SCALE=has_scale, HAS_INF=self.found_inf is not None, HAS_WD=self.has_wd,
             FP64=self.fp64, LOWP=self.op_dummy is not None, UPCAST=INTERPRET, PRECISION=self.precision,
             LOG_JOBS=log_jobs, A_K1=a_k1, A_M1=a_m1, B_N1=b_n1, B_K1=b_k1, C_N1=c_n1, ALIGNED=al,
-            BM=bm, BN=bn, BK=bk, num_warps=NUM_WARPS))
+            BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages))
 
     def _launch_adam(self, kind, jobs) -> None:
         apply, eight, has_scale, block_size = kind[1:5]

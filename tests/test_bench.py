@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from fastopt import bench as fbench
+from fastopt import ops
 
 TINY = ["--device", "cpu", "--scale", "64", "--layers-7b", "1", "--layers-1b", "1", "--warmup-ms", "1",
         "--rep-ms", "5", "--copy-mb", "4"]
@@ -587,3 +588,27 @@ def test_profile_step_stubbed_kernels(suite, capsys):
     assert k._galore_matmul_kernel is kernel and ops.use_triton is use
     with pytest.raises(SystemExit, match="--device cpu"):
         prof.main(["--optim", "galore", "--device", "meta", "--stub-kernels"])
+
+
+def test_galore_tiles_runs_through_the_interpreter(suite, tmp_path, monkeypatch, capsys):
+    """bench/galore_tiles.py (the GaLore tile sweep for a GPU session) on CPU through the interpreter: each
+    candidate of each stage timed and checked against the shipped tiles, which it leaves as they were."""
+    if not ops.interpreting():
+        pytest.skip("the Triton kernels on CPU need TRITON_INTERPRET=1")
+    monkeypatch.setenv("FASTOPT_BACKEND", "triton")
+    run = suite[0]
+    tiles = importlib.import_module(run.__package__ + ".galore_tiles")
+    from fastopt.kernels import galore as k
+    shipped = dict(k.TILES)
+    out = tmp_path / "t.json"
+    rows = tiles.main(["--device", "cpu", "--set", "1b", "--layers", "1", "--scale", "128", "--ranks", "2",
+                       "--dtypes", "bf16", "--project", "32,16,16,4,1", "--back", "16,32,16,4,1", "--rep-ms", "1",
+                       "--json", str(out)])
+    assert [(r["stage"], r["tiles"]) for r in rows] == [("default", []), ("project", [32, 16, 16, 4, 1]),
+                                                        ("back", [16, 32, 16, 4, 1])]
+    assert all(r["ok"] and r["ms_median"] > 0 for r in rows)
+    assert json.loads(out.read_text())["rows"] == rows
+    assert k.TILES == shipped
+    monkeypatch.setenv("FASTOPT_BACKEND", "torch")
+    with pytest.raises(SystemExit, match="TRITON_INTERPRET=1"):
+        tiles.main(["--device", "cpu"])

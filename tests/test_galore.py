@@ -513,7 +513,8 @@ def test_launches_and_no_full_size_buffer(backend, device, proj_type, matmuls, m
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("mode", ["auto", "ieee"])
-def test_dot_operands_rounded_to_the_param_dtype(backend, device, dtype, mode, monkeypatch):
+@pytest.mark.parametrize("mkn", [(61, 53, 29), (29, 53, 61)])  # tiles in the order of A's rows / of B's columns
+def test_dot_operands_rounded_to_the_param_dtype(backend, device, dtype, mode, mkn, monkeypatch):
     """The projection kernel's products: by default (`auto`) a bf16/fp16 bucket multiplies operands rounded to
     its dtype (galore-torch's own precision for such params); fp32 runs fp32 (tf32x3 on a GPU, which the
     interpreter cannot show); FASTOPT_GALORE_DOT=ieee keeps fp32 operands for every dtype. A bad value is a
@@ -524,9 +525,10 @@ def test_dot_operands_rounded_to_the_param_dtype(backend, device, dtype, mode, m
     monkeypatch.setenv("FASTOPT_GALORE_DOT", mode)
     precision, lowp = k.dot_precision()
     gen = torch.Generator().manual_seed(3)
-    a = torch.randn(2, 37, 53, generator=gen, dtype=torch.float64).to(device)
-    b = torch.randn(2, 53, 29, generator=gen, dtype=torch.float64).to(device)
-    c = torch.empty(2, 37, 29, device=device)
+    m, k_, n = mkn
+    a = torch.randn(2, m, k_, generator=gen, dtype=torch.float64).to(device)
+    b = torch.randn(2, k_, n, generator=gen, dtype=torch.float64).to(device)
+    c = torch.empty(2, m, n, device=device)
     dummy = torch.empty(1, device=device)
     op = torch.empty(1, dtype=dtype, device=device) if lowp and dtype != torch.float32 else None
     k._Launch(None, None, None, None, 0.0, False, dummy, op, precision).matmul(a.float(), b.float(), c)
