@@ -331,7 +331,7 @@ class _Record:
             args = list(args)
             for pos, what in slots:
                 args[pos] = values[what]
-            kernel[grid](*args, **kw)
+            globals()[kernel][grid](*args, **kw)
 
 
 def _replay_key(params, grads, states, layouts, sharded, cache, flags) -> tuple | None:
@@ -340,9 +340,13 @@ def _replay_key(params, grads, states, layouts, sharded, cache, flags) -> tuple 
     if cache is None or sharded or any(lay is not None for lay in layouts):
         return None
     key = [flags]
+    Tensor = torch.Tensor
     for p, g, s in zip(params, grads, states):
         key.append((p.data_ptr(), p.shape, p.is_contiguous(), g.data_ptr(), g.shape, g.dtype, g.is_contiguous()))
-        key.append(tuple((t.data_ptr(), t.shape, t.dtype, t.is_contiguous()) for t in s.values()))
+        # By name: which tensors a param has (proj_left or proj_right, ...) decides its launches. A value a user
+        # put in the state that is no tensor is not read here.
+        key.append(tuple((name, t.data_ptr(), t.shape, t.dtype, t.is_contiguous()) if isinstance(t, Tensor)
+                         else (name,) for name, t in s.items()))
     return tuple(key)
 
 
@@ -352,7 +356,7 @@ def _addresses(key: tuple) -> frozenset:
         out.add(entry[0])
         out.add(entry[3])
     for entry in key[2::2]:
-        out.update(t[0] for t in entry)
+        out.update(t[1] for t in entry if len(t) > 1)
     return frozenset(out)
 
 
@@ -445,10 +449,11 @@ class _Launch:
         keeping the step's gradients or scratch alive."""
         return _dtype_ref(t.dtype, t.device)
 
-    def _go(self, kernel, grid, args: list, kw: dict) -> None:
-        """Launch, and with a recorder keep the launch with the step's own values (scratch address,
-        hyperparameters, GradScaler's tensors) marked as slots that `_replay` fills in."""
-        kernel[grid](*args, **kw)
+    def _go(self, kernel: str, grid, args: list, kw: dict) -> None:
+        """Launch the module's `kernel` (by name: a replay launches what the module holds then), and with a
+        recorder keep the launch with the step's own values (scratch address, hyperparameters, GradScaler's
+        tensors) marked as slots that `_Record.replay` fills in."""
+        globals()[kernel][grid](*args, **kw)
         if self.record is not None:
             slots = [(1, "base")]
             for pos, a in enumerate(args):
@@ -487,7 +492,7 @@ class _Launch:
         al = common.aligned(ptrs) and common.multiples(loaded)
         a0, b0, c0, step0 = jobs[0]
         ref = self._ref
-        self._go(_galore_matmul_kernel, (total,), [
+        self._go("_galore_matmul_kernel", (total,), [
             table, self._base(), ref(a0), ref(b0), ref(c0), ref(step0) if update else self.dummy, self.dummy,
             self.op_dummy if self.op_dummy is not None else self.dummy, self.hyper,
             self.inv_scale if self.inv_scale is not None else self.dummy,
@@ -509,7 +514,7 @@ class _Launch:
         table, total, log_jobs = self.tables.get(programs, rows, r0.device)
         maps = (search_table(True, r0.device), search_table(False, r0.device)) if eight else (self.dummy,) * 2
         ref = self._ref
-        self._go(_galore_adam_kernel, (total,), [
+        self._go("_galore_adam_kernel", (total,), [
             table, self._base(), ref(r0), ref(m0), ref(ma0) if eight else self.dummy, ref(out0), ref(step0),
             self.dummy, self.hyper, self.inv_scale if self.inv_scale is not None else self.dummy,
             self.found_inf if self.found_inf is not None else self.dummy, *maps], dict(

@@ -469,6 +469,8 @@ def test_replayed_steps_are_bit_identical(backend, device, nbits, proj_type, mon
                 ps[0].grad = ps[0].grad.t()
             if t == 5:
                 opt.load_state_dict(pickle.loads(pickle.dumps(opt.state_dict())))
+            if t == 6:  # torch lets a user keep anything in the state: not a tensor, not read
+                opt.state[ps[3]]["note"] = "a user's"
             scaler.step(opt)
             scaler.update()
             sched.step()
@@ -477,11 +479,43 @@ def test_replayed_steps_are_bit_identical(backend, device, nbits, proj_type, mon
         assert torch.equal(p, q)
         assert set(opt.state[p]) == set(opt_b.state[q])
         for key, v in opt.state[p].items():
-            assert torch.equal(v, opt_b.state[q][key]), key
+            assert torch.equal(v, opt_b.state[q][key]) if key != "note" else v == opt_b.state[q][key], key
     # Replayed, in each of the two buckets (projected, plain), the steps after one that recorded: 8 of the
     # projected one (not the first, the load, the transposed step and the one after it; none with full
-    # projections), 10 of the plain one.
-    assert len(replays) == (0 if proj_type == "full" else 8) + 10, len(replays)
+    # projections), 9 of the plain one (not the first, the load, the note).
+    assert len(replays) == (0 if proj_type == "full" else 8) + 9, len(replays)
+
+
+def test_replay_tells_the_bases_apart(backend, device, monkeypatch):
+    """The replay key names each state tensor: a square param at full rank switched from a right to a left
+    projection, its state rebuilt in the same memory in the same order (as an allocator may hand it back), builds
+    the left projection's launches, not a replay of the right one's; the same run as without replays."""
+    if backend != "triton":
+        pytest.skip("the Triton launches")
+    from fastopt.kernels import galore as k
+    real_key, on = k._replay_key, [True]
+    monkeypatch.setattr(k, "_replay_key", lambda *a: real_key(*a) if on[0] else None)
+    init, grads = make_problem([(16, 16)], steps=6)
+    runs = []
+    for replay in (True, False):
+        p = init[0].to(device=device, dtype=torch.float32, copy=True).requires_grad_()
+        p.grad = torch.zeros_like(p)
+        runs.append((p, fastopt.GaLoreAdamW([{"params": [p], "rank": 16, "proj_type": "right",
+                                              "update_proj_gap": 100}], lr=LR), replay))
+    for t, (g,) in enumerate(grads):
+        for p, opt, replay in runs:
+            on[0] = replay
+            p.grad.copy_(g)
+            if t == 3:  # the basis kept (no SVD before step 100): Q's 16 x 16 now read as P
+                old = opt.state[p]
+                opt.param_groups[0]["proj_type"] = "left"
+                opt.state[p] = {"step": old["step"], "proj_left": old["proj_right"],
+                                "exp_avg": old["exp_avg"].zero_(), "exp_avg_sq": old["exp_avg_sq"].zero_()}
+            opt.step()
+    (p, opt, _), (q, opt_b, _) = runs
+    assert torch.equal(p, q)
+    for key, v in opt.state[p].items():
+        assert torch.equal(v, opt_b.state[q][key]), key
 
 
 @pytest.mark.parametrize("proj_type, matmuls", [("left", 2), ("right", 2), ("full", 4)])
