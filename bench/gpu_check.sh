@@ -177,7 +177,8 @@ demo() {
 
 profile() {
   # Where the step time goes (host: Python and launches; device: kernels) for the cases the H100 run of
-  # 2026-11-24 found slow: GaLore (513 launches/step on the 1b set), the 8-bit states; Adafactor for contrast.
+  # 2026-11-24 found slow (GaLore: host time at 4e950aa, 513 launches a step on the 1b set then; 9 at 8a1c9ed, and
+  # replayed launches since 1dd785d), the 8-bit states; Adafactor for contrast.
   mkdir -p "$WORK/results/profile"
   local t0 c rc=0
   t0=$(date +%s)
