@@ -8,10 +8,10 @@ candidate of `--project` with the back-projection's tiles as they are, then each
 projection's as they are; every candidate's first step is checked against the default's (params after one
 step from the same state, relative difference of the update within `--rtol`, `--rtol-16` for bf16/fp16
 params, whose rounding to the param moves an element by a whole ulp: other tiles sum the products in another
-order, so the last bits may differ; the checks catch a broken tile, not a rounding). Times: do_bench's median, as the suite takes them. The numbers
-decide kernels/galore.py's TILES; they are not a benchmark of their own. On CPU (`--device cpu`, with
-TRITON_INTERPRET=1 and FASTOPT_BACKEND=triton, at a small `--scale`) it runs the same code through the
-interpreter, which is how CI checks it; its times mean nothing.
+order, so the last bits may differ; the checks catch a broken tile, not a rounding). Times: do_bench's median,
+as the suite takes them. The numbers decide kernels/galore.py's TILES; they are not a benchmark of their own.
+On CPU (`--device cpu`, with TRITON_INTERPRET=1 and FASTOPT_BACKEND=triton, at a small `--scale`) it runs the
+same code through the interpreter, which is how CI checks it; its times mean nothing.
 """
 from __future__ import annotations
 

@@ -71,7 +71,10 @@ __global__ void __launch_bounds__(kThreads, KMAX == 4 ? 4 : 2)
       new2 = fmaxf(new2, fabsf(vq[k]));
     }
     // Every thread of the group has read the old absmax (its value feeds new1/new2) before lane 0 writes.
-    group_max2(new1, new2, L.G, red);
+    float amax[2] = {new1, new2};
+    group_max_n<2>(amax, L.G, red);
+    new1 = amax[0];
+    new2 = amax[1];
     if (active) {
       if (lane == 0) {
         e.a1[qb] = new1;

@@ -54,46 +54,38 @@ struct QuantLayout {
   }
 };
 
-// Max of v over each aligned group of G threads (G a power of two, 16..256). Every thread of the block
-// must call it (it may hold __syncthreads). `red` holds kThreads / 32 floats.
-__device__ __forceinline__ float group_max(float v, int G, float* red) {
-  const int width = G < 32 ? G : 32;
-  for (int o = width >> 1; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  if (G > 32) {
-    const int warp = threadIdx.x >> 5, per_group = G >> 5, first = (warp / per_group) * per_group;
-    __syncthreads();  // the previous call's readers are done with `red`
-    if ((threadIdx.x & 31) == 0) red[warp] = v;
-    __syncthreads();
-    v = red[first];
-    for (int w = 1; w < per_group; ++w) v = fmaxf(v, red[first + w]);
-  }
-  return v;
-}
-
-// group_max of two values at once (AdamW8bit's two moments): one round of barriers for both. `red` holds
-// 2 * kThreads / 32 floats.
-__device__ __forceinline__ void group_max2(float& a, float& b, int G, float* red) {
+// Max of each of the N values v[i] over each aligned group of G threads (G a power of two, 16..256): one round
+// of barriers for all N (AdamW8bit's two moments). Every thread of the block must call it (it may hold
+// __syncthreads). `red` holds N * kThreads / 32 floats.
+template <int N>
+__device__ __forceinline__ void group_max_n(float (&v)[N], int G, float* red) {
   const int width = G < 32 ? G : 32;
   for (int o = width >> 1; o > 0; o >>= 1) {
-    a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
-    b = fmaxf(b, __shfl_xor_sync(0xffffffffu, b, o));
+#pragma unroll
+    for (int i = 0; i < N; ++i) v[i] = fmaxf(v[i], __shfl_xor_sync(0xffffffffu, v[i], o));
   }
   if (G > 32) {
     constexpr int W = kThreads / 32;
     const int warp = threadIdx.x >> 5, per_group = G >> 5, first = (warp / per_group) * per_group;
     __syncthreads();  // the previous call's readers are done with `red`
     if ((threadIdx.x & 31) == 0) {
-      red[warp] = a;
-      red[W + warp] = b;
+#pragma unroll
+      for (int i = 0; i < N; ++i) red[i * W + warp] = v[i];
     }
     __syncthreads();
-    a = red[first];
-    b = red[W + first];
-    for (int w = 1; w < per_group; ++w) {
-      a = fmaxf(a, red[first + w]);
-      b = fmaxf(b, red[W + first + w]);
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      v[i] = red[i * W + first];
+      for (int w = 1; w < per_group; ++w) v[i] = fmaxf(v[i], red[i * W + first + w]);
     }
   }
+}
+
+// group_max_n of one value. `red` holds kThreads / 32 floats.
+__device__ __forceinline__ float group_max(float v, int G, float* red) {
+  float one[1] = {v};
+  group_max_n<1>(one, G, red);
+  return one[0];
 }
 
 // The tensor a persistent block is working on. Its tiles only grow (grid-stride loop), so the binary search in

@@ -363,11 +363,13 @@ def _addresses(key: tuple) -> frozenset:
 _DTYPE_REFS: dict = {}
 
 
-def _dtype_ref(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A one-element tensor of `dtype` on `device`, made once (see _Launch._ref)."""
-    t = _DTYPE_REFS.get((dtype, device))
+def _ref(x: torch.Tensor) -> torch.Tensor:
+    """What a kernel's `*_ref` argument gets for a job tensor x: the kernels read only its dtype (the pointers
+    come from the job table), so a one-element tensor of x's dtype and device, made once, which a recorded
+    launch keeps without keeping the step's gradients or scratch buffer alive."""
+    t = _DTYPE_REFS.get((x.dtype, x.device))
     if t is None:
-        t = _DTYPE_REFS[(dtype, device)] = torch.empty(1, dtype=dtype, device=device)
+        t = _DTYPE_REFS[(x.dtype, x.device)] = torch.empty(1, dtype=x.dtype, device=x.device)
     return t
 
 
@@ -443,12 +445,6 @@ class _Launch:
     def _base(self) -> int:
         return self.scratch.data_ptr() if self.scratch is not None else 0
 
-    def _ref(self, t):
-        """What a kernel's `*_ref` argument gets for a job tensor: only its dtype is read (the pointers come
-        from the table), so a one-element tensor of that dtype, which a recorded launch may keep without
-        keeping the step's gradients or scratch alive."""
-        return _dtype_ref(t.dtype, t.device)
-
     def _go(self, kernel: str, grid, args: list, kw: dict) -> None:
         """Launch the module's `kernel` (by name: a replay launches what the module holds then), and with a
         recorder keep the launch with the step's own values (scratch address, hyperparameters, GradScaler's
@@ -491,9 +487,8 @@ class _Launch:
                    if not unit]
         al = common.aligned(ptrs) and common.multiples(loaded)
         a0, b0, c0, step0 = jobs[0]
-        ref = self._ref
         self._go("_galore_matmul_kernel", (total,), [
-            table, self._base(), ref(a0), ref(b0), ref(c0), ref(step0) if update else self.dummy, self.dummy,
+            table, self._base(), _ref(a0), _ref(b0), _ref(c0), _ref(step0) if update else self.dummy, self.dummy,
             self.op_dummy if self.op_dummy is not None else self.dummy, self.hyper,
             self.inv_scale if self.inv_scale is not None else self.dummy,
             self.found_inf if self.found_inf is not None else self.dummy], dict(
@@ -513,9 +508,8 @@ class _Launch:
         r0, m0, _, ma0, _, out0, step0 = jobs[0]
         table, total, log_jobs = self.tables.get(programs, rows, r0.device)
         maps = (search_table(True, r0.device), search_table(False, r0.device)) if eight else (self.dummy,) * 2
-        ref = self._ref
         self._go("_galore_adam_kernel", (total,), [
-            table, self._base(), ref(r0), ref(m0), ref(ma0) if eight else self.dummy, ref(out0), ref(step0),
+            table, self._base(), _ref(r0), _ref(m0), _ref(ma0) if eight else self.dummy, _ref(out0), _ref(step0),
             self.dummy, self.hyper, self.inv_scale if self.inv_scale is not None else self.dummy,
             self.found_inf if self.found_inf is not None else self.dummy, *maps], dict(
             HAS_SCALE=has_scale, HAS_INF=self.found_inf is not None, HAS_WD=self.has_wd, EIGHT=eight, APPLY=apply,
