@@ -15,6 +15,9 @@ numbers) so that CI exercises it; the numbers that mean something come from a GP
 Triton kernel's launch a no-op that counts itself (`launches` then counts those), so host_ms is the Python and
 table building of the fused step without the launches' own cost; the params do not change. It is how the
 host time of GaLore's steps was taken apart on this project's CPU machine.
+
+`--fresh-grads`: before each step (untimed), every gradient is replaced by a copy in new memory, as a training
+loop with `zero_grad(set_to_none=True)` has its gradients allocated again by the next backward.
 """
 from __future__ import annotations
 
@@ -66,6 +69,8 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--json", type=Path, default=None, help="also write the numbers here")
     ap.add_argument("--stub-kernels", action="store_true",
                     help="CPU: the Triton path with no-op launches (its host work alone; see the docstring)")
+    ap.add_argument("--fresh-grads", action="store_true",
+                    help="each step's gradients in new memory (as after zero_grad(set_to_none=True))")
     return ap.parse_args(argv)
 
 
@@ -154,6 +159,9 @@ def _profile_step(args) -> dict:
     wall, host = [], []
     _NoLaunch.count = 0
     for _ in range(args.steps):
+        if args.fresh_grads:  # the copy is made while the old gradient still holds its memory
+            for p in params:
+                p.grad = p.grad.clone()
         t0 = time.perf_counter()
         opt.step()
         t1 = time.perf_counter()
@@ -167,7 +175,8 @@ def _profile_step(args) -> dict:
     return {"optim": args.optim, "set": pset.label, "n_params": pset.n_params, "n_tensors": len(params),
             "dtype": args.dtype, "rank": args.rank if args.optim.startswith("galore") else None,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "torch": torch.__version__, "stubbed": args.stub_kernels, "steps": args.steps,
+            "torch": torch.__version__, "stubbed": args.stub_kernels, "fresh_grads": args.fresh_grads,
+            "steps": args.steps,
             "wall_ms": statistics.median(wall),
             "host_ms": statistics.median(host), **dev}
 
@@ -177,6 +186,8 @@ def report(r: dict) -> str:
              f"{r['dtype']}" + (f", rank {r['rank']}" if r["rank"] else "") + f", {r['device']}, torch {r['torch']}",
              f"  wall   {r['wall_ms']:9.3f} ms/step (step + sync, median of {r['steps']})",
              f"  host   {r['host_ms']:9.3f} ms/step (step alone: Python and launches)"]
+    if r["fresh_grads"]:
+        lines[0] += ", gradients in new memory each step"
     if r["stubbed"]:
         lines[0] += ", Triton launches stubbed out"
         lines.append(f"  {r['launches']:.0f} (stubbed) Triton launches/step")

@@ -16,11 +16,13 @@ the tiles load as from a contiguous matrix. The Adam kernel does the same over i
 one launch, plain ones in another). Launches per step therefore do not grow with the params.
 
 Building those launches is host work per param (views, pointers, table rows): for TinyLlama's 201 tensors the
-H100 run of 8a1c9ed spent 13.7 ms of host time per step against 15 ms of kernels. A step whose params, gradients
-and states sit where they sat the step before, in the same shapes, dtypes and contiguity, and that builds no
-buffer of its own, replays the launches it recorded then (`_Record`), with this step's scratch address,
-hyperparameters and GradScaler tensors; the key is a few attribute reads per tensor. On this project's 2-core CPU
-with the launches stubbed out, the whole step() of that model went from 7.1 to 1.9 ms of host time. Sharded
+H100 run of 8a1c9ed spent 13.7 ms of host time per step against 15 ms of kernels. A step whose params and states
+sit where they sat the step before, with gradients of the same shapes, dtypes, contiguity and alignment, and that
+builds no buffer of its own, replays the launches it recorded then (`_Record`): this step's scratch address,
+hyperparameters and GradScaler tensors go in, and where gradients moved (as they do under
+`zero_grad(set_to_none=True)`), copies of the job tables with their new addresses; the key is a few attribute
+reads per tensor. On this project's 2-core CPU with the launches stubbed out, the whole step() of that model went
+from 7.1 to 1.9 ms of host time, and from 8.7 to 2.4 ms with its gradients in new memory every step. Sharded
 params, whose collectives run between the launches, and full projections (buffers of their own) build them
 every step.
 
@@ -309,52 +311,91 @@ class _Record:
     """A step's launches, kept to replay the next steps without the host work that built them (galore_phases).
 
     A replay is valid while the step would build the same launches: the same tensors at the same addresses
-    (params, gradients, states: `key`), the same kinds of launch, and nothing else in the job tables but
-    offsets into the scratch buffer; so the recording step collects the tables' absolute pointers (`absolute`),
-    and its record is kept only when each of them is the address of a tensor in the key (not, e.g., a
-    contiguous copy of a strided gradient or a buffer of its own). Each launch keeps its arguments with the
-    step's own values left as slots (the scratch buffer's address, the hyperparameters, GradScaler's tensors),
-    which `replay` fills with the current step's."""
+    (params, states: `key`; gradients of the same shapes, dtypes, contiguity and alignment, wherever they are
+    now), the same kinds of launch, and nothing else in the job tables but offsets into the scratch buffer; so
+    the recording step collects the tables' absolute pointers (`absolute`), and its record is kept only when
+    each of them is the address of a param, state or gradient of the step (not, e.g., a contiguous copy of a
+    strided gradient or a buffer of its own). Each launch keeps its arguments with the step's own values left
+    as slots (the scratch buffer's address, the hyperparameters, GradScaler's tensors), which `replay` fills
+    with the current step's, and where its table holds gradients' addresses, those entries: gradients that
+    `zero_grad(set_to_none=True)` let go come back wherever the allocator puts them, and a table that names
+    them is copied again with their new addresses (the tables of the last few sets of addresses are kept)."""
 
-    def __init__(self, key: tuple, addresses: frozenset):
-        self.key, self.addresses = key, addresses
+    KEPT = 2  # sets of moved gradients' addresses whose tables are kept (two alternate under some allocators)
+
+    def __init__(self, key: tuple, grads: tuple, addresses: frozenset):
+        self.key, self.grads, self.addresses = key, grads, addresses
+        self.grad_index = {ptr: i for i, ptr in enumerate(grads)}
         self.launches: list = []
         self.absolute: set = set()
         self.size = 0
+        self.moved: dict = {}  # gradients' addresses -> each launch's table for them (None: the recorded one)
 
     def complete(self) -> bool:
         return self.absolute <= self.addresses
 
-    def replay(self, buf: torch.Tensor, hyper, inv_scale, found_inf) -> None:
+    def grad_entries(self, head: int, rows: list[list[int]], pointers: int) -> list[tuple[int, int]]:
+        """(position in the job table, gradient) of each gradient's address in a table of `rows` after `head`
+        entries; a row's first `pointers` entries are pointers, its last the mask of those into the scratch."""
+        width, out = len(rows[0]), []
+        for r, row in enumerate(rows):
+            for k in range(pointers):
+                i = self.grad_index.get(row[k]) if not row[-1] >> k & 1 else None
+                if i is not None:
+                    out.append((head + r * width + k, i))
+        return out
+
+    def _tables(self, grads: tuple, device) -> list:
+        tables = self.moved.pop(grads, None)  # re-inserted: the dict's order is the order of last use
+        if tables is None:
+            tables = []
+            for *_, (values, entries) in self.launches:
+                if any(grads[i] != self.grads[i] for _, i in entries):
+                    values = list(values)
+                    for pos, i in entries:
+                        values[pos] = grads[i]
+                    tables.append(_Tables._copy(values, device))
+                else:
+                    tables.append(None)
+            while len(self.moved) >= self.KEPT:
+                self.moved.pop(next(iter(self.moved)))
+        self.moved[grads] = tables
+        return tables
+
+    def replay(self, buf: torch.Tensor, hyper, inv_scale, found_inf, grads: tuple) -> None:
         values = {"base": buf.data_ptr(), "hyper": hyper, "inv_scale": inv_scale, "found_inf": found_inf}
-        for kernel, grid, args, kw, slots in self.launches:
+        tables = self._tables(grads, buf.device) if grads != self.grads else [None] * len(self.launches)
+        for (kernel, grid, args, kw, slots, _), table in zip(self.launches, tables):
             args = list(args)
             for pos, what in slots:
                 args[pos] = values[what]
+            if table is not None:
+                args[0] = table
             globals()[kernel][grid](*args, **kw)
 
 
 def _replay_key(params, grads, states, layouts, sharded, cache, flags) -> tuple | None:
-    """The key of a step's launches (see _Record), or None where a step is not replayed: sharded params (their
-    collectives and piece-wise products run between the launches) or no cache."""
+    """(key, the gradients' addresses) of a step's launches (see _Record), or None where a step is not replayed:
+    sharded params (their collectives and piece-wise products run between the launches) or no cache."""
     if cache is None or sharded or any(lay is not None for lay in layouts):
         return None
-    key = [flags]
+    key, at = [flags], []
     Tensor = torch.Tensor
     for p, g, s in zip(params, grads, states):
-        key.append((p.data_ptr(), p.shape, p.is_contiguous(), g.data_ptr(), g.shape, g.dtype, g.is_contiguous()))
+        at.append(g.data_ptr())
+        key.append((p.data_ptr(), p.shape, p.is_contiguous(), at[-1] % common.ALIGN_BYTES, g.shape, g.dtype,
+                    g.is_contiguous()))
         # By name: which tensors a param has (proj_left or proj_right, ...) decides its launches. A value a user
         # put in the state that is no tensor is not read here.
         key.append(tuple((name, t.data_ptr(), t.shape, t.dtype, t.is_contiguous()) if isinstance(t, Tensor)
                          else (name,) for name, t in s.items()))
-    return tuple(key)
+    return tuple(key), tuple(at)
 
 
-def _addresses(key: tuple) -> frozenset:
-    out = set()
+def _addresses(key: tuple, grads: tuple) -> frozenset:
+    out = set(grads)
     for entry in key[1::2]:
         out.add(entry[0])
-        out.add(entry[3])
     for entry in key[2::2]:
         out.update(t[1] for t in entry if len(t) > 1)
     return frozenset(out)
@@ -445,10 +486,12 @@ class _Launch:
     def _base(self) -> int:
         return self.scratch.data_ptr() if self.scratch is not None else 0
 
-    def _go(self, kernel: str, grid, args: list, kw: dict) -> None:
-        """Launch the module's `kernel` (by name: a replay launches what the module holds then), and with a
-        recorder keep the launch with the step's own values (scratch address, hyperparameters, GradScaler's
-        tensors) marked as slots that `_Record.replay` fills in."""
+    def _go(self, kernel: str, grid, args: list, kw: dict, values: list[int], rows: list[list[int]],
+            pointers: int) -> None:
+        """Launch the module's `kernel` (by name: a replay launches what the module holds then; its job table,
+        of `values`, first), and with a recorder keep the launch with the step's own values (scratch address,
+        hyperparameters, GradScaler's tensors) marked as slots that `_Record.replay` fills in, and where the
+        table has gradients' addresses (the first `pointers` entries of each of `rows`)."""
         globals()[kernel][grid](*args, **kw)
         if self.record is not None:
             slots = [(1, "base")]
@@ -459,7 +502,8 @@ class _Launch:
             kept = list(args)
             for pos, _ in slots:
                 kept[pos] = None
-            self.record.launches.append((kernel, grid, kept, kw, tuple(slots)))
+            grads = self.record.grad_entries(len(values) - len(rows) * len(rows[0]), rows, pointers)
+            self.record.launches.append((kernel, grid, kept, kw, tuple(slots), (values, grads)))
 
     @staticmethod
     def flush(group: dict) -> None:
@@ -479,7 +523,7 @@ class _Launch:
             ptrs, rel = self._pointers((a, b, c, step if update else None))
             rows.append([*ptrs, a.shape[1], b.shape[2], a.shape[2], *a.stride(), *b.stride(), *c.stride(), rel])
         programs = [a.shape[0] * common.cdiv(a.shape[1], bm) * common.cdiv(b.shape[2], bn) for a, b, _, _ in jobs]
-        table, total, log_jobs = self.tables.get(programs, rows, jobs[0][2].device)
+        table, total, log_jobs, values = self.tables.get(programs, rows, jobs[0][2].device)
         ptrs = [t for job in jobs for t in job[:3]]
         # every stride the kernel loads, and M, N, K, a multiple of 16 elements; every pointer 16-byte aligned
         loaded = [r[i] for r in rows for i in (4, 5, 6, 7, 10, 13, 14)]
@@ -495,7 +539,7 @@ class _Launch:
             UPDATE=update, HAS_SCALE=has_scale, HAS_INF=self.found_inf is not None, HAS_WD=self.has_wd,
             FP64=self.fp64, LOWP=self.op_dummy is not None, UPCAST=INTERPRET, PRECISION=self.precision,
             LOG_JOBS=log_jobs, A_K1=a_k1, A_M1=a_m1, B_N1=b_n1, B_K1=b_k1, C_N1=c_n1, ALIGNED=al,
-            BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages))
+            BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages), values, rows, 4)
 
     def _launch_adam(self, kind, jobs) -> None:
         apply, eight, has_scale, block_size = kind[1:5]
@@ -506,14 +550,14 @@ class _Launch:
             rows.append([*ptrs, job[0].numel(), rel])
         programs = [common.cdiv(job[0].numel(), qb * nq) for job in jobs]
         r0, m0, _, ma0, _, out0, step0 = jobs[0]
-        table, total, log_jobs = self.tables.get(programs, rows, r0.device)
+        table, total, log_jobs, values = self.tables.get(programs, rows, r0.device)
         maps = (search_table(True, r0.device), search_table(False, r0.device)) if eight else (self.dummy,) * 2
         self._go("_galore_adam_kernel", (total,), [
             table, self._base(), _ref(r0), _ref(m0), _ref(ma0) if eight else self.dummy, _ref(out0), _ref(step0),
             self.dummy, self.hyper, self.inv_scale if self.inv_scale is not None else self.dummy,
             self.found_inf if self.found_inf is not None else self.dummy, *maps], dict(
             HAS_SCALE=has_scale, HAS_INF=self.found_inf is not None, HAS_WD=self.has_wd, EIGHT=eight, APPLY=apply,
-            LOG_JOBS=log_jobs, QB=qb, NQ=nq, num_warps=NUM_WARPS))
+            LOG_JOBS=log_jobs, QB=qb, NQ=nq, num_warps=NUM_WARPS), values, rows, len(jobs[0]))
 
 
 class _Tables:
@@ -531,9 +575,9 @@ class _Tables:
         if cache is not None:
             cache["job_tables"] = self.now
 
-    def get(self, programs: list[int], rows: list[list[int]], device) -> tuple[torch.Tensor, int, int]:
-        """(table, programs in all, LOG_JOBS) of a launch of many jobs (see _job): the first program of each job,
-        padded to a power of two with a value no program reaches, then each job's row."""
+    def get(self, programs: list[int], rows: list[list[int]], device) -> tuple[torch.Tensor, int, int, list[int]]:
+        """(table, programs in all, LOG_JOBS, the table's values) of a launch of many jobs (see _job): the first
+        program of each job, padded to a power of two with a value no program reaches, then each job's row."""
         log_jobs = (len(rows) - 1).bit_length()
         firsts, total = [], 0
         for n in programs:
@@ -548,7 +592,7 @@ class _Tables:
             if table is None:
                 table = self._copy(values, device)
             self.now[key] = table
-        return table, total, log_jobs
+        return table, total, log_jobs, values
 
     @classmethod
     def _copy(cls, values: list[int], device) -> torch.Tensor:
@@ -577,15 +621,17 @@ def galore_phases(params, grads, states, *, lr, betas, eps, weight_decay, scale=
                    float(scale), device)
     precision, lowp = dot_precision()
     layouts = layouts if layouts is not None else [None] * len(params)
-    key = _replay_key(params, grads, states, layouts, sharded, cache,
-                      (device, params[0].dtype, precision, lowp, weight_decay > 0, block_size, inv_scale is None,
-                       found_inf is None))
-    if key is not None:
+    keyed = _replay_key(params, grads, states, layouts, sharded, cache,
+                        (device, params[0].dtype, precision, lowp, weight_decay > 0, block_size, inv_scale is None,
+                         found_inf is None))
+    record = None
+    if keyed is not None:
+        key, at = keyed
         rec = cache.get("replay")
         if rec is not None and rec.key == key:
-            rec.replay(_scratch(rec.size, acc, device), hyper, inv_scale, found_inf)
+            rec.replay(_scratch(rec.size, acc, device), hyper, inv_scale, found_inf, at)
             return
-    record = _Record(key, _addresses(key)) if key is not None else None
+        record = _Record(key, at, _addresses(key, at))
     dummy = torch.empty(1, dtype=acc, device=device)
     op_dummy = torch.empty(1, dtype=params[0].dtype, device=device) \
         if lowp and params[0].dtype in (torch.bfloat16, torch.float16) else None

@@ -586,6 +586,10 @@ def test_profile_step_stubbed_kernels(suite, capsys):
     assert r["stubbed"] and r["launches"] == 5 and r["host_ms"] > 0
     assert "Triton launches stubbed out" in capsys.readouterr().out
     assert k._galore_matmul_kernel is kernel and ops.use_triton is use
+    r = prof.main(["--optim", "galore", "--set", "1b", "--layers", "1", "--scale", "64", "--steps", "2",
+                   "--warmup", "0", "--device", "cpu", "--stub-kernels", "--fresh-grads"])
+    assert r["fresh_grads"] and r["launches"] == 5
+    assert "gradients in new memory each step" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--device cpu"):
         prof.main(["--optim", "galore", "--device", "meta", "--stub-kernels"])
 

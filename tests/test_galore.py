@@ -518,6 +518,62 @@ def test_replay_tells_the_bases_apart(backend, device, monkeypatch):
         assert torch.equal(v, opt_b.state[q][key]), key
 
 
+@pytest.mark.parametrize("nbits", [32, 8])
+def test_replay_follows_moved_gradients(backend, device, nbits, monkeypatch):
+    """Gradients that come back at other addresses each step (as under zero_grad(set_to_none=True)) still replay:
+    the job tables naming them are copied again with their new addresses, the same bits as the steps that build
+    everything. Two sets of buffers that alternate copy tables only the first time each set is seen; fresh
+    gradients, one moved alone, and one of another alignment (not replayed) take their turns. The buffers a step
+    leaves hold other values, so a table left pointing at them would be caught."""
+    if backend != "triton":
+        pytest.skip("the Triton launches")
+    from fastopt.kernels import galore as k
+    real_key, real_replay, real_copy, on = k._replay_key, k._Record.replay, k._Tables._copy, [True]
+    replays, copies = [], []
+    monkeypatch.setattr(k, "_replay_key", lambda *a: real_key(*a) if on[0] else None)
+    monkeypatch.setattr(k._Record, "replay", lambda self, *a: replays.append(1) or real_replay(self, *a))
+    monkeypatch.setattr(k._Tables, "_copy", classmethod(lambda cls, *a: copies.append(1) or real_copy.__func__(
+        cls, *a)))
+    shapes = [(20, 20), (12, 20), (2, 12, 18), (5, 6), (7,)]
+    init, grads = make_problem(shapes, steps=11)
+    # Where each step's gradients go: "A"/"B" two sets of buffers, "new" fresh ones, "one" the first gradient
+    # alone in a fresh buffer, "odd" the first at an address 4 bytes past a 16-byte boundary.
+    where = ["A", "B", "A", "B", "A", "new", "one", "odd", "A", "B", "A"]
+    runs = []
+    for replay in (True, False):
+        ps = [x.to(device=device, dtype=torch.float32, copy=True).requires_grad_() for x in init]
+        pools = {name: [torch.empty_like(p) for p in ps] for name in "AB"}
+        opt = fastopt.GaLoreAdamW([{"params": ps[:3], "rank": RANK, "update_proj_gap": 4, "proj_type": "std"},
+                                   {"params": ps[3:]}], lr=LR, weight_decay=WD, nbits=nbits, **SMALL_8BIT)
+        runs.append((ps, pools, opt, replay))
+    for t, (step_grads, at) in enumerate(zip(grads, where)):
+        for ps, pools, opt, replay in runs:
+            on[0] = replay
+            for i, (p, gr) in enumerate(zip(ps, step_grads)):
+                if at in pools:
+                    p.grad = pools[at][i]
+                elif at == "new" or i == 0:
+                    p.grad = torch.empty_like(p) if at != "odd" else torch.empty(p.numel() + 1, device=device)[
+                        1:].view_as(p)
+                p.grad.copy_(gr)
+            for pool in pools.values():  # what a stale pointer would read
+                if not any(q.grad is b for q, b in zip(ps, pool)):
+                    for b in pool:
+                        b.fill_(float(t + 1))
+            n_copies = len(copies)
+            opt.step()
+            if replay and t in (2, 3, 4, 10):  # the recorded set, or the other one seen before: no table copied
+                assert len(copies) == n_copies, t
+    (ours, _, opt, _), (want, _, opt_b, _) = runs
+    for p, q in zip(ours, want):
+        assert torch.equal(p, q)
+        for key, v in opt.state[p].items():
+            assert torch.equal(v, opt_b.state[q][key]), key
+    # Replayed in both buckets (projected, plain): every step after the first but the one of another alignment
+    # (the projected bucket's first gradient) and the step after it (whose key is new again).
+    assert len(replays) == 2 * 10 - 2, len(replays)
+
+
 @pytest.mark.parametrize("proj_type, matmuls", [("left", 2), ("right", 2), ("full", 4)])
 @pytest.mark.parametrize("matrices", [1, 3])
 def test_launches_and_no_full_size_buffer(backend, device, proj_type, matmuls, matrices, monkeypatch):
