@@ -631,7 +631,13 @@ def galore_phases(params, grads, states, *, lr, betas, eps, weight_decay, scale=
         if rec is not None and rec.key == key:
             rec.replay(_scratch(rec.size, acc, device), hyper, inv_scale, found_inf, at)
             return
-        record = _Record(key, at, _addresses(key, at))
+        # The record finds the gradients in its tables by their addresses: only where each is its own (not one
+        # tensor for two params, not a param's or a state's memory).
+        others = _addresses(key, ())
+        if len(set(at)) == len(at) and others.isdisjoint(at):
+            record = _Record(key, at, others | frozenset(at))
+        else:
+            cache.pop("replay", None)
     dummy = torch.empty(1, dtype=acc, device=device)
     op_dummy = torch.empty(1, dtype=params[0].dtype, device=device) \
         if lowp and params[0].dtype in (torch.bfloat16, torch.float16) else None

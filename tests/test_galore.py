@@ -574,6 +574,39 @@ def test_replay_follows_moved_gradients(backend, device, nbits, monkeypatch):
     assert len(replays) == 2 * 10 - 2, len(replays)
 
 
+@pytest.mark.parametrize("tie", ["grads", "param"])
+def test_replay_records_only_gradients_of_their_own(backend, device, tie, monkeypatch):
+    """A record finds the gradients in its tables by address, so a step whose gradient is another's (one tensor
+    for two params) or a param's memory records nothing: the steps after it, each gradient its own again, give
+    the bits of steps that build everything (a record there took one param's slots for the other's)."""
+    if backend != "triton":
+        pytest.skip("the Triton launches")
+    from fastopt.kernels import galore as k
+    real_key, on = k._replay_key, [True]
+    monkeypatch.setattr(k, "_replay_key", lambda *a: real_key(*a) if on[0] else None)
+    init, grads = make_problem([(20, 20), (20, 20), (5, 6), (5, 6)], steps=4)
+    runs = []
+    for replay in (True, False):
+        ps = [x.to(device=device, dtype=torch.float32, copy=True).requires_grad_() for x in init]
+        opt = fastopt.GaLoreAdamW([{"params": ps[:2], "rank": RANK, "update_proj_gap": 100}, {"params": ps[2:]}],
+                                  lr=LR, weight_decay=WD)
+        runs.append((ps, opt, replay))
+    for t, step_grads in enumerate(grads):
+        for ps, opt, replay in runs:
+            on[0] = replay
+            for p, gr in zip(ps, step_grads):
+                p.grad = gr.to(device=device, dtype=torch.float32, copy=True)
+            if t == 0:  # the first step records, and the next ones, each gradient its own, would replay it
+                for a, b in ((0, 1), (2, 3)):
+                    ps[b].grad = ps[a].grad if tie == "grads" else ps[a].detach()
+            opt.step()
+    (ours, opt, _), (want, opt_b, _) = runs
+    for p, q in zip(ours, want):
+        assert torch.equal(p, q)
+        for key, v in opt.state[p].items():
+            assert torch.equal(v, opt_b.state[q][key]), key
+
+
 @pytest.mark.parametrize("proj_type, matmuls", [("left", 2), ("right", 2), ("full", 4)])
 @pytest.mark.parametrize("matrices", [1, 3])
 def test_launches_and_no_full_size_buffer(backend, device, proj_type, matmuls, matrices, monkeypatch):
