@@ -197,14 +197,19 @@ def report(r: dict) -> str:
     return "\n".join(lines)
 
 
+def finish(r: dict, text: str, path: Path | None) -> dict:
+    """Print a run's report `text`, write its numbers `r` to `path` (unless None) as JSON, return them."""
+    print(text, flush=True)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(r, indent=1) + "\n")
+    return r
+
+
 def main(argv=None) -> dict:
     args = parse(argv)
     r = profile_step(args)
-    print(report(r), flush=True)
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(r, indent=1) + "\n")
-    return r
+    return finish(r, report(r), args.json)
 
 
 if __name__ == "__main__":

@@ -8,12 +8,14 @@ Work per projected param and step (the SVD of the refresh steps is torch.linalg.
   3 _galore_matmul_kernel  p -= eta scale (P N | N Q) in the epilogue, then the decoupled decay
                                                     3a W = N Q          3b p -= eta scale P W, decay
 
-The products of every param of a bucket go out as one launch per stage (1 or 1a, 1b, 3 or 3a, 3b; a sharded
-param's projection, which rect.place reads right away, as its own): each program finds its job (a product of
-one matrix batch) by bisection in a small int64 table of pointers, sizes and strides, rebuilt per step and
-copied asynchronously; the strides that are 1 are declared so (A_K1, ...: the launch groups jobs by them), so
-the tiles load as from a contiguous matrix. The Adam kernel does the same over its params (projected ones in
-one launch, plain ones in another). Launches per step therefore do not grow with the params.
+The products of every param of a bucket go out as one launch per stage (1 or 1a, 1b, 3 or 3a, 3b; the
+projection of a sharded piece in several rectangles, or in scattered rows, as its own, which rect.place adds into
+R right away; that of a Shard(d) piece, a run of rows or columns, writes its part of R with the others, as
+whole params do): each program finds its job (a product of one matrix batch) by bisection in a small int64
+table of pointers, sizes and strides, rebuilt per step and copied asynchronously; the strides that are 1 are
+declared so (A_K1, ...: the launch groups jobs by them), so the tiles load as from a contiguous matrix. The
+Adam kernel does the same over its params (projected ones in one launch, plain ones in another). Launches per
+step therefore do not grow with the params.
 
 Building those launches is host work per param (views, pointers, table rows): for TinyLlama's 201 tensors the
 H100 run of 8a1c9ed spent 13.7 ms of host time per step against 15 ms of kernels. A step whose params and states
@@ -33,10 +35,9 @@ Params with more than two dims are batches of matrices: the batch is the grid's 
 param's piece is one rectangle of its matrices (dim layouts) or a few (a flat ZeRO range: partial first row,
 whole rows, partial last row); each takes the same launches on its local elements, with the bases' rows or
 columns it needs (a DTensor param's state keeps just those; otherwise gathered by torch, rank-sized), and its
-partial R is added into the bucket's flat buffer,
-which the caller's `reduce` sums over the ranks once per step (params with whole moments), or which is
-reduce-scattered onto the rows of the moments each rank keeps, N all-gathered back after the Adam kernel
-(DTensor params: fastopt/reference/galore.py's `MomentExchange`).
+partial R is added into the bucket's flat buffer, which the caller's `reduce` sums over the ranks once per step
+(params with whole moments), or which is reduce-scattered onto the rows of the moments each rank keeps, N
+all-gathered back after the Adam kernel (DTensor params: fastopt/reference/galore.py's `MomentExchange`).
 
 The matmul kernel is one tiled `tl.dot` loop over K with arbitrary strides (a transposed operand is a stride
 swap, nothing is copied), int64 offsets, an fp32 accumulator. The products are compute-bound (2 m n rank
@@ -652,31 +653,42 @@ def galore_phases(params, grads, states, *, lr, betas, eps, weight_decay, scale=
                                   acc == torch.float64, dummy, op_dummy, precision, scratch=buf, tables=tables,
                                   record=record)
     # Phase 1: every projected param's (partial) R into one flat buffer.
+    zeros = []  # ranges of buf zeroed before the grouped products write a part of them
     for i in proj:
         s = states[i]
         run = launch(s["step"])
         rects[i] = local_rects(layouts[i], shapes[i], tuple(params[i].shape), device)
         shape3 = state_views(s, shapes[i])[2]
-        rs[i] = buf[off:off + math.prod(shape3)].view(shape3)
-        off += math.prod(shape3)
-        whole = len(rects[i]) == 1 and rects[i][0].batch is None and rects[i][0].rows is None and \
-            rects[i][0].cols is None
-        if not whole:
-            rs[i].zero_()
+        start, off = off, off + math.prod(shape3)
+        rs[i] = buf[start:off].view(shape3)
         g = grads[i] if grads[i].is_contiguous() else grads[i].contiguous()
         # Each rectangle's rows of P and columns of Q, for both phases: the state's own (no copy) where it keeps
         # the local piece's (DTensor params), else gathered once.
         bases[i] = [tuple(b.contiguous() if b is not None else None for b in local_bases(s, shapes[i], rect))
                     for rect in rects[i]]
+        # Where the param's product goes: the whole R (a whole param), the view of R at a single rectangle's
+        # rows or columns (a Shard(d) piece: the rest of R is zeros here, summed over the ranks), or, for
+        # several rectangles or scattered indices, a buffer of its own that rect.place adds into R.
+        into = None
+        if len(rects[i]) == 1:
+            left, right = bases[i][0]
+            into = rects[i][0].target(rs[i], rows=left is None, cols=right is None)
+        if into is None:
+            rs[i].zero_()
+        elif into.numel() < rs[i].numel():  # zeroed with its neighbours in the buffer, in one op
+            if zeros and zeros[-1][1] == start:
+                zeros[-1] = (zeros[-1][0], off)
+            else:
+                zeros.append((start, off))
         for rect, (left, right) in zip(rects[i], bases[i]):
             g3 = rect.view(g)
             nb, m, n = g3.shape
             a = left.shape[2] if left is not None else m
             b = right.shape[1] if right is not None else n
-            part = rs[i] if whole else _scratch((nb, a, b), acc, device)
-            # A whole param's products join the bucket's launches (first products, then second ones); a piece's
-            # go now, since rect.place reads them.
-            first, second = (firsts, seconds) if whole else (None, None)
+            part = into if into is not None else _scratch((nb, a, b), acc, device)
+            # Products into R join the bucket's launches (first products, then second ones); those into a buffer
+            # of their own go now, since rect.place reads them.
+            first, second = (firsts, seconds) if into is not None else (None, None)
             if left is not None and right is not None:
                 t = _scratch((nb, a, n), acc, device)
                 run.matmul(left.transpose(1, 2), g3, t, scale_input=True, group=first)
@@ -685,8 +697,10 @@ def galore_phases(params, grads, states, *, lr, betas, eps, weight_decay, scale=
                 run.matmul(left.transpose(1, 2), g3, part, scale_input=True, group=first)
             else:
                 run.matmul(g3, right.transpose(1, 2), part, scale_input=True, group=first)
-            if not whole:
+            if into is None:
                 rect.place(rs[i], part, rows=left is None, cols=right is None)
+    for lo, hi in zeros:
+        buf[lo:hi].zero_()
     _Launch.flush(firsts)
     _Launch.flush(seconds)
     mine = yield from plan.reduce(buf, rs, sharded)

@@ -594,6 +594,16 @@ def test_profile_step_stubbed_kernels(suite, capsys):
         prof.main(["--optim", "galore", "--device", "meta", "--stub-kernels"])
 
 
+def test_profile_sharded_runs_on_gloo(suite, capsys):
+    """bench/profile_sharded.py: GaLore's fused path on Shard(0) DTensor pieces over 2 gloo processes, launches
+    stubbed and counted (as many as for whole params: 5 for a layer)."""
+    prof = importlib.import_module(suite[0].__package__ + ".profile_sharded")
+    r = prof.main(["--optim", "galore", "--set", "1b", "--layers", "1", "--scale", "64", "--steps", "2",
+                   "--warmup", "0", "--world", "2"])
+    assert r["world"] == 2 and r["launches"] == 5 and r["host_ms"] > 0
+    assert "Shard(0) over 2 gloo processes" in capsys.readouterr().out
+
+
 def test_galore_tiles_runs_through_the_interpreter(suite, tmp_path, monkeypatch, capsys):
     """bench/galore_tiles.py (the GaLore tile sweep for a GPU session) on CPU through the interpreter: each
     candidate of each stage timed and checked against the shipped tiles, which it leaves as they were."""

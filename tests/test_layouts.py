@@ -1233,6 +1233,45 @@ def _on_kernels(rank, world, case, *args):
     return out
 
 
+def _galore_launch_case(rank, world, copies):
+    """Triton launches of one GaLore step without a refresh over `copies` of FSDP2's pieces of a wide and a tall
+    matrix (Shard(0) over the world: a left and a right projection, each rank a run of rows)."""
+    import os
+
+    import triton
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    mesh = init_device_mesh("cpu", (world,))
+    shard = lambda x: distribute_tensor(x, mesh, [Shard(0)], src_data_rank=None)  # noqa: E731
+    mats = [torch.nn.Parameter(shard(torch.randn(shape))) for _ in range(copies) for shape in ((16, 24), (24, 16))]
+    opt = fastopt.GaLoreAdamW([{"params": mats, "rank": 4, "update_proj_gap": 10 ** 6}], lr=1e-3)
+    cls = type(triton.jit(lambda: None))
+    orig, launches = cls.__getitem__, []
+    os.environ["FASTOPT_BACKEND"] = "triton"
+    try:
+        for _ in range(2):  # the first step refreshes the bases
+            for p in mats:
+                p.grad = shard(torch.randn(p.shape))
+            launches.clear()
+            cls.__getitem__ = lambda self, grid: launches.append(self) or orig(self, grid)
+            opt.step()
+            cls.__getitem__ = orig
+    finally:
+        cls.__getitem__ = orig
+        os.environ["FASTOPT_BACKEND"] = "torch"
+    return len(launches)
+
+
+@needs_interpreter
+def test_galore_launches_do_not_grow_with_sharded_params(pool):
+    """A Shard(d) piece's projection goes straight into its rows or columns of the bucket's R (Rect.target), so
+    the pieces of every param share the bucket's launches as whole params do: as many launches for three copies
+    of the params as for one, and at most 5 (projections of the wide and of the tall matrices, whose unit strides
+    differ, Adam, back-projections), where each piece took a launch of its own."""
+    one, three = pool.run(_galore_launch_case, 1), pool.run(_galore_launch_case, 3)
+    assert one == three and max(one) <= 5, (one, three)
+
+
 @needs_interpreter
 @pytest.mark.parametrize("mode", KERNEL_MODES)
 @pytest.mark.parametrize("name", ["adafactor", "came"])

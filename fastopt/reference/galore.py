@@ -262,15 +262,30 @@ class Rect:
     """A rectangle of a projected param's matrices held here: global `batch` indices (B_r), `rows` and `cols`
     (None: all of them), and `view(x)`, the (B_r, rows, cols) view of those elements in the local tensor x
     (which must be contiguous for flat layouts: then the rectangle is a contiguous range of it). `own_bases`:
-    the state's bases are this rectangle's already (`keeps_local_bases`)."""
+    the state's bases are this rectangle's already (`keeps_local_bases`). `spans`: the three as slices where
+    each is a run of consecutive indices (as Shard(d) and flat ranges hold them; read once, when the rectangle
+    is built), else None: then `pick` and `place` take views (`target`) instead of gathering and scattering."""
 
-    __slots__ = ("batch", "rows", "cols", "view", "own_bases")
+    __slots__ = ("batch", "rows", "cols", "view", "own_bases", "spans")
 
     def __init__(self, batch, rows, cols, view, own_bases=False):
         self.batch, self.rows, self.cols, self.view, self.own_bases = batch, rows, cols, view, own_bases
+        spans = tuple(_span(ix) for ix in (batch, rows, cols))
+        self.spans = spans if all(sp is not None for sp in spans) else None
+
+    def target(self, out: Tensor, rows: bool, cols: bool) -> Tensor | None:
+        """The view of a whole (B, a, b) `out` at the rectangle's batch, rows (if `rows`) and columns (if
+        `cols`), or None where they are not runs (`spans`)."""
+        if self.spans is None:
+            return None
+        b, r, c = self.spans
+        return out[b, r if rows else slice(None), c if cols else slice(None)]
 
     def pick(self, x: Tensor, rows: bool, cols: bool) -> Tensor:
         """The rectangle's batch, rows (if `rows`) and columns (if `cols`) of a whole (B, a, b) tensor."""
+        view = self.target(x, rows, cols)
+        if view is not None:
+            return view
         if self.batch is not None:
             x = x[self.batch]
         if rows and self.rows is not None:
@@ -281,10 +296,26 @@ class Rect:
 
     def place(self, out: Tensor, x: Tensor, rows: bool, cols: bool) -> None:
         """out[batch, rows (if `rows`), cols (if `cols`)] += x, for a whole (B, a, b) `out`."""
+        view = self.target(out, rows, cols)
+        if view is not None:
+            view.add_(x)
+            return
         b = self.batch if self.batch is not None else torch.arange(out.shape[0], device=out.device)
         r = self.rows if rows and self.rows is not None else torch.arange(out.shape[1], device=out.device)
         c = self.cols if cols and self.cols is not None else torch.arange(out.shape[2], device=out.device)
         out.index_put_((b[:, None, None], r[None, :, None], c[None, None, :]), x, accumulate=True)
+
+
+def _span(ix: Tensor | None) -> slice | None:
+    """slice(None) for None (every index), slice(a, b) for the indices a, a + 1, ..., b - 1, else None. Reads
+    `ix` on the host: called when a rectangle is built, which local_rects does once per layout."""
+    if ix is None:
+        return slice(None)
+    v = ix.cpu()
+    if v.numel() == 0:
+        return None
+    a = int(v[0])
+    return slice(a, a + v.numel()) if torch.equal(v, torch.arange(a, a + v.numel(), dtype=v.dtype)) else None
 
 
 def _batch_count(shape) -> int:
