@@ -1274,7 +1274,7 @@ def test_galore_launches_do_not_grow_with_sharded_params(pool):
 
 @needs_interpreter
 @pytest.mark.parametrize("mode", KERNEL_MODES)
-@pytest.mark.parametrize("name", ["adafactor", "came"])
+@pytest.mark.parametrize("name", ["adafactor", "came", "galore"])
 def test_kernels_every_layout_match_single_process(pool, mode, name):
     errs = pool.run(_on_kernels, _model_case, mode, name)
     assert len(errs) == WORLD
