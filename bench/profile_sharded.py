@@ -10,7 +10,6 @@ host ms per step and the (stubbed) Triton launches per step; --json writes them.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -23,9 +22,8 @@ from pathlib import Path
 import torch
 
 try:
-    from . import bench_galore, common, profile_step
+    from . import common, profile_step
 except ImportError:
-    import bench_galore
     import common
     import profile_step
 
@@ -34,7 +32,7 @@ def parse(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--optim", choices=sorted(profile_step.OPTIMS), default="galore")
     ap.add_argument("--set", choices=sorted(common.MODELS), default="1b")
-    ap.add_argument("--layers", type=common.number(int, 1), default=None, help="decoder layers (default: all)")
+    ap.add_argument("--layers", type=common.number(int, 1), default=None, help="decoder layers (default: 4 of 7b's 32, all 22 of 1b's)")
     ap.add_argument("--scale", type=common.number(int, 1), default=8, help="divide every dimension by this")
     ap.add_argument("--rank", type=common.number(int, 1), default=128, help="GaLore's rank (divided by --scale)")
     ap.add_argument("--world", type=common.number(int, 1), default=2, help="gloo processes")
@@ -55,11 +53,7 @@ def _rank(rank: int, args: argparse.Namespace, init: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=args.world)
     try:
         mesh = init_device_mesh("cpu", (args.world,))
-        m = common.MODELS[args.set]
-        layers = min(m.layers, args.layers or m.layers)
-        pset = common.ParamSet(args.set, f"{m.name} ({layers}/{m.layers} layers)",
-                               tuple(common.model_shapes(m, layers, args.scale)))
-        args.rank = bench_galore._rank(args, pset, args.rank)
+        pset = profile_step.param_set(args)
         gen = torch.Generator().manual_seed(0)
         params = []
         for _, shape in pset.shapes:
@@ -68,11 +62,7 @@ def _rank(rank: int, args: argparse.Namespace, init: str, out: str) -> None:
             params.append(p)
         with profile_step.stubbed_kernels():
             opt = profile_step.OPTIMS[args.optim](pset, params, args)
-            first = bench_galore.standin_first_step if args.optim.startswith("galore") else contextlib.nullcontext
-            with first():
-                opt.step()
-            for _ in range(args.warmup):
-                opt.step()
+            profile_step.warm_up(opt, args)
             host = []
             profile_step._NoLaunch.count = 0
             for _ in range(args.steps):

@@ -140,21 +140,34 @@ def profile_step(args) -> dict:
     return _profile_step(args)
 
 
-def _profile_step(args) -> dict:
-    device = torch.device(args.device)
+def param_set(args) -> common.ParamSet:
+    """The shapes --set, --layers and --scale pick (by default 4 of 7b's 32 decoder layers, all 22 of 1b's); sets
+    args.rank to GaLore's rank for them (divided by --scale, at most the smallest matrix's)."""
     m = common.MODELS[args.set]
     layers = min(m.layers, args.layers or (4 if args.set == "7b" else m.layers))
     pset = common.ParamSet(args.set, f"{m.name} ({layers}/{m.layers} layers)",
                            tuple(common.model_shapes(m, layers, args.scale)))
-    args.rank = bench_galore._rank(args, pset, args.rank)  # divided by --scale, at most the smallest matrix's
+    args.rank = bench_galore._rank(args, pset, args.rank)
+    return pset
+
+
+def warm_up(opt, args) -> None:
+    """The first step (the state, the compiled kernels; GaLore: the bases, by a stand-in for its SVD), then
+    --warmup more."""
+    first = bench_galore.standin_first_step if args.optim.startswith("galore") else contextlib.nullcontext
+    with first():
+        opt.step()
+    for _ in range(args.warmup):
+        opt.step()
+
+
+def _profile_step(args) -> dict:
+    device = torch.device(args.device)
+    pset = param_set(args)
     dtype = common.DTYPES[args.dtype]
     params = common.make_params(pset, dtype, device)
     opt = OPTIMS[args.optim](pset, params, args)
-    first = bench_galore.standin_first_step if args.optim.startswith("galore") else contextlib.nullcontext
-    with first():
-        opt.step()  # the state, the compiled kernels (GaLore: the bases, by a stand-in for its SVD)
-    for _ in range(args.warmup):
-        opt.step()
+    warm_up(opt, args)
     common._sync(device)
     wall, host = [], []
     _NoLaunch.count = 0

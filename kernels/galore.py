@@ -326,11 +326,21 @@ class _Record:
 
     def __init__(self, key: tuple, grads: tuple, addresses: frozenset):
         self.key, self.grads, self.addresses = key, grads, addresses
-        self.grad_index = {ptr: i for i, ptr in enumerate(grads)}
+        self.grad_index = {ptr: i for i, ptr in enumerate(grads)}  # the gradients' own addresses (see `of`)
         self.launches: list = []
         self.absolute: set = set()
         self.size = 0
         self.moved: dict = {}  # gradients' addresses -> each launch's table for them (None: the recorded one)
+
+    @classmethod
+    def of(cls, key: tuple, grads: tuple) -> "_Record | None":
+        """A recorder for a step of `key` whose gradients sit at `grads`, or None where the tables could not tell
+        a gradient's entries from others' (grad_entries finds them by address): one tensor for two params, or a
+        gradient in a param's or a state's memory."""
+        others = _addresses(key)
+        if len(set(grads)) < len(grads) or not others.isdisjoint(grads):
+            return None
+        return cls(key, grads, others | frozenset(grads))
 
     def complete(self) -> bool:
         return self.absolute <= self.addresses
@@ -393,8 +403,9 @@ def _replay_key(params, grads, states, layouts, sharded, cache, flags) -> tuple 
     return tuple(key), tuple(at)
 
 
-def _addresses(key: tuple, grads: tuple) -> frozenset:
-    out = set(grads)
+def _addresses(key: tuple) -> frozenset:
+    """The addresses of the params and states a key names."""
+    out = set()
     for entry in key[1::2]:
         out.add(entry[0])
     for entry in key[2::2]:
@@ -632,12 +643,8 @@ def galore_phases(params, grads, states, *, lr, betas, eps, weight_decay, scale=
         if rec is not None and rec.key == key:
             rec.replay(_scratch(rec.size, acc, device), hyper, inv_scale, found_inf, at)
             return
-        # The record finds the gradients in its tables by their addresses: only where each is its own (not one
-        # tensor for two params, not a param's or a state's memory).
-        others = _addresses(key, ())
-        if len(set(at)) == len(at) and others.isdisjoint(at):
-            record = _Record(key, at, others | frozenset(at))
-        else:
+        record = _Record.of(key, at)
+        if record is None:
             cache.pop("replay", None)
     dummy = torch.empty(1, dtype=acc, device=device)
     op_dummy = torch.empty(1, dtype=params[0].dtype, device=device) \
