@@ -22,7 +22,7 @@ __global__ void __launch_bounds__(kThreads, KMAX == 4 ? 4 : 2)
   build_search_tables_block(tab2, map2);
   const int steps1 = tab1.steps, steps2 = tab2.steps;
   const C inv = inv_scale != nullptr ? (C)*inv_scale : (C)1;
-  const QuantLayout L(B);
+  const QuantLayout<KMAX> L(B);
   const int grp = threadIdx.x / L.G, lane = threadIdx.x % L.G;
   TensorCursor cur;
   AdamWScalars<C> s{};
@@ -34,6 +34,7 @@ __global__ void __launch_bounds__(kThreads, KMAX == 4 ? 4 : 2)
     const int64_t start = qb * B;
     const int lim = block_limit(e.n, start, B);  // offsets [0, lim) from `start`: 32-bit index arithmetic
     const bool active = lim > 0;
+    const bool vec = lim == B && quad_aligned<T>(e.p, e.g, e.s1, e.s2);  // see QuantLayout
     T* p = static_cast<T*>(e.p) + start;
     const T* g = static_cast<const T*>(e.g) + start;
     uint8_t* c1 = static_cast<uint8_t*>(e.s1) + start;
@@ -44,14 +45,31 @@ __global__ void __launch_bounds__(kThreads, KMAX == 4 ? 4 : 2)
     // compiler from issuing the next element's loads early (it cannot rule out aliasing).
     C pv[KMAX], gv[KMAX];
     uint8_t q1[KMAX], q2[KMAX];
+    if (vec) {
 #pragma unroll
-    for (int k = 0; k < KMAX; ++k) {
-      const int o = lane + k * L.G;
-      const bool in = k < L.K && o < lim;
-      pv[k] = in ? (C)ld(p, o) : (C)0;
-      gv[k] = in ? (C)ld(g, o) : (C)0;
-      q1[k] = in ? c1[o] : (uint8_t)0;
-      q2[k] = in ? c2[o] : (uint8_t)0;
+      for (int j = 0; j < KMAX / 4; ++j) {
+        const int o = L.slot(true, lane, 4 * j);
+        const bool in = 4 * j < L.K;
+        const Quad<T> a = in ? ld4(p, o) : Quad<T>{}, b = in ? ld4(g, o) : Quad<T>{};
+        const uint32_t w1 = in ? ld4(c1, o) : 0u, w2 = in ? ld4(c2, o) : 0u;
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+          pv[4 * j + t] = (C)ld(a.v, t);
+          gv[4 * j + t] = (C)ld(b.v, t);
+          q1[4 * j + t] = (uint8_t)(w1 >> (8 * t));
+          q2[4 * j + t] = (uint8_t)(w2 >> (8 * t));
+        }
+      }
+    } else {
+#pragma unroll
+      for (int k = 0; k < KMAX; ++k) {
+        const int o = L.slot(false, lane, k);
+        const bool in = k < L.K && o < lim;
+        pv[k] = in ? (C)ld(p, o) : (C)0;
+        gv[k] = in ? (C)ld(g, o) : (C)0;
+        q1[k] = in ? c1[o] : (uint8_t)0;
+        q2[k] = in ? c2[o] : (uint8_t)0;
+      }
     }
     float mq[KMAX], vq[KMAX];
     float new1 = 0.0f, new2 = 0.0f;
@@ -59,33 +77,64 @@ __global__ void __launch_bounds__(kThreads, KMAX == 4 ? 4 : 2)
     for (int k = 0; k < KMAX; ++k) {
       mq[k] = 0.0f;
       vq[k] = 0.0f;
-      const int o = lane + k * L.G;
-      if (k < L.K && o < lim) {
+      if (k < L.K && (vec || L.slot(false, lane, k) < lim)) {
         C m = (C)(dequantize_code(tab1, q1[k]) * old1);
         C v = (C)(dequantize_code(tab2, q2[k]) * old2);
-        st(p, o, adamw_element<C>(pv[k], gv[k] * inv, m, v, s));
+        pv[k] = adamw_element<C>(pv[k], gv[k] * inv, m, v, s);
         mq[k] = (float)m;
         vq[k] = (float)v;
       }
       new1 = fmaxf(new1, fabsf(mq[k]));
       new2 = fmaxf(new2, fabsf(vq[k]));
     }
+    if (vec) {
+#pragma unroll
+      for (int j = 0; j < KMAX / 4; ++j) {
+        if (4 * j < L.K) {
+          Quad<T> a;
+#pragma unroll
+          for (int t = 0; t < 4; ++t) st(a.v, t, pv[4 * j + t]);
+          st4(p, L.slot(true, lane, 4 * j), a);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int k = 0; k < KMAX; ++k) {
+        const int o = L.slot(false, lane, k);
+        if (k < L.K && o < lim) st(p, o, pv[k]);
+      }
+    }
     // Every thread of the group has read the old absmax (its value feeds new1/new2) before lane 0 writes.
     float amax[2] = {new1, new2};
     group_max_n<2>(amax, L.G, red);
-    new1 = amax[0];
-    new2 = amax[1];
     if (active) {
       if (lane == 0) {
-        e.a1[qb] = new1;
-        e.a2[qb] = new2;
+        e.a1[qb] = amax[0];
+        e.a2[qb] = amax[1];
       }
+      const Normalizer norm1(amax[0]), norm2(amax[1]);
+      if (vec) {
 #pragma unroll
-      for (int k = 0; k < KMAX; ++k) {
-        const int o = lane + k * L.G;
-        if (k < L.K && o < lim) {
-          c1[o] = quantize_nearest(tab1, normalize(mq[k], new1), steps1);
-          c2[o] = quantize_nearest(tab2, normalize(vq[k], new2), steps2);
+        for (int j = 0; j < KMAX / 4; ++j) {
+          if (4 * j < L.K) {
+            uint8_t n1[4], n2[4];
+#pragma unroll
+            for (int t = 0; t < 4; ++t) {
+              n1[t] = quantize_nearest(tab1, norm1(mq[4 * j + t]), steps1);
+              n2[t] = quantize_nearest(tab2, norm2(vq[4 * j + t]), steps2);
+            }
+            st4(c1, L.slot(true, lane, 4 * j), n1);
+            st4(c2, L.slot(true, lane, 4 * j), n2);
+          }
+        }
+      } else {
+#pragma unroll
+        for (int k = 0; k < KMAX; ++k) {
+          const int o = L.slot(false, lane, k);
+          if (k < L.K && o < lim) {
+            c1[o] = quantize_nearest(tab1, norm1(mq[k]), steps1);
+            c2[o] = quantize_nearest(tab2, norm2(vq[k]), steps2);
+          }
         }
       }
     }

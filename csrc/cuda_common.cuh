@@ -43,16 +43,49 @@ __device__ __forceinline__ int block_limit(int64_t n, int64_t start, int B) {
 }
 
 // How a CUDA block of kThreads threads covers one tile of quant_tile(B) elements: Q quantization blocks per
-// tile, G threads per quantization block, K elements per thread (strided by G, so that each load of a warp
-// is contiguous).
+// tile, G threads per quantization block, K elements per thread (K = 4 for every B up to kTileMin: the
+// KMAX = 4 instantiations know it at compile time; 8 or 16 above). A thread's K elements of a whole
+// quantization block whose tensors are aligned (`quad_aligned`) are K / 4 runs of 4 consecutive ones, each
+// one vector load or store per tensor (`slot`, vec = true; a warp still reads one contiguous span); those of
+// a partial last block or of an unaligned tensor are strided by G, one element per load (vec = false).
+template <int KMAX>
 struct QuantLayout {
   int Q, G, K;
   __device__ __forceinline__ explicit QuantLayout(int B) {
     Q = B >= (int)kTileMin ? 1 : (int)kTileMin / B;
     G = kThreads / Q;
-    K = B / G;
+    K = KMAX == 4 ? 4 : B / G;
+  }
+  // Offset in its quantization block of the thread's element k.
+  __device__ __forceinline__ int slot(bool vec, int lane, int k) const {
+    return vec ? 4 * (lane + (k >> 2) * G) + (k & 3) : lane + k * G;
   }
 };
+
+// Four consecutive elements, loaded or stored as one vector (2 x 16 bytes for fp64).
+template <typename T>
+struct alignas(4 * sizeof(T)) Quad {
+  T v[4];
+};
+
+template <typename T>
+__device__ __forceinline__ Quad<T> ld4(const T* p, int o) { return *reinterpret_cast<const Quad<T>*>(p + o); }
+template <typename T>
+__device__ __forceinline__ void st4(T* p, int o, const Quad<T>& q) { *reinterpret_cast<Quad<T>*>(p + o) = q; }
+// Four codes as one 32-bit word (code t in byte t), and back.
+__device__ __forceinline__ uint32_t ld4(const uint8_t* p, int o) { return *reinterpret_cast<const uint32_t*>(p + o); }
+__device__ __forceinline__ void st4(uint8_t* p, int o, const uint8_t (&c)[4]) {
+  *reinterpret_cast<uint32_t*>(p + o) = (uint32_t)c[0] | (uint32_t)c[1] << 8 | (uint32_t)c[2] << 16 |
+                                        (uint32_t)c[3] << 24;
+}
+
+// Whether every quantization block of tensors at these addresses starts at a vector boundary: T elements in
+// runs of 4 (block starts are multiples of B >= 64 elements, so the tensors' own alignment decides), codes in
+// 32-bit words.
+template <typename T>
+__device__ __forceinline__ bool quad_aligned(const void* a, const void* b, const void* codes1, const void* codes2) {
+  return (((uintptr_t)a | (uintptr_t)b) % (4 * sizeof(T)) | ((uintptr_t)codes1 | (uintptr_t)codes2) % 4) == 0;
+}
 
 // Max of each of the N values v[i] over each aligned group of G threads (G a power of two, 16..256): one round
 // of barriers for all N (AdamW8bit's two moments). Every thread of the block must call it (it may hold
@@ -66,7 +99,7 @@ __device__ __forceinline__ void group_max_n(float (&v)[N], int G, float* red) {
   }
   if (G > 32) {
     constexpr int W = kThreads / 32;
-    const int warp = threadIdx.x >> 5, per_group = G >> 5, first = (warp / per_group) * per_group;
+    const int warp = threadIdx.x >> 5, per_group = G >> 5, first = warp & ~(per_group - 1);  // a power of two
     __syncthreads();  // the previous call's readers are done with `red`
     if ((threadIdx.x & 31) == 0) {
 #pragma unroll
@@ -76,7 +109,8 @@ __device__ __forceinline__ void group_max_n(float (&v)[N], int G, float* red) {
 #pragma unroll
     for (int i = 0; i < N; ++i) {
       v[i] = red[i * W + first];
-      for (int w = 1; w < per_group; ++w) v[i] = fmaxf(v[i], red[i * W + first + w]);
+#pragma unroll 1
+      for (int w = 1; w < per_group; ++w) v[i] = fmaxf(v[i], red[i * W + first + w]);  // 1 to 7 more warps
     }
   }
 }

@@ -197,9 +197,73 @@ FO_HD uint8_t quantize_nearest(const SearchTables& s, float x) { return quantize
 
 FO_HD float dequantize_code(const SearchTables& s, uint8_t c) { return s.keys[c]; }
 
+// ---- many values divided by one -------------------------------------------------------------------------
+// x / b, the IEEE quotient bit for bit, from r = 1 / b (correctly rounded) in three operations: q0 = x r, then
+// Markstein's correction q0 + (x - q0 b) r, each rounded once (an fma). Exact where x and b both lie in
+// [2^-60, 2^60] in magnitude: the quotient is then a normal number and the remainder x - q0 b exactly
+// representable. A CUDA kernel dividing many values by one b (a quantization block's absmax, AdamW's
+// sqrt(1 - beta2^t)) takes r once and skips the division's own reciprocal and range check (FCHK and its slow
+// path) per value. The C++ test compares it with the division over every fp32 significand of x for a set of
+// b, at the range's edges, and on near-midpoint quotients.
+constexpr float kDivLo = 0x1p-60f, kDivHi = 0x1p60f;
+
+FO_HD bool div_fast_ok(float v) { return fabsf(v) >= kDivLo && fabsf(v) <= kDivHi; }
+
+FO_HD float div_fast(float x, float b, float r) {
+#if defined(__CUDA_ARCH__)
+  const float q0 = __fmul_rn(x, r);
+  return __fmaf_rn(__fmaf_rn(-q0, b, x), r, q0);
+#else
+  const float q0 = x * r;
+  return fmaf(fmaf(-q0, b, x), r, q0);
+#endif
+}
+
+// Division by one b, many times (AdamW's sqrt(v) / sqrt(1 - beta2^t)): on a GPU, div_fast for any x while b is
+// in its range (checked once), with no check per value: the IEEE quotient for x in range too, and within one
+// unit of the last place (of the subnormal grid, for tiny quotients) outside it, where the GPU's contracted
+// multiply-adds elsewhere in the update already differ from the host's by as much. The host divides (the same
+// quotients, without a software fma where the CPU has none). fp64: the division.
+template <typename C>
+struct Divisor {
+  C b = (C)1;
+  Divisor() = default;
+  FO_HD explicit Divisor(C d) : b(d) {}
+  FO_HD C divide(C x) const { return x / b; }
+};
+
+template <>
+struct Divisor<float> {
+  float b = 1.0f, r = 1.0f;
+  bool fast = true;  // b in div_fast's range
+  Divisor() = default;
+  FO_HD explicit Divisor(float d) : b(d), r(1.0f / d), fast(div_fast_ok(d)) {}
+  FO_HD float divide(float x) const {
+#if defined(__CUDA_ARCH__)
+    if (fast) return div_fast(x, b, r);
+#endif
+    return x / b;
+  }
+};
+
 // x / absmax as the search expects it: fp32 IEEE division (bitsandbytes' CPU rule), 0 for a block of zeros.
 // Values of other dtypes (fp64 states included) are rounded to fp32 first.
 FO_HD float normalize(float x, float absmax) { return absmax > 0.0f ? x / absmax : 0.0f; }
+
+// normalize(x, absmax) for the values x of the block whose absmax it is (|x| <= absmax, or NaN), bit for bit
+// (the codes must be the host's): on a GPU, div_fast where absmax > 0 is in its range (checked once) and
+// |x| >= kDivLo (then |x| <= absmax keeps x in range too; a NaN fails the check and divides).
+struct Normalizer {
+  Divisor<float> d;
+  bool fast;
+  FO_HD explicit Normalizer(float absmax) : d(absmax), fast(d.fast && absmax > 0.0f) {}
+  FO_HD float operator()(float x) const {
+#if defined(__CUDA_ARCH__)
+    if (fast && fabsf(x) >= kDivLo) return div_fast(x, d.b, d.r);
+#endif
+    return normalize(x, d.b);
+  }
+};
 
 // ---- AdamW ---------------------------------------------------------------------------------------------
 
@@ -219,7 +283,8 @@ struct AdamWHyper {
 //   p <- p - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
 template <typename C>
 struct AdamWScalars {
-  C beta1, beta2, one_minus_beta1, one_minus_beta2, decay, step_size, sqrt_bc2, eps;
+  C beta1, beta2, one_minus_beta1, one_minus_beta2, decay, step_size, eps;
+  Divisor<C> sqrt_bc2;  // sqrt(1 - b2^t), divided by
 };
 
 template <typename C>
@@ -233,7 +298,7 @@ FO_HD AdamWScalars<C> adamw_scalars(const AdamWHyper& h, float step) {
   s.one_minus_beta2 = (C)(1.0 - h.beta2);
   s.decay = (C)(1.0 - h.lr * h.weight_decay);
   s.step_size = (C)h.lr / ((C)1 - fo_pow(s.beta1, t));
-  s.sqrt_bc2 = fo_sqrt((C)1 - fo_pow(s.beta2, t));
+  s.sqrt_bc2 = Divisor<C>(fo_sqrt((C)1 - fo_pow(s.beta2, t)));
   s.eps = (C)h.eps;
   return s;
 }
@@ -243,7 +308,7 @@ template <typename C>
 FO_HD C adamw_element(C p, C g, C& m, C& v, const AdamWScalars<C>& s) {
   m = s.beta1 * m + s.one_minus_beta1 * g;
   v = s.beta2 * v + s.one_minus_beta2 * g * g;
-  const C denom = fo_sqrt(v) / s.sqrt_bc2 + s.eps;
+  const C denom = s.sqrt_bc2.divide(fo_sqrt(v)) + s.eps;
   return p * s.decay - s.step_size * (m / denom);
 }
 

@@ -6,7 +6,7 @@ namespace fastopt {
 namespace cuda {
 
 // KMAX: the largest K the instantiation handles (4 for B <= 1024, 16 above), so that the per-thread value
-// arrays stay in registers.
+// arrays stay in registers. Whole blocks of aligned tensors take vector loads and stores (QuantLayout).
 template <typename T, int KMAX>
 __global__ void __launch_bounds__(kThreads, KMAX == 4 ? 4 : 2)
     quantize_kernel(const int64_t* __restrict__ tile_start, const QuantEntry* __restrict__ entries, int n_tensors,
@@ -16,7 +16,7 @@ __global__ void __launch_bounds__(kThreads, KMAX == 4 ? 4 : 2)
   __shared__ float red[kThreads / 32];
   build_search_tables_block(tab, map);
   const int steps = tab.steps;
-  const QuantLayout L(B);
+  const QuantLayout<KMAX> L(B);
   const int grp = threadIdx.x / L.G, lane = threadIdx.x % L.G;
   TensorCursor cur;
   for (int64_t tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
@@ -25,23 +25,47 @@ __global__ void __launch_bounds__(kThreads, KMAX == 4 ? 4 : 2)
     const int64_t qb = (tile - cur.lo) * L.Q + grp;
     const int64_t start = qb * B;
     const int lim = block_limit(e.n, start, B);  // this quantization block's elements: offsets [0, lim)
+    const bool vec = lim == B && quad_aligned<T>(e.x, e.x, e.codes, e.codes);
     const T* x = static_cast<const T*>(e.x) + start;
     float vals[KMAX];
+    if (vec) {
+#pragma unroll
+      for (int j = 0; j < KMAX / 4; ++j) {
+        const Quad<T> a = 4 * j < L.K ? ld4(x, L.slot(true, lane, 4 * j)) : Quad<T>{};
+#pragma unroll
+        for (int t = 0; t < 4; ++t) vals[4 * j + t] = (float)ld(a.v, t);
+      }
+    } else {
+#pragma unroll
+      for (int k = 0; k < KMAX; ++k) {
+        const int o = L.slot(false, lane, k);
+        vals[k] = k < L.K && o < lim ? (float)ld(x, o) : 0.0f;
+      }
+    }
     float amax = 0.0f;
 #pragma unroll
-    for (int k = 0; k < KMAX; ++k) {
-      const int o = lane + k * L.G;
-      vals[k] = k < L.K && o < lim ? (float)ld(x, o) : 0.0f;
-      amax = fmaxf(amax, fabsf(vals[k]));
-    }
+    for (int k = 0; k < KMAX; ++k) amax = fmaxf(amax, fabsf(vals[k]));
     amax = group_max(amax, L.G, red);
     if (lim > 0) {
       if (lane == 0) e.absmax[qb] = amax;
       uint8_t* codes = e.codes + start;
+      const Normalizer norm(amax);
+      if (vec) {
 #pragma unroll
-      for (int k = 0; k < KMAX; ++k) {
-        const int o = lane + k * L.G;
-        if (k < L.K && o < lim) codes[o] = quantize_nearest(tab, normalize(vals[k], amax), steps);
+        for (int j = 0; j < KMAX / 4; ++j) {
+          if (4 * j < L.K) {
+            uint8_t c[4];
+#pragma unroll
+            for (int t = 0; t < 4; ++t) c[t] = quantize_nearest(tab, norm(vals[4 * j + t]), steps);
+            st4(codes, L.slot(true, lane, 4 * j), c);
+          }
+        }
+      } else {
+#pragma unroll
+        for (int k = 0; k < KMAX; ++k) {
+          const int o = L.slot(false, lane, k);
+          if (k < L.K && o < lim) codes[o] = quantize_nearest(tab, norm(vals[k]), steps);
+        }
       }
     }
   }
@@ -51,10 +75,11 @@ template <typename T, int KMAX>
 __global__ void __launch_bounds__(kThreads)
     dequantize_kernel(const int64_t* __restrict__ tile_start, const QuantEntry* __restrict__ entries,
                       int n_tensors, int64_t total_tiles, int B, const float* __restrict__ map) {
+  using C = typename ComputeOf<T>::type;
   __shared__ float keys[kCodeSize];
   keys[threadIdx.x] = map[threadIdx.x];
   __syncthreads();
-  const QuantLayout L(B);
+  const QuantLayout<KMAX> L(B);
   const int grp = threadIdx.x / L.G, lane = threadIdx.x % L.G;
   TensorCursor cur;
   for (int64_t tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
@@ -68,16 +93,31 @@ __global__ void __launch_bounds__(kThreads)
     const float scale = e.absmax[qb];
     const uint8_t* codes = e.codes + start;
     out += start;
-    uint8_t q[KMAX];  // the tile's codes first: a store to `out` in between would serialize the loads
+    if (lim == B && quad_aligned<T>(e.out, e.out, e.codes, e.codes)) {
+      uint32_t w[KMAX / 4];  // the tile's codes first: a store to `out` in between would serialize the loads
+#pragma unroll
+      for (int j = 0; j < KMAX / 4; ++j) w[j] = 4 * j < L.K ? ld4(codes, L.slot(true, lane, 4 * j)) : 0u;
+#pragma unroll
+      for (int j = 0; j < KMAX / 4; ++j) {
+        if (4 * j < L.K) {
+          Quad<T> a;
+#pragma unroll
+          for (int t = 0; t < 4; ++t) st(a.v, t, (C)(keys[(w[j] >> (8 * t)) & 0xFFu] * scale));
+          st4(out, L.slot(true, lane, 4 * j), a);
+        }
+      }
+      continue;
+    }
+    uint8_t q[KMAX];
 #pragma unroll
     for (int k = 0; k < KMAX; ++k) {
-      const int o = lane + k * L.G;
+      const int o = L.slot(false, lane, k);
       q[k] = k < L.K && o < lim ? codes[o] : (uint8_t)0;
     }
 #pragma unroll
     for (int k = 0; k < KMAX; ++k) {
-      const int o = lane + k * L.G;
-      if (k < L.K && o < lim) st(out, o, (typename ComputeOf<T>::type)(keys[q[k]] * scale));
+      const int o = L.slot(false, lane, k);
+      if (k < L.K && o < lim) st(out, o, (C)(keys[q[k]] * scale));
     }
   }
 }

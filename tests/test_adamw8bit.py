@@ -346,13 +346,18 @@ def test_refuses_sparse_grads(impl):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_matches_cpu_no_host_sync(built, monkeypatch, dtype):
+@pytest.mark.parametrize("offset", [0, 1])
+def test_cuda_matches_cpu_no_host_sync(built, monkeypatch, dtype, offset):
     """The CUDA kernels against the CPU extension on the same run (codes may differ by one at near-ties:
-    the GPU contracts a*b+c into fma), with GradScaler on the device, and no host sync inside step()."""
+    the GPU contracts a*b+c into fma), with GradScaler on the device, and no host sync inside step().
+    offset=1: each param one element into its memory, so the kernel takes it element by element (no vector
+    loads and stores)."""
     monkeypatch.setenv("FASTOPT_BACKEND", "auto")
     init, grads = _problem(seed=6, steps=20)
     cpu, _ = _run(_ours, init, grads, dtype)
-    ps = [torch.nn.Parameter(x.to("cuda", dtype)) for x in init]
+    ps = [torch.nn.Parameter(torch.cat([x.new_zeros(offset), x.reshape(-1)]).to("cuda", dtype)[offset:].view(x.shape))
+          for x in init]
+    assert offset == 0 or all(p.data_ptr() % 16 for p in ps)
     opt = _ours(ps)
     for t, gs in enumerate(grads):
         for p, g in zip(ps, gs):

@@ -445,9 +445,11 @@ def test_kernel_sources_include_no_torch():
 @pytest.mark.gpu
 @pytest.mark.parametrize("block_size", [64, 256, 2048, 4096])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_cuda_matches_reference_bitwise(built, block_size, dtype):
+@pytest.mark.parametrize("offset", [0, 1])
+def test_cuda_matches_reference_bitwise(built, block_size, dtype, offset):
     """The CUDA kernels' codes, absmax and dequantized values equal the reference's, and run on the
-    current stream with no host sync."""
+    current stream with no host sync. offset=1: input and codes one element into their memory, so no block
+    is aligned for the kernels' vector loads and stores (they go element by element)."""
     x = _data(block_size * 37 + 3, dtype=dtype, seed=3)
     for signed in (True, False):
         xs = x if signed else x.abs()
@@ -455,13 +457,15 @@ def test_cuda_matches_reference_bitwise(built, block_size, dtype):
         c2, a2 = R.quantize_blockwise(xs, block_size, signed)
         stream = torch.cuda.Stream()
         with torch.cuda.stream(stream):
-            xc = xs.cuda()
+            xc = torch.cat([xs.new_zeros(offset), xs]).cuda()[offset:]
             torch.cuda.set_sync_debug_mode("error")
             try:
                 c1, a1 = torch.ops.fastopt.quantize_blockwise(xc, code, block_size)
+                c1 = torch.cat([c1.new_zeros(offset), c1])[offset:]
                 y1 = torch.ops.fastopt.dequantize_blockwise(c1, a1, code, block_size, dtype)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         stream.synchronize()
+        assert offset == 0 or (xc.data_ptr() % (4 * xc.element_size()) and c1.data_ptr() % 4)
         assert torch.equal(c1.cpu(), c2) and torch.equal(a1.cpu(), a2)
         assert torch.equal(y1.cpu(), R.dequantize_blockwise(c2, a2, block_size, signed, dtype))

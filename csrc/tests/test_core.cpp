@@ -39,6 +39,84 @@ static void test_block_sizes() {
   CHECK(quant_tile(64) == 1024 && quant_tile(1024) == 1024 && quant_tile(4096) == 4096, "quant_tile");
 }
 
+// div_fast (the GPU's division by one value, many times) against the IEEE division, bit for bit: every fp32
+// significand of x in one binade (the result scales with x's exponent while nothing under- or overflows) for b
+// of varied significands (1, all ones, random), quotients near a midpoint between two fp32 values, and random
+// x, b over its exact range, the edges included; outside it, within an ulp (Divisor's use); the host's
+// Divisor and Normalizer divide.
+static uint32_t bits_of(float x) {
+  uint32_t u;
+  memcpy(&u, &x, sizeof(u));
+  return u;
+}
+
+static void test_divisor() {
+  std::mt19937 rng(99);
+  std::vector<float> bs = {1.0f, 1.5f, 0x1.fffffep0f, 0x1.000002p0f, 0x1.800002p0f, 0x1.7ffffep0f, 3.0f, 0.7f, 1e-3f};
+  std::uniform_int_distribution<uint32_t> mant(0, (1u << 23) - 1);
+  for (int i = 0; i < 7; ++i) bs.push_back(bits_float(0x3F800000u | mant(rng)));
+  long bad = 0;
+  for (float b : bs) {
+    const float r = 1.0f / b;
+    for (uint32_t m = 0; m < (1u << 23); ++m) {
+      for (uint32_t e : {0x3F800000u, 0x3F000000u}) {  // x in [1, 2) and [0.5, 1): quotients on both sides of b
+        const float x = bits_float(e | m);
+        if (bits_of(div_fast(x, b, r)) != bits_of(x / b) || bits_of(div_fast(-x, b, r)) != bits_of(-x / b)) ++bad;
+      }
+    }
+  }
+  CHECK(bad == 0, "div_fast differs from the division for %ld x over every significand", bad);
+  // Near-midpoint quotients: x = b (q + ulp(q) / 2) rounded, and its neighbours.
+  std::uniform_real_distribution<float> unit(1.0f, 2.0f);
+  std::uniform_int_distribution<int> expo(-60, 59);
+  bad = 0;
+  long tried = 0;
+  for (int i = 0; i < 200000; ++i) {
+    const float b = ldexpf(unit(rng), expo(rng)), q = unit(rng);
+    const double mid = ((double)q + (double)(nextafterf(q, 4.0f) - q) / 2.0) * (double)b;
+    float x = (float)mid;
+    for (int k = 0; k < 3; ++k, x = nextafterf(x, INFINITY)) {
+      if (!div_fast_ok(x) || !div_fast_ok(b)) continue;
+      ++tried;
+      if (bits_of(div_fast(x, b, 1.0f / b)) != bits_of(x / b)) ++bad;
+    }
+  }
+  CHECK(bad == 0 && tried > 500000, "div_fast differs at %ld of %ld near-midpoint quotients", bad, tried);
+  // Random x and b over the range, the edges 2^-60 and 2^60 included.
+  std::uniform_int_distribution<int> wide(-60, 60);
+  bad = 0;
+  for (int i = 0; i < 2000000; ++i) {
+    float x = ldexpf(unit(rng), wide(rng)), b = ldexpf(unit(rng), wide(rng));
+    if (i % 7 == 0) x = i % 2 ? kDivLo : kDivHi;
+    if (i % 11 == 0) b = i % 2 ? kDivLo : kDivHi;
+    if (!div_fast_ok(x) || !div_fast_ok(b)) continue;
+    if (bits_of(div_fast(x, b, 1.0f / b)) != bits_of(x / b)) ++bad;
+  }
+  CHECK(bad == 0, "div_fast differs from the division for %ld random pairs", bad);
+  CHECK(div_fast_ok(kDivLo) && div_fast_ok(-kDivHi) && !div_fast_ok(0.0f) && !div_fast_ok(NAN) &&
+            !div_fast_ok(INFINITY) && !div_fast_ok(nextafterf(kDivLo, 0.0f)) && !div_fast_ok(nextafterf(kDivHi, 1e38f)),
+        "div_fast_ok's range");
+  // Outside the range (Divisor on a GPU): within one unit of the last place of the quotient, or of the
+  // subnormal grid, for every x from the smallest subnormal to 2^127 and b of AdamW's sqrt(1 - beta2^t).
+  std::uniform_int_distribution<int> any(-149, 127);
+  std::uniform_real_distribution<float> bc(1e-3f, 1.0f);
+  double worst = 0.0;
+  for (int i = 0; i < 2000000; ++i) {
+    const float x = ldexpf(unit(rng), any(rng)), b = bc(rng);
+    const float got = div_fast(x, b, 1.0f / b), want = x / b;
+    if (!std::isfinite(want)) continue;
+    const float unit_last = fmaxf(nextafterf(fabsf(want), INFINITY) - fabsf(want), 0x1p-149f);
+    worst = std::max(worst, (double)fabsf(got - want) / unit_last);
+  }
+  CHECK(worst <= 1.0, "div_fast outside its exact range: %g units of the last place off", worst);
+  for (float x : {0.0f, -0.0f, 1e-30f, 3e30f, 0.3f, NAN, INFINITY}) {
+    CHECK(bits_of(Divisor<float>(0.75f).divide(x)) == bits_of(x / 0.75f), "Divisor(%g)", (double)x);
+    CHECK(bits_of(Normalizer(0.75f)(x)) == bits_of(normalize(x, 0.75f)), "Normalizer(%g)", (double)x);
+  }
+  CHECK(normalize(0.5f, 0.0f) == 0.0f && Normalizer(0.0f)(0.0f) == 0.0f && normalize(-3.0f, 4.0f) == -0.75f,
+        "normalize");
+}
+
 static void test_search() {
   for (bool is_signed : {true, false}) {
     const std::vector<float> map = dynamic_map(is_signed);
@@ -343,6 +421,7 @@ static void test_adamw32() {
 
 int main() {
   test_block_sizes();
+  test_divisor();
   test_search();
   test_search_tables();
   test_quantize_roundtrip();

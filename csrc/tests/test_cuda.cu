@@ -48,6 +48,13 @@ static std::vector<T> to_host(const T* d, size_t n) {
   return v;
 }
 
+template <typename T>
+static std::vector<T> shifted(const std::vector<T>& v, int shift) {  // `shift` zeros, then v
+  std::vector<T> out(shift, T(0));
+  out.insert(out.end(), v.begin(), v.end());
+  return out;
+}
+
 static std::vector<float> linear_map(bool is_signed) {  // any sorted 256-value map serves the comparison
   std::vector<float> m(256);
   for (int j = 0; j < 256; ++j) m[j] = is_signed ? -1.0f + 2.0f * j / 255.0f : (float)j / 255.0f;
@@ -55,7 +62,8 @@ static std::vector<float> linear_map(bool is_signed) {  // any sorted 256-value 
   return m;
 }
 
-static void test_quantize(int64_t B, const std::vector<float>& map) {
+// shift: the device tensors start that many elements into their allocations (1: no vector loads or stores).
+static void test_quantize(int64_t B, const std::vector<float>& map, int shift) {
   SearchTables t;
   cpu::build_search_tables(map.data(), &t);
   std::vector<int64_t> ns = {3000, 0, 1, 70000};
@@ -76,9 +84,9 @@ static void test_quantize(int64_t B, const std::vector<float>& map) {
   }
   for (size_t i = 0; i < ns.size(); ++i) {
     host_entries.push_back({xs[i].data(), codes[i].data(), absmax[i].data(), nullptr, ns[i]});
-    d_codes.push_back(to_dev(codes[i]));
+    d_codes.push_back(to_dev(shifted(codes[i], shift)) + shift);
     d_absmax.push_back(to_dev(absmax[i]));
-    dev_entries.push_back({to_dev(xs[i]), d_codes[i], d_absmax[i], nullptr, ns[i]});
+    dev_entries.push_back({to_dev(shifted(xs[i], shift)) + shift, d_codes[i], d_absmax[i], nullptr, ns[i]});
   }
   std::vector<int64_t> ts(ns.size() + 1);
   const int64_t total = cpu::fill_tile_start(ns.data(), (int)ns.size(), quant_tile(B), ts.data());
@@ -89,12 +97,14 @@ static void test_quantize(int64_t B, const std::vector<float>& map) {
   CUDA_OK(cuda::quantize(DType::F32, d_ts, d_e, (int)ns.size(), total, B, d_map, nullptr, 0));
   CUDA_OK(cudaDeviceSynchronize());
   for (size_t i = 0; i < ns.size(); ++i) {
-    CHECK(to_host(d_codes[i], ns[i]) == codes[i], "B=%lld tensor %zu: codes differ", (long long)B, i);
-    CHECK(to_host(d_absmax[i], absmax[i].size()) == absmax[i], "B=%lld tensor %zu: absmax differs", (long long)B, i);
+    CHECK(to_host(d_codes[i], ns[i]) == codes[i], "B=%lld shift %d tensor %zu: codes differ", (long long)B, shift,
+          i);
+    CHECK(to_host(d_absmax[i], absmax[i].size()) == absmax[i], "B=%lld shift %d tensor %zu: absmax differs",
+          (long long)B, shift, i);
   }
 }
 
-static void test_adamw8bit(int64_t B, const std::vector<float>& m1, const std::vector<float>& m2) {
+static void test_adamw8bit(int64_t B, const std::vector<float>& m1, const std::vector<float>& m2, int shift) {
   SearchTables t1, t2;
   cpu::build_search_tables(m1.data(), &t1);
   cpu::build_search_tables(m2.data(), &t2);
@@ -105,14 +115,15 @@ static void test_adamw8bit(int64_t B, const std::vector<float>& m1, const std::v
   std::vector<uint8_t> c1(n, 127), c2(n, 0);
   for (auto& v : p) v = nd(rng);
   float step = 1.0f, inv = 0.25f;
-  float *d_p = to_dev(p), *d_g, *d_a1 = to_dev(a1), *d_a2 = to_dev(a2), *d_step = to_dev(std::vector<float>{1.0f});
-  uint8_t *d_c1 = to_dev(c1), *d_c2 = to_dev(c2);
+  float *d_p = to_dev(shifted(p, shift)) + shift, *d_g, *d_a1 = to_dev(a1), *d_a2 = to_dev(a2);
+  float* d_step = to_dev(std::vector<float>{1.0f});
+  uint8_t *d_c1 = to_dev(shifted(c1, shift)) + shift, *d_c2 = to_dev(shifted(c2, shift)) + shift;
   float* d_inv = to_dev(std::vector<float>{inv});
   const AdamWHyper h{1e-3, 0.9, 0.999, 1e-8, 0.01};
   int64_t ts[2];
   const int64_t total = cpu::fill_tile_start(&n, 1, quant_tile(B), ts);
   for (auto& v : g) v = nd(rng);
-  d_g = to_dev(g);
+  d_g = to_dev(shifted(g, shift)) + shift;
   AdamWEntry he{p.data(), g.data(), c1.data(), c2.data(), a1.data(), a2.data(), &step, n};
   AdamWEntry de{d_p, d_g, d_c1, d_c2, d_a1, d_a2, d_step, n};
   cpu::adamw8bit_tiles(DType::F32, &he, ts, 1, B, t1, t2, h, inv, 0, total);
@@ -132,14 +143,16 @@ static void test_adamw8bit(int64_t B, const std::vector<float>& m1, const std::v
     far += d1 > 1 || d2 > 1;
     near += d1 == 1 || d2 == 1;
   }
-  CHECK(dp < 1e-5, "B=%lld: params differ by %g (relative)", (long long)B, dp);
-  CHECK(far == 0 && near <= n / 1000, "B=%lld: %d codes off by more than one, %d by one", (long long)B, far, near);
+  CHECK(dp < 1e-5, "B=%lld shift %d: params differ by %g (relative)", (long long)B, shift, dp);
+  CHECK(far == 0 && near <= n / 1000, "B=%lld shift %d: %d codes off by more than one, %d by one", (long long)B,
+        shift, far, near);
   // found_inf: nothing changes.
   float* d_fi = to_dev(std::vector<float>{1.0f});
   const std::vector<float> before = to_host(d_p, n);
   CUDA_OK(cuda::adamw8bit(DType::F32, d_ts, d_e, 1, total, B, d_m1, d_m2, h, d_inv, d_fi, 0));
   CUDA_OK(cudaDeviceSynchronize());
-  CHECK(to_host(d_p, n) == before && to_host(d_c1, n) == g1, "B=%lld: found_inf step wrote", (long long)B);
+  CHECK(to_host(d_p, n) == before && to_host(d_c1, n) == g1, "B=%lld shift %d: found_inf step wrote", (long long)B,
+        shift);
 }
 
 int main() {
@@ -149,10 +162,12 @@ int main() {
     return 77;
   }
   for (int64_t B : {64, 256, 1024, 2048, 4096}) {
-    // the maps' search tables are built on the host for the CPU kernels and by every CUDA block for its own
-    for (const auto& map : {linear_map(true), dynamic_map(true), crowded_map()}) test_quantize(B, map);
-    test_adamw8bit(B, linear_map(true), linear_map(false));
-    test_adamw8bit(B, dynamic_map(true), dynamic_map(false));
+    for (int shift : {0, 1}) {  // whole blocks in vectors, and (shifted) element by element
+      // the maps' search tables are built on the host for the CPU kernels and by every CUDA block for its own
+      for (const auto& map : {linear_map(true), dynamic_map(true), crowded_map()}) test_quantize(B, map, shift);
+      test_adamw8bit(B, linear_map(true), linear_map(false), shift);
+      test_adamw8bit(B, dynamic_map(true), dynamic_map(false), shift);
+    }
   }
   if (failures) fprintf(stderr, "%d check(s) failed\n", failures);
   else printf("all CUDA tests passed\n");
