@@ -431,6 +431,23 @@ def test_nvcc_compiles_every_cu_file(tmp_path):
         assert (tmp_path / (f.stem + ".o")).stat().st_size > 0
 
 
+@pytest.mark.gpu
+def test_cuda_unit_test_passes(tmp_path):
+    """csrc/tests/test_cuda.cu (the CUDA kernels against the CPU kernels, without torch: every block size, whole
+    blocks in vectors and tensors one element off their alignment) built with nvcc alone and run on this GPU."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc not installed")
+    major, minor = torch.cuda.get_device_capability()
+    exe = tmp_path / "test_cuda"
+    cmd = [nvcc, f"-arch=sm_{major}{minor}", "-std=c++17", "-O3", "-I", str(CSRC), str(CSRC / "tests" / "test_cuda.cu"),
+           str(CSRC / "quant_cuda.cu"), str(CSRC / "adamw_cuda.cu"), str(CSRC / "cpu_kernels.cpp"), "-o", str(exe)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
+    r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "all CUDA tests passed" in r.stdout, f"{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
+
+
 def test_kernel_sources_include_no_torch():
     """Only bindings.cpp may include torch: the kernels build with nvcc/g++ alone."""
     for f in CSRC.rglob("*"):
