@@ -75,6 +75,9 @@ def _rank(rank: int, args: argparse.Namespace, init: str, out: str) -> None:
                  "torch": torch.__version__, "steps": args.steps, "host_ms": statistics.median(host),
                  "launches": profile_step._NoLaunch.count / args.steps}
             Path(out).write_text(json.dumps(r))
+        # Leave together: a rank that tears its gloo pairs down while the other still holds them can abort that
+        # one ("terminate called without an active exception": rank 0 exited with -6 once in CI, under load).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
