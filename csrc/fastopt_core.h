@@ -219,11 +219,12 @@ FO_HD float div_fast(float x, float b, float r) {
 #endif
 }
 
-// Division by one b, many times (AdamW's sqrt(v) / sqrt(1 - beta2^t)): on a GPU, div_fast for any x while b is
-// in its range (checked once), with no check per value: the IEEE quotient for x in range too, and within one
-// unit of the last place (of the subnormal grid, for tiny quotients) outside it, where the GPU's contracted
-// multiply-adds elsewhere in the update already differ from the host's by as much. The host divides (the same
-// quotients, without a software fma where the CPU has none). fp64: the division.
+// Division by one b, many times (AdamW's sqrt(v) / sqrt(1 - beta2^t)): on a GPU, div_fast while b is in its
+// range (checked once) and |x| <= kDivHi (`fast_for`: one compare; an Inf or NaN x divides, since div_fast would
+// give NaN for x = Inf, where the division gives Inf and the update m / Inf = 0): the IEEE quotient for x in
+// range, within one unit of the last place (of the subnormal grid, for tiny quotients) below it, where the GPU's
+// contracted multiply-adds elsewhere in the update already differ from the host's by as much. The host divides
+// (the same quotients, without a software fma where the CPU has none). fp64: the division.
 template <typename C>
 struct Divisor {
   C b = (C)1;
@@ -238,9 +239,10 @@ struct Divisor<float> {
   bool fast = true;  // b in div_fast's range
   Divisor() = default;
   FO_HD explicit Divisor(float d) : b(d), r(1.0f / d), fast(div_fast_ok(d)) {}
+  FO_HD bool fast_for(float x) const { return fast && fabsf(x) <= kDivHi; }
   FO_HD float divide(float x) const {
 #if defined(__CUDA_ARCH__)
-    if (fast) return div_fast(x, b, r);
+    if (fast_for(x)) return div_fast(x, b, r);
 #endif
     return x / b;
   }

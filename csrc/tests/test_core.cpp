@@ -109,6 +109,18 @@ static void test_divisor() {
     worst = std::max(worst, (double)fabsf(got - want) / unit_last);
   }
   CHECK(worst <= 1.0, "div_fast outside its exact range: %g units of the last place off", worst);
+  // What a GPU's Divisor sends to div_fast (fast_for): never an Inf or NaN (div_fast(Inf) is NaN, the division
+  // Inf: AdamW's m / Inf = 0 became a NaN param), and every value it does send is within an ulp of the division.
+  const Divisor<float> bc2(0.0316f);
+  for (float x : {INFINITY, -INFINITY, NAN, 3e38f, nextafterf(kDivHi, INFINITY)})
+    CHECK(!bc2.fast_for(x), "%g", (double)x);
+  for (float x : {kDivHi, 1e-40f, 0.0f, 1e-10f, 7.5f}) {
+    CHECK(bc2.fast_for(x), "%g", (double)x);
+    const float got = div_fast(x, bc2.b, bc2.r), want = x / bc2.b;
+    CHECK(fabsf(got - want) <= fmaxf(nextafterf(fabsf(want), INFINITY) - fabsf(want), 0x1p-149f),
+          "div_fast(%g) = %g, division %g", (double)x, (double)got, (double)want);
+  }
+  CHECK(!Divisor<float>(INFINITY).fast_for(1.0f) && !Divisor<float>(0.0f).fast_for(1.0f), "fast_for's divisor");
   for (float x : {0.0f, -0.0f, 1e-30f, 3e30f, 0.3f, NAN, INFINITY}) {
     CHECK(bits_of(Divisor<float>(0.75f).divide(x)) == bits_of(x / 0.75f), "Divisor(%g)", (double)x);
     CHECK(bits_of(Normalizer(0.75f)(x)) == bits_of(normalize(x, 0.75f)), "Normalizer(%g)", (double)x);
