@@ -1272,57 +1272,6 @@ def test_galore_launches_do_not_grow_with_sharded_params(pool):
     assert one == three and max(one) <= 5, (one, three)
 
 
-def _exchange_flat_case(rank, world, backend):
-    """GaLore on DTensor pieces whose moments are sharded (MomentExchange) over a 1-D mesh: Shard(0), Shard(1),
-    a 3-D batch, uneven rows, and a plain param; run with the exchange's flat index packing (what a GPU takes)
-    and with its copies param by param (a CPU's). Returns whether each run took its path, and whether the params
-    and states came out bit-identical."""
-    import os
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-    from fastopt.reference.galore import MomentExchange
-    mesh = init_device_mesh("cpu", (world,))
-    specs = [((16, 24), 0), ((24, 40), 1), ((8, 6, 10), 0), ((13, 9), 0), ((12,), 0)]
-    runs, used = [], []
-    orig_scatter, orig_flat = MomentExchange.scatter, MomentExchange.FLAT_DEVICES
-
-    def scatter(self):
-        used[-1].add(self.indices is not None)
-        return (yield from orig_scatter(self))
-    os.environ["FASTOPT_BACKEND"] = backend
-    MomentExchange.scatter = scatter
-    try:
-        for flat in (("cpu",), ()):
-            MomentExchange.FLAT_DEVICES = flat
-            used.append(set())
-            g = torch.Generator().manual_seed(4)
-            params = [torch.nn.Parameter(distribute_tensor(torch.randn(shape, generator=g), mesh, [Shard(d)],
-                                                           src_data_rank=None)) for shape, d in specs]
-            opt = _galore(params)
-            for _ in range(7):
-                for p, (shape, d) in zip(params, specs):
-                    p.grad = distribute_tensor(torch.randn(shape, generator=g), mesh, [Shard(d)], src_data_rank=None)
-                opt.step()
-            runs.append(([p.to_local().clone() for p in params],
-                         [{k: v.to_local() if hasattr(v, "to_local") else v for k, v in opt.state[p].items()}
-                          for p in params]))
-    finally:
-        MomentExchange.scatter, MomentExchange.FLAT_DEVICES = orig_scatter, orig_flat
-        os.environ["FASTOPT_BACKEND"] = "torch"
-    (pa, sa), (pb, sb) = runs
-    same = all(torch.equal(x, y) for x, y in zip(pa, pb)) and all(
-        sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a) for a, b in zip(sa, sb))
-    return used, same
-
-
-@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_interpreter)])
-def test_galore_exchange_flat_indices_match_copies(pool, backend):
-    """The moment exchange's packing by flat indices (one index_select each way for a bucket, on a GPU) sends
-    and unpacks exactly what its copies param by param (a CPU's) do: the same params and states bit for bit."""
-    for used, same in pool.run(_exchange_flat_case, backend):
-        assert used == [{True}, {False}] and same, (used, same)
-
-
 @needs_interpreter
 @pytest.mark.parametrize("mode", KERNEL_MODES)
 @pytest.mark.parametrize("name", ["adafactor", "came", "galore"])

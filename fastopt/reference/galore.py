@@ -445,20 +445,6 @@ def moment_dim(whole, world: int) -> int:
     return next((d for d, n in enumerate(whole) if n >= world), max(range(len(whole)), key=lambda d: whole[d]))
 
 
-def _one_span(tensors: list[Tensor]) -> Tensor | None:
-    """The flat view of the memory `tensors` fill one after the other (each contiguous, the next starting where
-    the previous ends, one storage), or None."""
-    t0 = tensors[0]
-    at = t0.data_ptr()
-    for t in tensors:
-        if not t.is_contiguous() or t.data_ptr() != at or t.untyped_storage().data_ptr() != \
-                t0.untyped_storage().data_ptr():
-            return None
-        at += t.numel() * t.element_size()
-    total = sum(t.numel() for t in tensors)
-    return t0.as_strided((total,), (1,))
-
-
 class MomentExchange:
     """The collectives of a bucket's projected params whose moments are sharded (`moment_cut`): `scatter`
     reduce-scatters their partial R's (each whole, viewed as (pre, D, post) around the cut dim D) so that each
@@ -468,23 +454,16 @@ class MomentExchange:
     (padding is summed and never read). The params' layouts (`layouts`, one per tensor of `wholes`) share one
     group (a bucket), not necessarily one mesh."""
 
-    # Device types that pack and unpack by flat indices: a GPU, where the copies param by param would be two or
-    # three small launches per param (hundreds a step) against two; not a CPU, where one gather element by
-    # element over the bucket costs more than the row copies it replaces.
-    FLAT_DEVICES = ("cuda",)
-
     def __init__(self, layouts: list, wholes: list[Tensor]):
         self.group = layouts[0].group
         self.world = dist.get_world_size(self.group)
         me = dist.get_rank(self.group)
         self.wholes, self.entries, col = wholes, [], 0
-        shares = []  # what the flat indices depend on
         for lay, r in zip(layouts, wholes):
             d = moment_dim(tuple(r.shape), self.world)
             n = r.shape[d]
             pre, post = math.prod(r.shape[:d]), math.prod(r.shape[d + 1:])
             ranges = lay.shard_ranges(n)
-            shares.append((pre, n, post, tuple(ranges)))
             c = max(size for _, size in ranges)
             key = ("galore_cut", n, str(r.device))
             if key not in lay._cache:
@@ -498,52 +477,16 @@ class MomentExchange:
             self.entries.append((col, (pre, n, post), c, (mine, ranges[me][1]), pick, pos))
             col += pre * c * post
         self.chunk = col
-        # On a GPU, wholes that lie one after the other in one flat buffer (as a bucket's R's do) pack into the
-        # send buffer and unpack from the gathered one in one index_select each, by flat indices made once per
-        # layout; others, and a CPU's, param by param (`FLAT_DEVICES`).
-        self.flat = _one_span(wholes) if wholes[0].device.type in self.FLAT_DEVICES else None
-        self.indices = None
-        if self.flat is not None:
-            key = ("galore_exchange", self.world, str(wholes[0].device), tuple(shares))
-            cache = layouts[0]._cache
-            if key not in cache:
-                cache[key] = self._flat_indices(shares)
-            self.indices = cache[key]
-
-    def _flat_indices(self, shares: list) -> tuple[Tensor, Tensor]:
-        """(send, recv): the send buffer as an index_select of the flat wholes (send.view(-1) = flat[send]),
-        and the flat wholes as one of the gathered buffer (flat = out.view(-1)[recv]), in `scatter`'s layout.
-        Made on the host from the shares (pre, n, post, every rank's (start, size) of the cut dim)."""
-        w = self.world
-        send = torch.zeros(w, self.chunk, dtype=torch.long)
-        recv, base = [], 0
-        for (col, _shape, c, _mine, _pick, _pos), (pre, n, post, ranges) in zip(self.entries, shares):
-            p_ = torch.arange(pre).view(pre, 1, 1)
-            q_ = torch.arange(post).view(1, 1, post)
-            rows = torch.zeros(w, c, dtype=torch.long)  # rank k's block: rows start.. of the whole, then padding
-            k_of, j_of = torch.empty(n, dtype=torch.long), torch.empty(n, dtype=torch.long)
-            for k, (start, size) in enumerate(ranges):
-                rows[k, :size] = torch.arange(start, start + size)
-                k_of[start:start + size] = k
-                j_of[start:start + size] = torch.arange(size)
-            send[:, col:col + pre * c * post] = (base + (p_ * n + rows.view(w, 1, c, 1)) * post + q_).reshape(w, -1)
-            recv.append((k_of.view(1, n, 1) * self.chunk + col + (p_ * c + j_of.view(1, n, 1)) * post + q_).reshape(-1))
-            base += pre * n * post
-        device = self.wholes[0].device
-        return send.view(-1).to(device), torch.cat(recv).to(device)
 
     def scatter(self):
         """Reduce-scatter (a generator: yields the request, fastopt.distributed.phases), then returns this
         rank's slice of each summed R (views of one receive buffer, shaped like the local moments)."""
         r0, w = self.wholes[0], self.world
-        if self.indices is not None:
-            send = self.flat.index_select(0, self.indices[0]).view(w, self.chunk)
-        else:
-            send = torch.empty(w, self.chunk, dtype=r0.dtype, device=r0.device)
-            for r, (col, (pre, n, post), c, _mine, pick, _pos) in zip(self.wholes, self.entries):
-                if pre * c * post:
-                    block = r.reshape(pre, n, post).index_select(1, pick).view(pre, w, c, post)
-                    send[:, col:col + pre * c * post].view(w, pre, c, post).copy_(block.transpose(0, 1))
+        send = torch.empty(w, self.chunk, dtype=r0.dtype, device=r0.device)
+        for r, (col, (pre, n, post), c, _mine, pick, _pos) in zip(self.wholes, self.entries):
+            if pre * c * post:
+                block = r.reshape(pre, n, post).index_select(1, pick).view(pre, w, c, post)
+                send[:, col:col + pre * c * post].view(w, pre, c, post).copy_(block.transpose(0, 1))
         self.recv = torch.empty(self.chunk, dtype=r0.dtype, device=r0.device)
         yield Exchange("reduce_scatter", self.recv, send, self.group)
         # This rank's slice of a param sits in its padded block (pre, c, post): a contiguous piece of it where
@@ -563,9 +506,6 @@ class MomentExchange:
                 block.copy_(piece.view(block.shape))
         out = torch.empty(w, self.chunk, dtype=r0.dtype, device=r0.device)
         yield Exchange("all_gather", out, self.recv, self.group)
-        if self.indices is not None:
-            torch.index_select(out.view(-1), 0, self.indices[1], out=self.flat)
-            return
         for r, (col, (pre, n, post), c, _mine, _pick, pos) in zip(self.wholes, self.entries):
             if pre * c * post:
                 block = out[:, col:col + pre * c * post].view(w, pre, c, post).transpose(0, 1)
