@@ -45,32 +45,10 @@ __global__ void __launch_bounds__(kThreads, KMAX == 4 ? 4 : 2)
     // compiler from issuing the next element's loads early (it cannot rule out aliasing).
     C pv[KMAX], gv[KMAX];
     uint8_t q1[KMAX], q2[KMAX];
-    if (vec) {
-#pragma unroll
-      for (int j = 0; j < KMAX / 4; ++j) {
-        const int o = L.slot(true, lane, 4 * j);
-        const bool in = 4 * j < L.K;
-        const Quad<T> a = in ? ld4(p, o) : Quad<T>{}, b = in ? ld4(g, o) : Quad<T>{};
-        const uint32_t w1 = in ? ld4(c1, o) : 0u, w2 = in ? ld4(c2, o) : 0u;
-#pragma unroll
-        for (int t = 0; t < 4; ++t) {
-          pv[4 * j + t] = (C)ld(a.v, t);
-          gv[4 * j + t] = (C)ld(b.v, t);
-          q1[4 * j + t] = (uint8_t)(w1 >> (8 * t));
-          q2[4 * j + t] = (uint8_t)(w2 >> (8 * t));
-        }
-      }
-    } else {
-#pragma unroll
-      for (int k = 0; k < KMAX; ++k) {
-        const int o = L.slot(false, lane, k);
-        const bool in = k < L.K && o < lim;
-        pv[k] = in ? (C)ld(p, o) : (C)0;
-        gv[k] = in ? (C)ld(g, o) : (C)0;
-        q1[k] = in ? c1[o] : (uint8_t)0;
-        q2[k] = in ? c2[o] : (uint8_t)0;
-      }
-    }
+    load_tile(L, vec, lane, lim, p, pv);
+    load_tile(L, vec, lane, lim, g, gv);
+    load_tile(L, vec, lane, lim, c1, q1);
+    load_tile(L, vec, lane, lim, c2, q2);
     float mq[KMAX], vq[KMAX];
     float new1 = 0.0f, new2 = 0.0f;
 #pragma unroll
@@ -87,23 +65,7 @@ __global__ void __launch_bounds__(kThreads, KMAX == 4 ? 4 : 2)
       new1 = fmaxf(new1, fabsf(mq[k]));
       new2 = fmaxf(new2, fabsf(vq[k]));
     }
-    if (vec) {
-#pragma unroll
-      for (int j = 0; j < KMAX / 4; ++j) {
-        if (4 * j < L.K) {
-          Quad<T> a;
-#pragma unroll
-          for (int t = 0; t < 4; ++t) st(a.v, t, pv[4 * j + t]);
-          st4(p, L.slot(true, lane, 4 * j), a);
-        }
-      }
-    } else {
-#pragma unroll
-      for (int k = 0; k < KMAX; ++k) {
-        const int o = L.slot(false, lane, k);
-        if (k < L.K && o < lim) st(p, o, pv[k]);
-      }
-    }
+    store_tile(L, vec, lane, lim, p, [&](int k) { return pv[k]; });
     // Every thread of the group has read the old absmax (its value feeds new1/new2) before lane 0 writes.
     float amax[2] = {new1, new2};
     group_max_n<2>(amax, L.G, red);
@@ -113,30 +75,8 @@ __global__ void __launch_bounds__(kThreads, KMAX == 4 ? 4 : 2)
         e.a2[qb] = amax[1];
       }
       const Normalizer norm1(amax[0]), norm2(amax[1]);
-      if (vec) {
-#pragma unroll
-        for (int j = 0; j < KMAX / 4; ++j) {
-          if (4 * j < L.K) {
-            uint8_t n1[4], n2[4];
-#pragma unroll
-            for (int t = 0; t < 4; ++t) {
-              n1[t] = quantize_nearest(tab1, norm1(mq[4 * j + t]), steps1);
-              n2[t] = quantize_nearest(tab2, norm2(vq[4 * j + t]), steps2);
-            }
-            st4(c1, L.slot(true, lane, 4 * j), n1);
-            st4(c2, L.slot(true, lane, 4 * j), n2);
-          }
-        }
-      } else {
-#pragma unroll
-        for (int k = 0; k < KMAX; ++k) {
-          const int o = L.slot(false, lane, k);
-          if (k < L.K && o < lim) {
-            c1[o] = quantize_nearest(tab1, norm1(mq[k]), steps1);
-            c2[o] = quantize_nearest(tab2, norm2(vq[k]), steps2);
-          }
-        }
-      }
+      store_tile(L, vec, lane, lim, c1, [&](int k) { return quantize_nearest(tab1, norm1(mq[k]), steps1); });
+      store_tile(L, vec, lane, lim, c2, [&](int k) { return quantize_nearest(tab2, norm2(vq[k]), steps2); });
     }
   }
 }

@@ -22,6 +22,8 @@ __device__ __forceinline__ void st(float* p, int64_t i, float v) { p[i] = v; }
 __device__ __forceinline__ void st(double* p, int64_t i, double v) { p[i] = v; }
 __device__ __forceinline__ void st(__nv_bfloat16* p, int64_t i, float v) { p[i] = __float2bfloat16_rn(v); }
 __device__ __forceinline__ void st(__half* p, int64_t i, float v) { p[i] = __float2half_rn(v); }
+__device__ __forceinline__ uint8_t ld(const uint8_t* p, int64_t i) { return p[i]; }  // 8-bit codes
+__device__ __forceinline__ void st(uint8_t* p, int64_t i, uint8_t v) { p[i] = v; }
 
 // The search tables of `map`, built by the kThreads threads of a block in its prologue: keys and thresholds
 // (one entry per thread), then the bucket starts (2 * kBuckets / kThreads per thread) and the block max of
@@ -42,27 +44,7 @@ __device__ __forceinline__ int block_limit(int64_t n, int64_t start, int B) {
   return start >= n ? 0 : n - start < B ? (int)(n - start) : B;
 }
 
-// How a CUDA block of kThreads threads covers one tile of quant_tile(B) elements: Q quantization blocks per
-// tile, G threads per quantization block, K elements per thread (K = 4 for every B up to kTileMin: the
-// KMAX = 4 instantiations know it at compile time; 8 or 16 above). A thread's K elements of a whole
-// quantization block whose tensors are aligned (`quad_aligned`) are K / 4 runs of 4 consecutive ones, each
-// one vector load or store per tensor (`slot`, vec = true; a warp still reads one contiguous span); those of
-// a partial last block or of an unaligned tensor are strided by G, one element per load (vec = false).
-template <int KMAX>
-struct QuantLayout {
-  int Q, G, K;
-  __device__ __forceinline__ explicit QuantLayout(int B) {
-    Q = B >= (int)kTileMin ? 1 : (int)kTileMin / B;
-    G = kThreads / Q;
-    K = KMAX == 4 ? 4 : B / G;
-  }
-  // Offset in its quantization block of the thread's element k.
-  __device__ __forceinline__ int slot(bool vec, int lane, int k) const {
-    return vec ? 4 * (lane + (k >> 2) * G) + (k & 3) : lane + k * G;
-  }
-};
-
-// Four consecutive elements, loaded or stored as one vector (2 x 16 bytes for fp64).
+// Four consecutive elements (codes: one 32-bit word), loaded or stored as one vector (2 x 16 bytes for fp64).
 template <typename T>
 struct alignas(4 * sizeof(T)) Quad {
   T v[4];
@@ -72,12 +54,6 @@ template <typename T>
 __device__ __forceinline__ Quad<T> ld4(const T* p, int o) { return *reinterpret_cast<const Quad<T>*>(p + o); }
 template <typename T>
 __device__ __forceinline__ void st4(T* p, int o, const Quad<T>& q) { *reinterpret_cast<Quad<T>*>(p + o) = q; }
-// Four codes as one 32-bit word (code t in byte t), and back.
-__device__ __forceinline__ uint32_t ld4(const uint8_t* p, int o) { return *reinterpret_cast<const uint32_t*>(p + o); }
-__device__ __forceinline__ void st4(uint8_t* p, int o, const uint8_t (&c)[4]) {
-  *reinterpret_cast<uint32_t*>(p + o) = (uint32_t)c[0] | (uint32_t)c[1] << 8 | (uint32_t)c[2] << 16 |
-                                        (uint32_t)c[3] << 24;
-}
 
 // Whether every quantization block of tensors at these addresses starts at a vector boundary: T elements in
 // runs of 4 (block starts are multiples of B >= 64 elements, so the tensors' own alignment decides), codes in
@@ -85,6 +61,50 @@ __device__ __forceinline__ void st4(uint8_t* p, int o, const uint8_t (&c)[4]) {
 template <typename T>
 __device__ __forceinline__ bool quad_aligned(const void* a, const void* b, const void* codes1, const void* codes2) {
   return (((uintptr_t)a | (uintptr_t)b) % (4 * sizeof(T)) | ((uintptr_t)codes1 | (uintptr_t)codes2) % 4) == 0;
+}
+
+// The thread's K elements of the quantization block at p (QuantLayout; `lim` elements in it), as V: vector
+// loads when `vec` (a whole block of aligned tensors), else one by one, zero past `lim` and in unused slots.
+template <int KMAX, typename T, typename V>
+__device__ __forceinline__ void load_tile(const QuantLayout<KMAX>& L, bool vec, int lane, int lim, const T* p,
+                                          V (&out)[KMAX]) {
+  if (vec) {
+#pragma unroll
+    for (int j = 0; j < KMAX / 4; ++j) {
+      const Quad<T> a = 4 * j < L.K ? ld4(p, L.slot(true, lane, 4 * j)) : Quad<T>{};
+#pragma unroll
+      for (int t = 0; t < 4; ++t) out[4 * j + t] = (V)ld(a.v, t);
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < KMAX; ++k) {
+      const int o = L.slot(false, lane, k);
+      out[k] = k < L.K && o < lim ? (V)ld(p, o) : (V)0;
+    }
+  }
+}
+
+// Stores value(k) (rounded to T) into the slots load_tile reads, computing each just before its store.
+template <int KMAX, typename T, typename F>
+__device__ __forceinline__ void store_tile(const QuantLayout<KMAX>& L, bool vec, int lane, int lim, T* p,
+                                           F&& value) {
+  if (vec) {
+#pragma unroll
+    for (int j = 0; j < KMAX / 4; ++j) {
+      if (4 * j < L.K) {
+        Quad<T> a;
+#pragma unroll
+        for (int t = 0; t < 4; ++t) st(a.v, t, value(4 * j + t));
+        st4(p, L.slot(true, lane, 4 * j), a);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < KMAX; ++k) {
+      const int o = L.slot(false, lane, k);
+      if (k < L.K && o < lim) st(p, o, value(k));
+    }
+  }
 }
 
 // Max of each of the N values v[i] over each aligned group of G threads (G a power of two, 16..256): one round

@@ -45,6 +45,27 @@ FO_HD bool valid_block_size(int64_t b) { return b >= kMinBlock && b <= kMaxBlock
 FO_HD int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 FO_HD int64_t quant_tile(int64_t block_size) { return block_size > kTileMin ? block_size : kTileMin; }
 
+// How a CUDA block of kThreads threads covers one tile of quant_tile(B) elements: Q quantization blocks per
+// tile, G threads per quantization block, K elements per thread (K = 4 for every B up to kTileMin: the
+// KMAX = 4 instantiations know it at compile time; 8 or 16 above). A thread's K elements of a whole
+// quantization block whose tensors are aligned are K / 4 runs of 4 consecutive ones, each one vector load or
+// store per tensor (`slot`, vec = true; a warp still reads one contiguous span); those of a partial last block
+// or of an unaligned tensor are strided by G, one element per load (vec = false). The C++ test checks that
+// both cover every block exactly once.
+template <int KMAX>
+struct QuantLayout {
+  int Q, G, K;
+  FO_HD explicit QuantLayout(int B) {
+    Q = B >= (int)kTileMin ? 1 : (int)kTileMin / B;
+    G = kThreads / Q;
+    K = KMAX == 4 ? 4 : B / G;
+  }
+  // Offset in its quantization block of the thread's element k.
+  FO_HD int slot(bool vec, int lane, int k) const {
+    return vec ? 4 * (lane + (k >> 2) * G) + (k & 3) : lane + k * G;
+  }
+};
+
 // One tensor of a multi-tensor quantize/dequantize call. Quantize reads `x` (dtype of the call) and writes
 // `codes`, `absmax`; dequantize reads `codes`, `absmax` and writes `out`. All fields are 8 bytes so that a
 // host array of entries is copied to the device as is.

@@ -28,45 +28,16 @@ __global__ void __launch_bounds__(kThreads, KMAX == 4 ? 4 : 2)
     const bool vec = lim == B && quad_aligned<T>(e.x, e.x, e.codes, e.codes);
     const T* x = static_cast<const T*>(e.x) + start;
     float vals[KMAX];
-    if (vec) {
-#pragma unroll
-      for (int j = 0; j < KMAX / 4; ++j) {
-        const Quad<T> a = 4 * j < L.K ? ld4(x, L.slot(true, lane, 4 * j)) : Quad<T>{};
-#pragma unroll
-        for (int t = 0; t < 4; ++t) vals[4 * j + t] = (float)ld(a.v, t);
-      }
-    } else {
-#pragma unroll
-      for (int k = 0; k < KMAX; ++k) {
-        const int o = L.slot(false, lane, k);
-        vals[k] = k < L.K && o < lim ? (float)ld(x, o) : 0.0f;
-      }
-    }
+    load_tile(L, vec, lane, lim, x, vals);
     float amax = 0.0f;
 #pragma unroll
     for (int k = 0; k < KMAX; ++k) amax = fmaxf(amax, fabsf(vals[k]));
     amax = group_max(amax, L.G, red);
     if (lim > 0) {
       if (lane == 0) e.absmax[qb] = amax;
-      uint8_t* codes = e.codes + start;
       const Normalizer norm(amax);
-      if (vec) {
-#pragma unroll
-        for (int j = 0; j < KMAX / 4; ++j) {
-          if (4 * j < L.K) {
-            uint8_t c[4];
-#pragma unroll
-            for (int t = 0; t < 4; ++t) c[t] = quantize_nearest(tab, norm(vals[4 * j + t]), steps);
-            st4(codes, L.slot(true, lane, 4 * j), c);
-          }
-        }
-      } else {
-#pragma unroll
-        for (int k = 0; k < KMAX; ++k) {
-          const int o = L.slot(false, lane, k);
-          if (k < L.K && o < lim) codes[o] = quantize_nearest(tab, norm(vals[k]), steps);
-        }
-      }
+      store_tile(L, vec, lane, lim, e.codes + start,
+                 [&](int k) { return quantize_nearest(tab, norm(vals[k]), steps); });
     }
   }
 }
@@ -91,34 +62,10 @@ __global__ void __launch_bounds__(kThreads)
     const int lim = block_limit(e.n, start, B);
     if (lim == 0) continue;
     const float scale = e.absmax[qb];
-    const uint8_t* codes = e.codes + start;
-    out += start;
-    if (lim == B && quad_aligned<T>(e.out, e.out, e.codes, e.codes)) {
-      uint32_t w[KMAX / 4];  // the tile's codes first: a store to `out` in between would serialize the loads
-#pragma unroll
-      for (int j = 0; j < KMAX / 4; ++j) w[j] = 4 * j < L.K ? ld4(codes, L.slot(true, lane, 4 * j)) : 0u;
-#pragma unroll
-      for (int j = 0; j < KMAX / 4; ++j) {
-        if (4 * j < L.K) {
-          Quad<T> a;
-#pragma unroll
-          for (int t = 0; t < 4; ++t) st(a.v, t, (C)(keys[(w[j] >> (8 * t)) & 0xFFu] * scale));
-          st4(out, L.slot(true, lane, 4 * j), a);
-        }
-      }
-      continue;
-    }
-    uint8_t q[KMAX];
-#pragma unroll
-    for (int k = 0; k < KMAX; ++k) {
-      const int o = L.slot(false, lane, k);
-      q[k] = k < L.K && o < lim ? codes[o] : (uint8_t)0;
-    }
-#pragma unroll
-    for (int k = 0; k < KMAX; ++k) {
-      const int o = L.slot(false, lane, k);
-      if (k < L.K && o < lim) st(out, o, (C)(keys[q[k]] * scale));
-    }
+    const bool vec = lim == B && quad_aligned<T>(e.out, e.out, e.codes, e.codes);
+    uint8_t q[KMAX];  // the tile's codes first: a store to `out` in between would serialize the loads
+    load_tile(L, vec, lane, lim, e.codes + start, q);
+    store_tile(L, vec, lane, lim, out + start, [&](int k) { return (C)(keys[q[k]] * scale); });
   }
 }
 

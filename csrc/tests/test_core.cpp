@@ -129,6 +129,30 @@ static void test_divisor() {
         "normalize");
 }
 
+// QuantLayout: for every block size, the slots of a quantization block's G threads (K each) cover the block
+// exactly once, in runs of 4 (vector layout) and strided by G (element layout), within both instantiations.
+template <int KMAX>
+static void check_layout(int B) {
+  const QuantLayout<KMAX> L(B);
+  CHECK(L.Q * B == (int)quant_tile(B) && L.Q * L.G == kThreads && L.G * L.K == B && L.K <= KMAX && L.K % 4 == 0,
+        "B=%d: Q=%d G=%d K=%d", B, L.Q, L.G, L.K);
+  for (bool vec : {true, false}) {
+    std::vector<int> hits(B, 0);
+    for (int lane = 0; lane < L.G; ++lane)
+      for (int k = 0; k < L.K; ++k) {
+        const int o = L.slot(vec, lane, k);
+        if (o >= 0 && o < B) ++hits[o];
+        if (vec && k % 4) CHECK(o == L.slot(vec, lane, k - k % 4) + k % 4, "B=%d: run of 4 broken", B);
+      }
+    CHECK(std::all_of(hits.begin(), hits.end(), [](int h) { return h == 1; }), "B=%d vec=%d: not a cover", B, vec);
+  }
+}
+
+static void test_quant_layout() {
+  for (int B : {64, 128, 256, 512, 1024}) check_layout<4>(B);
+  for (int B : {2048, 4096}) check_layout<16>(B);
+}
+
 static void test_search() {
   for (bool is_signed : {true, false}) {
     const std::vector<float> map = dynamic_map(is_signed);
@@ -434,6 +458,7 @@ static void test_adamw32() {
 int main() {
   test_block_sizes();
   test_divisor();
+  test_quant_layout();
   test_search();
   test_search_tables();
   test_quantize_roundtrip();
