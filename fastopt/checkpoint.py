@@ -82,7 +82,6 @@ cannot reshard; save those with their own layout.
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections import defaultdict
 
 import torch
@@ -90,7 +89,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import ops
-from .distributed.layout import local
+from .distributed.layout import dtensor_type, local
 from .reference import quant as q
 
 __all__ = ["StateDict", "dequantized_8bit", "DEQUANTIZED", "requantize", "is_dtensor"]
@@ -108,17 +107,8 @@ class StateDict(defaultdict):
         return True
 
 
-@functools.lru_cache(maxsize=None)
-def _dtensor_type():
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:
-        return ()
-    return DTensor
-
-
 def is_dtensor(t) -> bool:
-    return isinstance(t, _dtensor_type())
+    return isinstance(t, dtensor_type())
 
 
 def local_state(st: dict, p: Tensor) -> dict:

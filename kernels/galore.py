@@ -25,8 +25,12 @@ hyperparameters and GradScaler tensors go in, and where gradients moved (as they
 `zero_grad(set_to_none=True)`), copies of the job tables with their new addresses; the key is a few attribute
 reads per tensor. On this project's 2-core CPU with the launches stubbed out, the whole step() of that model went
 from 7.1 to 1.9 ms of host time, and from 8.7 to 2.4 ms with its gradients in new memory every step. Sharded
-params, whose collectives run between the launches, and full projections (buffers of their own) build them
-every step.
+buckets replay too: their collectives (the sum of R, the sharded moments' reduce-scatter and all-gather) run
+between the recorded launches, their receive buffer inside the scratch buffer; with the model's 201 tensors as
+Shard(0) DTensors on one gloo process, 20.6 ms of host time a step became 7.5-7.9 (`bench/profile_sharded.py
+--world 1`). Full projections (buffers of their own, T and W), pieces of several rectangles or of scattered
+indices (flat ZeRO ranges: buffers of their own, gathered bases) and uneven cuts of the moments along an inner dim
+(copied out of the receive buffer) build them every step.
 
 So the full-size update is never materialized: the back-projection's output tile goes straight into the
 parameter (read once, written once), and only rank-sized buffers (R, N, T, W) go through memory. A param
@@ -313,23 +317,33 @@ class _Record:
 
     A replay is valid while the step would build the same launches: the same tensors at the same addresses
     (params, states: `key`; gradients of the same shapes, dtypes, contiguity and alignment, wherever they are
-    now), the same kinds of launch, and nothing else in the job tables but offsets into the scratch buffer; so
-    the recording step collects the tables' absolute pointers (`absolute`), and its record is kept only when
-    each of them is the address of a param, state or gradient of the step (not, e.g., a contiguous copy of a
-    strided gradient or a buffer of its own). Each launch keeps its arguments with the step's own values left
-    as slots (the scratch buffer's address, the hyperparameters, GradScaler's tensors), which `replay` fills
-    with the current step's, and where its table holds gradients' addresses, those entries: gradients that
-    `zero_grad(set_to_none=True)` let go come back wherever the allocator puts them, and a table that names
-    them is copied again with their new addresses (the tables of the last few sets of addresses are kept)."""
+    now), the same layouts, the same kinds of launch, and nothing else in the job tables but offsets into the
+    scratch buffer; so the recording step collects the tables' absolute pointers (`absolute`), and its record is
+    kept only when each of them is the address of a param, state or gradient of the step (not, e.g., a
+    contiguous copy of a strided gradient or a buffer of its own). Each launch keeps its arguments with the
+    step's own values left as slots (the scratch buffer's address, the hyperparameters, GradScaler's tensors),
+    which `replay` fills with the current step's, and where its table holds gradients' addresses, those
+    entries: gradients that `zero_grad(set_to_none=True)` let go come back wherever the allocator puts them, and
+    a table that names them is copied again with their new addresses (the tables of the last few sets of
+    addresses are kept). The record keeps the bucket's plan too: a replay of sharded params runs its
+    collectives between the launches where the recording step ran them."""
 
     KEPT = 2  # sets of moved gradients' addresses whose tables are kept (two alternate under some allocators)
 
     def __init__(self, key: tuple, grads: tuple, addresses: frozenset):
         self.key, self.grads, self.addresses = key, grads, addresses
-        self.grad_index = {ptr: i for i, ptr in enumerate(grads)}  # the gradients' own addresses (see `of`)
+        # the gradients' own addresses (see `of`); an empty one's is 0, as a table's entry for no tensor is
+        self.grad_index = {ptr: i for i, ptr in enumerate(grads) if ptr}
         self.launches: list = []
         self.absolute: set = set()
         self.size = 0
+        # The step between its launches: the ranges of the scratch buffer zeroed before them, the bucket's
+        # BucketPlan (its collectives: the sum of R, the sharded moments' exchange) and where they fall among
+        # the launches (after the projections, after Adam).
+        self.zeros: list = []
+        self.plan = None
+        self.sharded = False
+        self.cuts: list[int] = []
         self.moved: dict = {}  # gradients' addresses -> each launch's table for them (None: the recorded one)
 
     @classmethod
@@ -337,10 +351,10 @@ class _Record:
         """A recorder for a step of `key` whose gradients sit at `grads`, or None where the tables could not tell
         a gradient's entries from others' (grad_entries finds them by address): one tensor for two params, or a
         gradient in a param's or a state's memory."""
-        others = _addresses(key)
-        if len(set(grads)) < len(grads) or not others.isdisjoint(grads):
+        others, real = _addresses(key), [ptr for ptr in grads if ptr]  # empty tensors (address 0) are in no table
+        if len(set(real)) < len(real) or not others.isdisjoint(real):
             return None
-        return cls(key, grads, others | frozenset(grads))
+        return cls(key, grads, others | frozenset(real))
 
     def complete(self) -> bool:
         return self.absolute <= self.addresses
@@ -373,24 +387,35 @@ class _Record:
         self.moved[grads] = tables
         return tables
 
-    def replay(self, buf: torch.Tensor, hyper, inv_scale, found_inf, grads: tuple) -> None:
+    def replay(self, buf: torch.Tensor, hyper, inv_scale, found_inf, grads: tuple):
+        """The recorded step over the scratch buffer `buf`: a generator that yields its collectives, as
+        galore_phases does."""
         values = {"base": buf.data_ptr(), "hyper": hyper, "inv_scale": inv_scale, "found_inf": found_inf}
         tables = self._tables(grads, buf.device) if grads != self.grads else [None] * len(self.launches)
-        for (kernel, grid, args, kw, slots, _), table in zip(self.launches, tables):
-            args = list(args)
-            for pos, what in slots:
-                args[pos] = values[what]
-            if table is not None:
-                args[0] = table
-            globals()[kernel][grid](*args, **kw)
+        for lo, hi in self.zeros:
+            buf[lo:hi].zero_()
+        bounds = [0, *self.cuts, len(self.launches)]
+        for seg, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+            if seg == 1:
+                yield from self.plan.reduce(buf, self.plan.views(buf), self.sharded)
+            elif seg == 2:
+                yield from self.plan.gather()
+            for (kernel, grid, args, kw, slots, _), table in zip(self.launches[lo:hi], tables[lo:hi]):
+                args = list(args)
+                for pos, what in slots:
+                    args[pos] = values[what]
+                if table is not None:
+                    args[0] = table
+                globals()[kernel][grid](*args, **kw)
 
 
 def _replay_key(params, grads, states, layouts, sharded, cache, flags) -> tuple | None:
-    """(key, the gradients' addresses) of a step's launches (see _Record), or None where a step is not replayed:
-    sharded params (their collectives and piece-wise products run between the launches) or no cache."""
-    if cache is None or sharded or any(lay is not None for lay in layouts):
+    """(key, the gradients' addresses) of a step's launches (see _Record), or None without a cache. The
+    params' layouts (objects kept per param by the optimizer: compared by identity) decide the pieces' products
+    and the collectives between the launches."""
+    if cache is None:
         return None
-    key, at = [flags], []
+    key, at = [(*flags, sharded, tuple(layouts))], []
     Tensor = torch.Tensor
     for p, g, s in zip(params, grads, states):
         at.append(g.data_ptr())
@@ -410,6 +435,7 @@ def _addresses(key: tuple) -> frozenset:
         out.add(entry[0])
     for entry in key[2::2]:
         out.update(t[1] for t in entry if len(t) > 1)
+    out.discard(0)  # empty tensors' address
     return frozenset(out)
 
 
@@ -641,7 +667,7 @@ def galore_phases(params, grads, states, *, lr, betas, eps, weight_decay, scale=
         key, at = keyed
         rec = cache.get("replay")
         if rec is not None and rec.key == key:
-            rec.replay(_scratch(rec.size, acc, device), hyper, inv_scale, found_inf, at)
+            yield from rec.replay(_scratch(rec.size, acc, device), hyper, inv_scale, found_inf, at)
             return
         record = _Record.of(key, at)
         if record is None:
@@ -652,7 +678,7 @@ def galore_phases(params, grads, states, *, lr, betas, eps, weight_decay, scale=
     works = [p if p.is_contiguous() else p.contiguous() for p in params]
     plan = BucketPlan(params, states, layouts)  # whole moments first: summed as a prefix of the buffer
     shapes, proj = plan.shapes, plan.proj
-    buf = _scratch(plan.size, acc, device)
+    buf = _scratch(plan.scratch_size, acc, device)
     rs, rects, bases, off = {}, {}, {}, 0
     firsts, seconds = {}, {}  # jobs launched together (_Launch.matmul's and adam's `group`)
     tables = _Tables(cache)
@@ -661,6 +687,10 @@ def galore_phases(params, grads, states, *, lr, betas, eps, weight_decay, scale=
                                   record=record)
     # Phase 1: every projected param's (partial) R into one flat buffer.
     zeros = []  # ranges of buf zeroed before the grouped products write a part of them
+    # Ranges zeroed right away (R of a param whose products rect.place adds in): a step that replays had no such
+    # products (they write buffers of their own, which no record keeps) but may have had empty pieces, whose R
+    # is zeros here.
+    cleared = []
     for i in proj:
         s = states[i]
         run = launch(s["step"])
@@ -680,8 +710,9 @@ def galore_phases(params, grads, states, *, lr, betas, eps, weight_decay, scale=
         if len(rects[i]) == 1:
             left, right = bases[i][0]
             into = rects[i][0].target(rs[i], rows=left is None, cols=right is None)
-        if into is None:
+        if into is None:  # now: rect.place adds into it below (a replay zeroes it with the others, see `cleared`)
             rs[i].zero_()
+            cleared.append((start, off))
         elif into.numel() < rs[i].numel():  # zeroed with its neighbours in the buffer, in one op
             if zeros and zeros[-1][1] == start:
                 zeros[-1] = (zeros[-1][0], off)
@@ -710,6 +741,8 @@ def galore_phases(params, grads, states, *, lr, betas, eps, weight_decay, scale=
         buf[lo:hi].zero_()
     _Launch.flush(firsts)
     _Launch.flush(seconds)
+    if record is not None:
+        record.cuts.append(len(record.launches))
     mine = yield from plan.reduce(buf, rs, sharded)
     # Phase 2: Adam (N over R, in place: over the rows kept here for sharded moments); plain AdamW, with the
     # update, for the params without a projection.
@@ -724,14 +757,15 @@ def galore_phases(params, grads, states, *, lr, betas, eps, weight_decay, scale=
     for i, (p, work) in enumerate(zip(params, works)):
         if i not in rs and work is not p:
             p.copy_(work)
+    if record is not None:
+        record.cuts.append(len(record.launches))
     yield from plan.gather()
     # Phase 3: the back-projection fused with the update of each rectangle.
     for i in proj:
         s, p, work, r = states[i], params[i], works[i], rs[i]
         run = launch(s["step"])
         for rect, (left, right) in zip(rects[i], bases[i]):
-            nloc = rect.pick(r, rows=left is None, cols=right is None)
-            nloc = nloc if nloc.is_contiguous() else nloc.contiguous()
+            nloc = rect.pick(r, rows=left is None, cols=right is None)  # a view where it can be: any strides
             p3 = rect.view(work)
             if left is not None and right is not None:
                 w = _scratch((nloc.shape[0], nloc.shape[1], right.shape[2]), acc, device)
@@ -747,7 +781,7 @@ def galore_phases(params, grads, states, *, lr, betas, eps, weight_decay, scale=
         if works[i] is not params[i]:
             params[i].copy_(works[i])
     if record is not None:
-        record.size = plan.size
+        record.size, record.zeros, record.plan, record.sharded = plan.scratch_size, zeros + cleared, plan, sharded
         if record.complete():
             cache["replay"] = record
         else:

@@ -299,9 +299,9 @@ def test_layouts_bench_galore_buffer_is_moment_exchange():
                 whole = projected_shape(s, rank, projection_side(s, "std"))
                 assert bl.shares(whole[0], (8, 8)) == [n for _, n in lay.shard_ranges(whole[0])], (s, whole)
                 lays.append(lay)
-                wholes.append(torch.empty(whole, device="meta"))
+                wholes.append(tuple(whole))
             assert c["projected"] == len(lays)
-            chunk = MomentExchange(lays, wholes).chunk  # each rank's share of the flat buffer
+            chunk = MomentExchange(lays, wholes, torch.device("meta")).chunk  # each rank's share of the flat buffer
             assert c["groups"]["world"]["buffer_elements"] == [64 * chunk] and c["buffer_bytes"] == 4 * 64 * chunk
             padding.append(c["groups"]["world"]["padding_elements"])
         assert padding[:2] == [0, 0] and padding[2] > 0  # e.g. (30, 1000): R (5, 1000), cut along its 1000 columns

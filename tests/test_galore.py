@@ -828,6 +828,75 @@ def test_dtensor_shards_match_single_process():
             assert max(x[d] for x in local) == -(-whole[d] // 4), (i, local, whole)
 
 
+def _dtensor_replay(rank, world, init, grads, nbits):
+    """Child: the DIST_CASES params as DTensors on the Triton back end, two optimizers stepped alike, one with
+    its launches replayed (kernels/galore.py's _Record) and one building them every step; returns whether the
+    params and states are bit-identical and the replays of each run."""
+    import os
+
+    from dist_utils import placement
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    from fastopt.distributed.layout import local
+    from fastopt.kernels import common
+    from fastopt.kernels import galore as k
+    meshes = {(4,): init_device_mesh("cpu", (4,), mesh_dim_names=("tp",)),
+              (2, 2): init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))}
+    plc = [(meshes[m], [placement(s) for s in pls]) for _, m, pls in DIST_CASES]
+    os.environ["FASTOPT_BACKEND"] = "triton"
+    common.POISON = True  # scratch buffers NaN: an element a replay leaves unwritten shows
+    real_key, real_replay, on, replays = k._replay_key, k._Record.replay, [True], []
+    k._replay_key = lambda *a: real_key(*a) if on[0] else None
+    k._Record.replay = lambda self, *a: replays.append(on[0]) or real_replay(self, *a)
+    try:
+        runs = []
+        for replay in (True, False):
+            params = [torch.nn.Parameter(distribute_tensor(x.clone(), m, pl, src_data_rank=None))
+                      for x, (m, pl) in zip(init, plc)]
+            opt = fastopt.GaLoreAdamW([{"params": params[:DIST_PROJ], **GROUP}, {"params": params[DIST_PROJ:]}],
+                                      lr=LR, weight_decay=WD, nbits=nbits, **SMALL_8BIT)
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1 / (1 + t))
+            runs.append((params, opt, sched, replay))
+        for step_grads in grads:
+            for params, opt, sched, replay in runs:
+                on[0] = replay
+                for p, g, (m, pl) in zip(params, step_grads, plc):  # new memory every step
+                    p.grad = distribute_tensor(g.clone(), m, pl, src_data_rank=None)
+                opt.step()
+                sched.step()
+    finally:
+        k._replay_key, k._Record.replay = real_key, real_replay
+        os.environ["FASTOPT_BACKEND"] = "torch"
+        common.POISON = False
+    (ours, opt_a, *_), (want, opt_b, *_) = runs
+    same = all(torch.equal(p.to_local(), q.to_local()) for p, q in zip(ours, want))
+    for p, q in zip(ours, want):
+        a, b = opt_a.state[p], opt_b.state[q]
+        same = same and set(a) == set(b) and all(torch.equal(local(a[key]), local(b[key])) for key in a)
+    return same, replays
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("nbits", [32, 8])
+def test_dtensor_replay_is_bit_identical(nbits):
+    """4 gloo ranks, DTensor params on two meshes (Shard(0) and Shard(1) pieces, _StridedShard, a replicated
+    matrix, a sharded vector in the plain group), gradients in new memory every step, a learning rate that
+    changes every step, refreshes inside the run, scratch buffers filled with NaN: after the first step each of
+    the three buckets (the sharded projected params, with their reduce-scatter and all-gather between the
+    launches; the replicated matrix of the same group, whose cache is its own; the sharded vector) replays the
+    launches it recorded, also on the ranks whose pieces of the 3-D param and of the vector are empty (their
+    part of R: zeros), and params and states are bit-identical to those of steps that build their launches."""
+    from dist_utils import run as dist_run
+    from fastopt import ops
+    if not (ops.triton_available() and ops.interpreting()):
+        pytest.skip("the Triton launches, under the interpreter")
+    init, grads = make_problem([c[0] for c in DIST_CASES], steps=DIST_STEPS, seed=2)
+    for same, replays in dist_run(_dtensor_replay, 4, init, grads, nbits):
+        assert same
+        assert replays == [True] * (3 * (DIST_STEPS - 1)), (len(replays), replays)  # 3 buckets, after the first step
+
+
 def _svd_failure(rank, world):
     """Child: three sharded params, a NaN in one rank's piece of the second one's gradient on the first (refresh)
     step, no GradScaler: only that param's SVD rank sees the NaN, and every rank must raise alike."""

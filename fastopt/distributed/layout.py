@@ -40,6 +40,7 @@ and pickling it raises (a process group does not pickle; save the optimizer's st
 """
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from dataclasses import dataclass, field
@@ -219,12 +220,19 @@ def local(t: Tensor) -> Tensor:
     return t.to_local() if _is_dtensor(t) else t
 
 
-def _is_dtensor(t) -> bool:
+@functools.lru_cache(maxsize=None)
+def dtensor_type():
+    """torch's DTensor class, or () where this torch has none (isinstance is then False); looked up once: this
+    runs for every param and state at every step."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:
-        return False
-    return isinstance(t, DTensor)
+        return ()
+    return DTensor
+
+
+def _is_dtensor(t) -> bool:
+    return isinstance(t, dtensor_type())
 
 
 def _shard_dim(placement) -> int | None:

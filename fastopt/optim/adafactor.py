@@ -131,7 +131,8 @@ class Adafactor(FastOptimizer):
         hyper = self._values(group, ("lr", "eps", "clip_threshold", "decay_rate", "beta1", "weight_decay",
                                      "scale_parameter", "relative_step", "warmup_init", "bf16_stochastic_round"))
         return ops.adafactor_phases(params, grads, states, inv_scale=scaler.inv_scale, found_inf=scaler.found_inf,
-                                    cache=self._plan_cache(group, params), layouts=layouts, sharded=sharded, **hyper)
+                                    cache=self._plan_cache(group, params, layouts),
+                                    layouts=layouts, sharded=sharded, **hyper)
 
     def _from_foreign(self, state_dict):
         """load_state_dict also takes transformers' `Adafactor` state_dicts: the same state keys (`exp_avg_sq_row`,

@@ -64,7 +64,7 @@ class AdamW8bit(FastOptimizer):
 
     def _step_group(self, group, params, grads, states, scaler, layouts=None, sharded=False):
         bs = group["block_size"]
-        cache = self._plan_cache(group, params)  # keyed by the params as declared, before they are cut down
+        cache = self._plan_cache(group, params, layouts)  # the bucket's: before its params are cut down
         params, grads, states = real_elements(params, grads, states, layouts, self._elementwise_state,
                                               {"absmax1": bs, "absmax2": bs})
         ops.adamw8bit_step(params, grads, states, lr=host_value(group["lr"]), betas=group["betas"], eps=group["eps"],

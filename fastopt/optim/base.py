@@ -377,13 +377,14 @@ class FastOptimizer(torch.optim.Optimizer):
                              f"{' with ' + keys if keys else ''} ({diff}): restore the settings and the param it was "
                              f"made with, or {new_opt}")
 
-    def _plan_cache(self, group: dict, params: list[Tensor]) -> dict:
-        """The kernels' cache (plans, tables, scratch buffers) of one bucket of `group`, keyed like the bucket
-        (device, dtype, reduction groups): two buckets of one group (e.g. FSDP2+TP matrices and dp-only norms)
-        must not evict each other's plans every step."""
-        lay = self._layout(params[0])
+    def _plan_cache(self, group: dict, params: list[Tensor], layouts: list | None) -> dict:
+        """The kernels' cache (plans, tables, scratch buffers) of one bucket of `group` (its local `params` and
+        their `layouts`, as `_step_group` gets them), keyed like the bucket (device, dtype, reduction groups): two
+        buckets of one group (e.g. FSDP2+TP matrices and dp-only norms, or TP matrices and replicated norms)
+        must not evict each other's plans every step. By the layouts, not the params: a DTensor's local tensor
+        has none."""
         return self._plans.setdefault(
-            (id(group), params[0].device, params[0].dtype, None if lay is None else lay.group_key), {})
+            (id(group), params[0].device, params[0].dtype, None if layouts is None else layouts[0].group_key), {})
 
     @staticmethod
     def _values(group: dict, keys: Iterable[str]) -> dict:

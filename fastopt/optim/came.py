@@ -89,7 +89,8 @@ class CAME(FastOptimizer):
         hyper = self._values(group, ("lr", "eps", "clip_threshold", "betas", "weight_decay",
                                      "bf16_stochastic_round", "nbits"))
         return ops.came_phases(params, grads, states, inv_scale=scaler.inv_scale, found_inf=scaler.found_inf,
-                               cache=self._plan_cache(group, params), layouts=layouts, sharded=sharded, **hyper)
+                               cache=self._plan_cache(group, params, layouts),
+                               layouts=layouts, sharded=sharded, **hyper)
 
     def _quantized_keys(self, group):
         return {"exp_avg": ("exp_avg_absmax", True, QBLOCK)}

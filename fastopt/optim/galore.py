@@ -290,7 +290,8 @@ class GaLoreAdamW(FastOptimizer):
                                    found_inf=scaler.found_inf, layouts=layouts)
             hyper["scale"] = group["scale"]
         return ops.galore_phases(params, grads, states, inv_scale=scaler.inv_scale, found_inf=scaler.found_inf,
-                                 cache=self._plan_cache(group, params), layouts=layouts, sharded=sharded, **hyper)
+                                 cache=self._plan_cache(group, params, layouts),
+                                 layouts=layouts, sharded=sharded, **hyper)
 
 
 class GaLoreAdamW8bit(GaLoreAdamW):

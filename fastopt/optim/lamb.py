@@ -80,4 +80,5 @@ class Lamb(FastOptimizer):
         hyper = self._values(group, ("lr", "betas", "eps", "weight_decay", "bias_correction", "max_trust_ratio",
                                      "bf16_stochastic_round", "block_size"))
         return ops.lamb_phases(params, grads, states, inv_scale=scaler.inv_scale, found_inf=scaler.found_inf,
-                               cache=self._plan_cache(group, params), layouts=layouts, sharded=sharded, **hyper)
+                               cache=self._plan_cache(group, params, layouts),
+                               layouts=layouts, sharded=sharded, **hyper)

@@ -447,53 +447,75 @@ def moment_dim(whole, world: int) -> int:
 
 class MomentExchange:
     """The collectives of a bucket's projected params whose moments are sharded (`moment_cut`): `scatter`
-    reduce-scatters their partial R's (each whole, viewed as (pre, D, post) around the cut dim D) so that each
-    rank gets the sum of its slice, `gather` all-gathers every rank's slice (N, written over it) back into the
-    whole tensors. One collective each for the bucket. The send buffer holds, for each rank k of the group,
-    the slice of rank k of every param one after the other, each padded to the param's longest share
-    (padding is summed and never read). The params' layouts (`layouts`, one per tensor of `wholes`) share one
-    group (a bucket), not necessarily one mesh."""
+    reduce-scatters their partial R's (each whole, of its natural shape in `shapes`, viewed as (pre, D, post)
+    around the cut dim D) so that each rank gets the sum of its slice, `gather` all-gathers every rank's slice
+    (N, written over it) back into the whole tensors. One collective each for the bucket. The send buffer
+    holds, for each rank k of the group, the slice of rank k of every param one after the other, each padded to
+    the param's longest share (padding is summed and never read). The params' layouts (`layouts`) share one
+    group (a bucket), not necessarily one mesh.
 
-    def __init__(self, layouts: list, wholes: list[Tensor]):
+    A param cut along its outermost dim into equal shares (`even`: pre == 1, every rank D / W rows, as FSDP2's
+    Shard(0) cuts a dim that the ranks divide) is, viewed as (W, D / W * post), rank-major already: those params
+    come first in each rank's part of the buffer, packed by one torch.cat and unpacked by one
+    torch.split_with_sizes_copy for all of them (the copy-in and copy-out FSDP2 does), the others by a copy
+    each way per param."""
+
+    def __init__(self, layouts: list, shapes: list[tuple], device):
         self.group = layouts[0].group
         self.world = dist.get_world_size(self.group)
         me = dist.get_rank(self.group)
-        self.wholes, self.entries, col = wholes, [], 0
-        for lay, r in zip(layouts, wholes):
-            d = moment_dim(tuple(r.shape), self.world)
-            n = r.shape[d]
-            pre, post = math.prod(r.shape[:d]), math.prod(r.shape[d + 1:])
+        self.entries = []
+        for lay, whole in zip(layouts, shapes):
+            d = moment_dim(whole, self.world)
+            n = whole[d]
+            pre, post = math.prod(whole[:d]), math.prod(whole[d + 1:])
             ranges = lay.shard_ranges(n)
             c = max(size for _, size in ranges)
-            key = ("galore_cut", n, str(r.device))
+            key = ("galore_cut", n, str(device))
             if key not in lay._cache:
                 pick, pos = [], torch.empty(n, dtype=torch.long)
                 for k, (start, size) in enumerate(ranges):
                     pick += list(range(start, start + size)) + [0] * (c - size)
                     pos[start:start + size] = torch.arange(k * c, k * c + size)
-                lay._cache[key] = (torch.tensor(pick, dtype=torch.long, device=r.device), pos.to(r.device))
+                lay._cache[key] = (torch.tensor(pick, dtype=torch.long, device=device), pos.to(device))
             pick, pos = lay._cache[key]
-            mine = tuple(r.shape[:d]) + (ranges[me][1],) + tuple(r.shape[d + 1:])
-            self.entries.append((col, (pre, n, post), c, (mine, ranges[me][1]), pick, pos))
-            col += pre * c * post
+            mine = tuple(whole[:d]) + (ranges[me][1],) + tuple(whole[d + 1:])
+            even = pre == 1 and all(size == c for _, size in ranges)
+            self.entries.append([None, (pre, n, post), c, (mine, ranges[me][1]), pick, pos, even])
+        col = 0
+        for entry in sorted(self.entries, key=lambda e: not e[6]):  # the even ones first (stable: same order)
+            entry[0] = col
+            col += entry[1][0] * entry[2] * entry[1][2]
         self.chunk = col
+        self.even = [k for k, e in enumerate(self.entries) if e[6]]
+        self.even_cols = sum(self._width(k) for k in self.even)
 
-    def scatter(self):
-        """Reduce-scatter (a generator: yields the request, fastopt.distributed.phases), then returns this
-        rank's slice of each summed R (views of one receive buffer, shaped like the local moments)."""
-        r0, w = self.wholes[0], self.world
+    def _width(self, k: int) -> int:
+        """Elements of each rank's share of the k-th param (c * post)."""
+        _col, (_pre, _n, post), c, *_ = self.entries[k]
+        return c * post
+
+    def scatter(self, wholes: list[Tensor], recv: Tensor):
+        """Reduce-scatter the whole partial R's `wholes` (a generator: yields the request,
+        fastopt.distributed.phases) into `recv` (`chunk` elements, contiguous), then returns this rank's slice of
+        each summed R (views of `recv` where they are contiguous there, else copies; shaped like the local
+        moments)."""
+        r0, w = wholes[0], self.world
+        self.wholes, self.recv = wholes, recv
         send = torch.empty(w, self.chunk, dtype=r0.dtype, device=r0.device)
-        for r, (col, (pre, n, post), c, _mine, pick, _pos) in zip(self.wholes, self.entries):
-            if pre * c * post:
+        if self.even:
+            into = send if self.even_cols == self.chunk else send[:, :self.even_cols]
+            torch.cat([wholes[k].view(w, self._width(k)) for k in self.even], 1, out=into)
+        for r, (col, (pre, n, post), c, _mine, pick, _pos, even) in zip(wholes, self.entries):
+            if pre * c * post and not even:
                 block = r.reshape(pre, n, post).index_select(1, pick).view(pre, w, c, post)
                 send[:, col:col + pre * c * post].view(w, pre, c, post).copy_(block.transpose(0, 1))
-        self.recv = torch.empty(self.chunk, dtype=r0.dtype, device=r0.device)
-        yield Exchange("reduce_scatter", self.recv, send, self.group)
+        yield Exchange("reduce_scatter", recv, send, self.group)
         # This rank's slice of a param sits in its padded block (pre, c, post): a contiguous piece of it where
         # the cut dim is the outermost (pre == 1), else copied out (and back in `gather`).
         self.pieces = []
-        for col, (pre, _n, post), c, (mine, count), _p, _q in self.entries:
-            block = self.recv[col:col + pre * c * post].view(pre, c, post)[:, :count]
+        for col, (pre, _n, post), c, (mine, count), _p, _q, _e in self.entries:
+            block = recv[col:col + pre * c * post].view(pre, c, post)[:, :count]
             self.pieces.append((block, block.contiguous().view(mine)))
         return [piece for _b, piece in self.pieces]
 
@@ -506,19 +528,26 @@ class MomentExchange:
                 block.copy_(piece.view(block.shape))
         out = torch.empty(w, self.chunk, dtype=r0.dtype, device=r0.device)
         yield Exchange("all_gather", out, self.recv, self.group)
-        for r, (col, (pre, n, post), c, _mine, _pick, pos) in zip(self.wholes, self.entries):
-            if pre * c * post:
+        if self.even:
+            whole = out if self.even_cols == self.chunk else out[:, :self.even_cols]
+            widths = [self._width(k) for k in self.even]
+            torch.split_with_sizes_copy(whole, widths, 1,
+                                        out=[self.wholes[k].view(w, c) for k, c in zip(self.even, widths)])
+        for r, (col, (pre, n, post), c, _mine, _pick, pos, even) in zip(self.wholes, self.entries):
+            if pre * c * post and not even:
                 block = out[:, col:col + pre * c * post].view(w, pre, c, post).transpose(0, 1)
                 r.reshape(pre, n, post).copy_(block.reshape(pre, w * c, post).index_select(1, pos))
+        self.wholes = self.recv = self.pieces = None  # the step's buffers are not kept (a replay keeps this)
 
 
 class BucketPlan:
     """The projected params of a bucket, for both back ends: `shapes[i]` (global), `shape3s[i]` (R as (B, a, b)),
     `rows[i]` (`moment_cut`), and `proj`, their indices with the whole-moment params first, the order of their
-    R's in the bucket's flat buffer of `size` elements (so that `reduce` sums a prefix of it)."""
+    R's in the bucket's flat buffer of `size` elements (so that `reduce` sums a prefix of it). The step's scratch
+    buffer has `scratch_size` elements: R's buffer, then the receive buffer of the sharded moments' exchange
+    (`exchange`), both inside it so that the launches of a step can be replayed (kernels/galore.py)."""
 
     def __init__(self, params: list[Tensor], states: list[dict], layouts: list):
-        self.layouts = layouts
         self.shapes, self.shape3s, self.rows = {}, {}, {}
         for i, s in enumerate(states):
             if is_projected(s):
@@ -528,24 +557,34 @@ class BucketPlan:
                 self.rows[i] = moment_cut(lay, self.natural(i))
         self.proj = sorted(self.shapes, key=lambda i: self.rows[i] is not None)
         self.size = sum(math.prod(self.shape3s[i]) for i in self.proj)
-        self.exchange = None
+        self.cut = [i for i in self.proj if self.rows[i] is not None]
+        self.exchange = MomentExchange([layouts[i] for i in self.cut], [self.natural(i) for i in self.cut],
+                                       params[0].device) if self.cut else None
+        self.scratch_size = self.size + (self.exchange.chunk if self.cut else 0)
 
     def natural(self, i: int) -> tuple:
         """R's shape with the param's leading dims (the moments' global shape)."""
         return self.shapes[i][:-2] + self.shape3s[i][1:]
 
+    def views(self, buf: Tensor) -> dict:
+        """{i: R of projected param i, (B, a, b)}: views of the step's scratch buffer `buf`."""
+        rs, off = {}, 0
+        for i in self.proj:
+            start, off = off, off + math.prod(self.shape3s[i])
+            rs[i] = buf[start:off].view(self.shape3s[i])
+        return rs
+
     def reduce(self, buf: Tensor, rs: dict, sharded: bool):
-        """Sum the partial R's in `buf` (views `rs`), a generator (fastopt.distributed.phases): the whole-moment
-        params' prefix yielded to be summed, the others reduce-scattered; returns {i: this rank's slice of R}
-        for the latter (`gather` sends N back)."""
+        """Sum the partial R's in `buf` (the step's scratch buffer; views `rs`), a generator
+        (fastopt.distributed.phases): the whole-moment params' prefix yielded to be summed, the others
+        reduce-scattered; returns {i: this rank's slice of R} for the latter (`gather` sends N back)."""
         whole_end = sum(rs[i].numel() for i in self.proj if self.rows[i] is None)
         if sharded and whole_end:
             yield buf[:whole_end]
-        cut = [i for i in self.proj if self.rows[i] is not None]
-        if not cut:
+        if not self.cut:
             return {}
-        self.exchange = MomentExchange([self.layouts[i] for i in cut], [rs[i].view(self.natural(i)) for i in cut])
-        return dict(zip(cut, (yield from self.exchange.scatter())))
+        wholes = [rs[i].view(self.natural(i)) for i in self.cut]
+        return dict(zip(self.cut, (yield from self.exchange.scatter(wholes, buf[self.size:self.scratch_size]))))
 
     def gather(self):
         if self.exchange is not None:
@@ -571,12 +610,10 @@ def galore_phases(params: list[Tensor], grads: list[Tensor], states: list[dict],
     # Phase 1: the projected gradients of the whole bucket in one flat buffer, those with whole moments first.
     plan = BucketPlan(params, states, layouts)
     shapes, proj = plan.shapes, plan.proj
-    buf = torch.empty(plan.size, dtype=acc, device=device)
-    rs, rects, off = {}, {}, 0
+    buf = torch.empty(plan.scratch_size, dtype=acc, device=device)
+    rs, rects = plan.views(buf), {}
     for i in proj:
         rects[i] = local_rects(layouts[i], shapes[i], tuple(params[i].shape), device)
-        rs[i] = buf[off:off + math.prod(plan.shape3s[i])].view(plan.shape3s[i])
-        off += rs[i].numel()
         g = grads[i].to(acc)
         if inv_scale is not None:
             g = g * inv_scale.to(acc)
