@@ -897,6 +897,49 @@ def test_dtensor_replay_is_bit_identical(nbits):
         assert replays == [True] * (3 * (DIST_STEPS - 1)), (len(replays), replays)  # 3 buckets, after the first step
 
 
+def _permuted_mesh(rank, world, backend, init, grads):
+    """Child: a (16, 6) param as a DTensor Shard(0), Shard(0) on a 2 x 2 mesh whose ranks are not in row-major
+    order, and the same param whole in one process (each rank runs both); returns the largest differences of
+    the param and of each moment."""
+    import os
+
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    os.environ["FASTOPT_BACKEND"] = backend
+    mesh = DeviceMesh("cpu", torch.tensor([[0, 2], [1, 3]]))
+    pl = [Shard(0), Shard(0)]
+    p = torch.nn.Parameter(distribute_tensor(init.clone(), mesh, pl, src_data_rank=None))
+    q = torch.nn.Parameter(init.clone())
+    opts = [fastopt.GaLoreAdamW([{"params": [x], **GROUP}], lr=LR, weight_decay=WD) for x in (p, q)]
+    try:
+        for g in grads:
+            p.grad = distribute_tensor(g.clone(), mesh, pl, src_data_rank=None)
+            q.grad = g.clone()
+            for opt in opts:
+                opt.step()
+    finally:
+        os.environ["FASTOPT_BACKEND"] = "torch"
+    out = {"param": (p.detach().full_tensor() - q.detach()).abs().max().item()}
+    for key in ("exp_avg", "exp_avg_sq"):
+        out[key] = (opts[0].state[p][key].full_tensor() - opts[1].state[q][key]).abs().max().item()
+    return out
+
+
+@pytest.mark.dist
+def test_sharded_moments_follow_the_mesh_rank_order():
+    """A mesh whose rank k is not the k-th coordinate in row-major order ([[0, 2], [1, 3]]): rank 1 holds rows
+    8-11 of the param and keeps rows 8-11 of its (16, 4) moments, not rows 4-7 (the reduce-scatter's packing
+    follows the group's ranks, not their order on the mesh): params and moments as in one process, over 4
+    steps with a refresh."""
+    from dist_utils import run as dist_run
+    from fastopt import ops
+    backends = ["torch"] + (["triton"] if ops.triton_available() and ops.interpreting() else [])
+    init, grads = make_problem([(16, 6)], steps=4, seed=5)
+    for backend in backends:
+        for r, diffs in enumerate(dist_run(_permuted_mesh, 4, backend, init[0], [g[0] for g in grads])):
+            assert max(diffs.values()) <= 1e-12, (backend, r, diffs)
+
+
 def _svd_failure(rank, world):
     """Child: three sharded params, a NaN in one rank's piece of the second one's gradient on the first (refresh)
     step, no GradScaler: only that param's SVD rank sees the NaN, and every rank must raise alike."""

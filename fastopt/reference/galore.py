@@ -480,7 +480,7 @@ class MomentExchange:
                 lay._cache[key] = (torch.tensor(pick, dtype=torch.long, device=device), pos.to(device))
             pick, pos = lay._cache[key]
             mine = tuple(whole[:d]) + (ranges[me][1],) + tuple(whole[d + 1:])
-            even = pre == 1 and all(size == c for _, size in ranges)
+            even = pre == 1 and all((start, size) == (k * c, c) for k, (start, size) in enumerate(ranges))
             self.entries.append([None, (pre, n, post), c, (mine, ranges[me][1]), pick, pos, even])
         col = 0
         for entry in sorted(self.entries, key=lambda e: not e[6]):  # the even ones first (stable: same order)
