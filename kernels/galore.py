@@ -332,7 +332,8 @@ class _Record:
 
     def __init__(self, key: tuple, grads: tuple, addresses: frozenset):
         self.key, self.grads, self.addresses = key, grads, addresses
-        # the gradients' own addresses (see `of`); an empty one's is 0, as a table's entry for no tensor is
+        # the gradients' own addresses (see `of`); an empty one's is 0 (`_address`), as a table's entry for no
+        # tensor is
         self.grad_index = {ptr: i for i, ptr in enumerate(grads) if ptr}
         self.launches: list = []
         self.absolute: set = set()
@@ -351,7 +352,7 @@ class _Record:
         """A recorder for a step of `key` whose gradients sit at `grads`, or None where the tables could not tell
         a gradient's entries from others' (grad_entries finds them by address): one tensor for two params, or a
         gradient in a param's or a state's memory."""
-        others, real = _addresses(key), [ptr for ptr in grads if ptr]  # empty tensors (address 0) are in no table
+        others, real = _addresses(key), [ptr for ptr in grads if ptr]  # empty tensors (0) are in no table
         if len(set(real)) < len(real) or not others.isdisjoint(real):
             return None
         return cls(key, grads, others | frozenset(real))
@@ -418,14 +419,20 @@ def _replay_key(params, grads, states, layouts, sharded, cache, flags) -> tuple 
     key, at = [(*flags, sharded, tuple(layouts))], []
     Tensor = torch.Tensor
     for p, g, s in zip(params, grads, states):
-        at.append(g.data_ptr())
-        key.append((p.data_ptr(), p.shape, p.is_contiguous(), at[-1] % common.ALIGN_BYTES, g.shape, g.dtype,
+        at.append(_address(g))
+        key.append((_address(p), p.shape, p.is_contiguous(), at[-1] % common.ALIGN_BYTES, g.shape, g.dtype,
                     g.is_contiguous()))
         # By name: which tensors a param has (proj_left or proj_right, ...) decides its launches. A value a user
         # put in the state that is no tensor is not read here.
-        key.append(tuple((name, t.data_ptr(), t.shape, t.dtype, t.is_contiguous()) if isinstance(t, Tensor)
+        key.append(tuple((name, _address(t), t.shape, t.dtype, t.is_contiguous()) if isinstance(t, Tensor)
                          else (name,) for name, t in s.items()))
     return tuple(key), tuple(at)
+
+
+def _address(t: torch.Tensor) -> int:
+    """t's address for the replay's checks, 0 for an empty tensor (no job table has it): an empty view's own
+    address (one past its storage's end, say) may be where another step's buffer starts."""
+    return t.data_ptr() if t.numel() else 0
 
 
 def _addresses(key: tuple) -> frozenset:

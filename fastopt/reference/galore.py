@@ -454,8 +454,9 @@ class MomentExchange:
     the param's longest share (padding is summed and never read). The params' layouts (`layouts`) share one
     group (a bucket), not necessarily one mesh.
 
-    A param cut along its outermost dim into equal shares (`even`: pre == 1, every rank D / W rows, as FSDP2's
-    Shard(0) cuts a dim that the ranks divide) is, viewed as (W, D / W * post), rank-major already: those params
+    A param cut along its outermost dim into equal shares in the group's rank order (`even`: pre == 1, rank k
+    holding rows [k D / W, (k + 1) D / W), as FSDP2's Shard(0) cuts a dim that the ranks divide; a mesh may list
+    its ranks in another order) is, viewed as (W, D / W * post), rank-major already: those params
     come first in each rank's part of the buffer, packed by one torch.cat and unpacked by one
     torch.split_with_sizes_copy for all of them (the copy-in and copy-out FSDP2 does), the others by a copy
     each way per param."""
