@@ -332,9 +332,9 @@ class _Record:
 
     def __init__(self, key: tuple, grads: tuple, addresses: frozenset):
         self.key, self.grads, self.addresses = key, grads, addresses
-        # the gradients' own addresses (see `of`); an empty one's is 0 (`_address`), as a table's entry for no
-        # tensor is
-        self.grad_index = {ptr: i for i, ptr in enumerate(grads) if ptr}
+        # the gradients' own addresses (see `of`), but for empty ones' (no table has them; 0, say, is a table's
+        # entry for no tensor)
+        self.grad_index = {ptr: i for i, (ptr, entry) in enumerate(zip(grads, key[1::2])) if _nonempty(entry[4])}
         self.launches: list = []
         self.absolute: set = set()
         self.size = 0
@@ -352,7 +352,8 @@ class _Record:
         """A recorder for a step of `key` whose gradients sit at `grads`, or None where the tables could not tell
         a gradient's entries from others' (grad_entries finds them by address): one tensor for two params, or a
         gradient in a param's or a state's memory."""
-        others, real = _addresses(key), [ptr for ptr in grads if ptr]  # empty tensors (0) are in no table
+        others = _addresses(key)
+        real = [ptr for ptr, entry in zip(grads, key[1::2]) if _nonempty(entry[4])]  # as `_addresses`
         if len(set(real)) < len(real) or not others.isdisjoint(real):
             return None
         return cls(key, grads, others | frozenset(real))
@@ -398,7 +399,7 @@ class _Record:
         bounds = [0, *self.cuts, len(self.launches)]
         for seg, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
             if seg == 1:
-                yield from self.plan.reduce(buf, self.plan.views(buf), self.sharded)
+                yield from self.plan.reduce(buf, self.sharded)
             elif seg == 2:
                 yield from self.plan.gather()
             for (kernel, grid, args, kw, slots, _), table in zip(self.launches[lo:hi], tables[lo:hi]):
@@ -419,30 +420,29 @@ def _replay_key(params, grads, states, layouts, sharded, cache, flags) -> tuple 
     key, at = [(*flags, sharded, tuple(layouts))], []
     Tensor = torch.Tensor
     for p, g, s in zip(params, grads, states):
-        at.append(_address(g))
-        key.append((_address(p), p.shape, p.is_contiguous(), at[-1] % common.ALIGN_BYTES, g.shape, g.dtype,
+        at.append(g.data_ptr())
+        key.append((p.data_ptr(), p.shape, p.is_contiguous(), at[-1] % common.ALIGN_BYTES, g.shape, g.dtype,
                     g.is_contiguous()))
         # By name: which tensors a param has (proj_left or proj_right, ...) decides its launches. A value a user
         # put in the state that is no tensor is not read here.
-        key.append(tuple((name, _address(t), t.shape, t.dtype, t.is_contiguous()) if isinstance(t, Tensor)
+        key.append(tuple((name, t.data_ptr(), t.shape, t.dtype, t.is_contiguous()) if isinstance(t, Tensor)
                          else (name,) for name, t in s.items()))
     return tuple(key), tuple(at)
 
 
-def _address(t: torch.Tensor) -> int:
-    """t's address for the replay's checks, 0 for an empty tensor (no job table has it): an empty view's own
-    address (one past its storage's end, say) may be where another step's buffer starts."""
-    return t.data_ptr() if t.numel() else 0
+def _nonempty(shape) -> bool:
+    return 0 not in shape
 
 
 def _addresses(key: tuple) -> frozenset:
-    """The addresses of the params and states a key names."""
+    """The addresses of the params and states a key names, but for empty ones: no job table has those, and an
+    empty view's own address (one past its storage's end, say) may be where a buffer of another step starts."""
     out = set()
     for entry in key[1::2]:
-        out.add(entry[0])
+        if _nonempty(entry[1]):
+            out.add(entry[0])
     for entry in key[2::2]:
-        out.update(t[1] for t in entry if len(t) > 1)
-    out.discard(0)  # empty tensors' address
+        out.update(t[1] for t in entry if len(t) > 1 and _nonempty(t[2]))
     return frozenset(out)
 
 
@@ -750,7 +750,7 @@ def galore_phases(params, grads, states, *, lr, betas, eps, weight_decay, scale=
     _Launch.flush(seconds)
     if record is not None:
         record.cuts.append(len(record.launches))
-    mine = yield from plan.reduce(buf, rs, sharded)
+    mine = yield from plan.reduce(buf, sharded)
     # Phase 2: Adam (N over R, in place: over the rows kept here for sharded moments); plain AdamW, with the
     # update, for the params without a projection.
     for i, (p, g, s, work) in enumerate(zip(params, grads, states, works)):

@@ -557,8 +557,11 @@ class BucketPlan:
                 self.shape3s[i] = state_views(s, self.shapes[i])[2]
                 self.rows[i] = moment_cut(lay, self.natural(i))
         self.proj = sorted(self.shapes, key=lambda i: self.rows[i] is not None)
-        self.size = sum(math.prod(self.shape3s[i]) for i in self.proj)
+        self.starts, self.size = {}, 0
+        for i in self.proj:
+            self.starts[i], self.size = self.size, self.size + math.prod(self.shape3s[i])
         self.cut = [i for i in self.proj if self.rows[i] is not None]
+        self.whole_size = self.starts[self.cut[0]] if self.cut else self.size  # the params with whole moments
         self.exchange = MomentExchange([layouts[i] for i in self.cut], [self.natural(i) for i in self.cut],
                                        params[0].device) if self.cut else None
         self.scratch_size = self.size + (self.exchange.chunk if self.cut else 0)
@@ -567,24 +570,21 @@ class BucketPlan:
         """R's shape with the param's leading dims (the moments' global shape)."""
         return self.shapes[i][:-2] + self.shape3s[i][1:]
 
-    def views(self, buf: Tensor) -> dict:
-        """{i: R of projected param i, (B, a, b)}: views of the step's scratch buffer `buf`."""
-        rs, off = {}, 0
-        for i in self.proj:
-            start, off = off, off + math.prod(self.shape3s[i])
-            rs[i] = buf[start:off].view(self.shape3s[i])
-        return rs
+    def views(self, buf: Tensor, which=None) -> dict:
+        """{i: R of projected param i, (B, a, b)}: views of the step's scratch buffer `buf`, for the params
+        `which` (default: all)."""
+        return {i: buf[self.starts[i]:self.starts[i] + math.prod(self.shape3s[i])].view(self.shape3s[i])
+                for i in (self.proj if which is None else which)}
 
-    def reduce(self, buf: Tensor, rs: dict, sharded: bool):
-        """Sum the partial R's in `buf` (the step's scratch buffer; views `rs`), a generator
-        (fastopt.distributed.phases): the whole-moment params' prefix yielded to be summed, the others
-        reduce-scattered; returns {i: this rank's slice of R} for the latter (`gather` sends N back)."""
-        whole_end = sum(rs[i].numel() for i in self.proj if self.rows[i] is None)
-        if sharded and whole_end:
-            yield buf[:whole_end]
+    def reduce(self, buf: Tensor, sharded: bool):
+        """Sum the partial R's in `buf` (the step's scratch buffer), a generator (fastopt.distributed.phases):
+        the whole-moment params' prefix yielded to be summed, the others reduce-scattered; returns {i: this
+        rank's slice of R} for the latter (`gather` sends N back)."""
+        if sharded and self.whole_size:
+            yield buf[:self.whole_size]
         if not self.cut:
             return {}
-        wholes = [rs[i].view(self.natural(i)) for i in self.cut]
+        wholes = [r.view(self.natural(i)) for i, r in self.views(buf, self.cut).items()]
         return dict(zip(self.cut, (yield from self.exchange.scatter(wholes, buf[self.size:self.scratch_size]))))
 
     def gather(self):
@@ -619,7 +619,7 @@ def galore_phases(params: list[Tensor], grads: list[Tensor], states: list[dict],
         if inv_scale is not None:
             g = g * inv_scale.to(acc)
         partial_projection(g.contiguous(), states[i], shapes[i], rects[i], rs[i])
-    mine = yield from plan.reduce(buf, rs, sharded)
+    mine = yield from plan.reduce(buf, sharded)
     # Phase 2: Adam on the projected gradients (the rows kept here), N written over them; plain AdamW for the
     # params without a projection.
     for i, (p, g, s) in enumerate(zip(params, grads, states)):
