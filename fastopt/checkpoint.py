@@ -89,7 +89,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import ops
-from .distributed.layout import dtensor_type, local
+from .distributed.layout import is_dtensor, local
 from .reference import quant as q
 
 __all__ = ["StateDict", "dequantized_8bit", "DEQUANTIZED", "requantize", "is_dtensor"]
@@ -105,10 +105,6 @@ class StateDict(defaultdict):
 
     def __bool__(self) -> bool:
         return True
-
-
-def is_dtensor(t) -> bool:
-    return isinstance(t, dtensor_type())
 
 
 def local_state(st: dict, p: Tensor) -> dict:

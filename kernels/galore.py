@@ -659,7 +659,7 @@ def galore_phases(params, grads, states, *, lr, betas, eps, weight_decay, scale=
     back-projection writes each rectangle of the local piece. The bases' rows or columns (unless the state keeps
     just those: DTensor params) and N's block of a rectangle are gathered with torch (rank-sized); the kernels
     see local tensors only."""
-    from fastopt.reference.galore import BucketPlan, local_bases, local_rects, state_views
+    from fastopt.reference.galore import BucketPlan, local_bases, local_rects
     device = params[0].device
     acc = torch.float64 if params[0].dtype == torch.float64 else torch.float32
     hyper = _hyper(cache, float(lr), tuple(float(b) for b in betas), float(eps), float(weight_decay),
@@ -686,7 +686,7 @@ def galore_phases(params, grads, states, *, lr, betas, eps, weight_decay, scale=
     plan = BucketPlan(params, states, layouts)  # whole moments first: summed as a prefix of the buffer
     shapes, proj = plan.shapes, plan.proj
     buf = _scratch(plan.scratch_size, acc, device)
-    rs, rects, bases, off = {}, {}, {}, 0
+    rs, rects, bases = plan.views(buf), {}, {}
     firsts, seconds = {}, {}  # jobs launched together (_Launch.matmul's and adam's `group`)
     tables = _Tables(cache)
     launch = lambda step: _Launch(step, hyper, inv_scale, found_inf, weight_decay,  # noqa: E731
@@ -702,9 +702,7 @@ def galore_phases(params, grads, states, *, lr, betas, eps, weight_decay, scale=
         s = states[i]
         run = launch(s["step"])
         rects[i] = local_rects(layouts[i], shapes[i], tuple(params[i].shape), device)
-        shape3 = state_views(s, shapes[i])[2]
-        start, off = off, off + math.prod(shape3)
-        rs[i] = buf[start:off].view(shape3)
+        start, off = plan.starts[i], plan.starts[i] + rs[i].numel()
         g = grads[i] if grads[i].is_contiguous() else grads[i].contiguous()
         # Each rectangle's rows of P and columns of Q, for both phases: the state's own (no copy) where it keeps
         # the local piece's (DTensor params), else gathered once.

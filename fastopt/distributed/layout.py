@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["Layout", "layout_of", "local", "collective", "declare_shard", "make_layout", "full_tensor",
+__all__ = ["Layout", "layout_of", "local", "is_dtensor", "collective", "declare_shard", "make_layout", "full_tensor",
            "gather_to_owners", "real_elements", "check_cover"]
 
 _ATTR = "_fastopt_layout"  # where declare_shard keeps a plain tensor's declared layout
@@ -217,11 +217,11 @@ def collective(new: str, old: str):
 
 def local(t: Tensor) -> Tensor:
     """The local piece of a DTensor (sharing its storage), or `t` itself."""
-    return t.to_local() if _is_dtensor(t) else t
+    return t.to_local() if is_dtensor(t) else t
 
 
 @functools.lru_cache(maxsize=None)
-def dtensor_type():
+def _dtensor_type():
     """torch's DTensor class, or () where this torch has none (isinstance is then False); looked up once: this
     runs for every param and state at every step."""
     try:
@@ -231,8 +231,8 @@ def dtensor_type():
     return DTensor
 
 
-def _is_dtensor(t) -> bool:
-    return isinstance(t, dtensor_type())
+def is_dtensor(t) -> bool:
+    return isinstance(t, _dtensor_type())
 
 
 def _shard_dim(placement) -> int | None:
@@ -306,7 +306,7 @@ def layout_of(p: Tensor, *, owner: str = "fastopt.distributed.layout_of") -> Lay
     declared = getattr(p, _ATTR, None)
     if declared is not None:
         return declared
-    if _is_dtensor(p):
+    if is_dtensor(p):
         return _dtensor_layout(p)
     if _DECLARED:
         _check_undeclared(p, owner)
@@ -478,7 +478,7 @@ def declare_shard(p: Tensor, global_shape, group, *, dim: int | None = None, sta
     object, offset and shape, so the ranks without elements refuse it too). Not caught: a view of an empty piece
     with another shape, and a copy made after the declared tensor's storage moved (`.data` replaced, resized).
     """
-    if _is_dtensor(p):
+    if is_dtensor(p):
         raise ValueError("declare_shard: p is a DTensor; its layout is read off its placements")
     lay = make_layout(tuple(p.shape), global_shape, group, dim=dim, start=start, flat_offset=flat_offset)
     setattr(p, _ATTR, lay)
