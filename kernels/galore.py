@@ -28,9 +28,9 @@ from 7.1 to 1.9 ms of host time, and from 8.7 to 2.4 ms with its gradients in ne
 buckets replay too: their collectives (the sum of R, the sharded moments' reduce-scatter and all-gather) run
 between the recorded launches, their receive buffer inside the scratch buffer; with the model's 201 tensors as
 Shard(0) DTensors on one gloo process, 20.6 ms of host time a step became 7.5-7.9 (`bench/profile_sharded.py
---world 1`). Full projections (buffers of their own, T and W), pieces of several rectangles or of scattered
-indices (flat ZeRO ranges: buffers of their own, gathered bases) and uneven cuts of the moments along an inner dim
-(copied out of the receive buffer) build them every step.
+--world 1`). Full projections keep their middle products (T, W) in the scratch buffer too; pieces of several
+rectangles or of scattered indices (flat ZeRO ranges: buffers of their own, gathered bases) and uneven cuts of
+the moments along an inner dim (copied out of the receive buffer) build their launches every step.
 
 So the full-size update is never materialized: the back-projection's output tile goes straight into the
 parameter (read once, written once), and only rank-sized buffers (R, N, T, W) go through memory. A param
@@ -685,8 +685,33 @@ def galore_phases(params, grads, states, *, lr, betas, eps, weight_decay, scale=
     works = [p if p.is_contiguous() else p.contiguous() for p in params]
     plan = BucketPlan(params, states, layouts)  # whole moments first: summed as a prefix of the buffer
     shapes, proj = plan.shapes, plan.proj
-    buf = _scratch(plan.scratch_size, acc, device)
-    rs, rects, bases = plan.views(buf), {}, {}
+    rects, bases, gs = {}, {}, {}
+    # The middle products of a full projection, T = P^T G (phase 1) and W = N Q (phase 3), both (B, a, n) for a
+    # piece of one rectangle, go into the scratch buffer after the plan's part, a param's T and W at the same
+    # offset (its T is read before its W is written), so that such buckets replay too.
+    mids, size = {}, plan.scratch_size
+    for i in proj:
+        rects[i] = local_rects(layouts[i], shapes[i], tuple(params[i].shape), device)
+        gs[i] = grads[i] if grads[i].is_contiguous() else grads[i].contiguous()
+        # Each rectangle's rows of P and columns of Q, for both phases: the state's own (no copy) where it keeps
+        # the local piece's (DTensor params), else gathered once.
+        bases[i] = [tuple(b.contiguous() if b is not None else None
+                          for b in local_bases(states[i], shapes[i], rect)) for rect in rects[i]]
+        if len(rects[i]) == 1 and None not in bases[i][0]:
+            nb, _, n = rects[i][0].view(gs[i]).shape
+            mids[i] = (size, (nb, bases[i][0][0].shape[2], n))
+            size += math.prod(mids[i][1])
+    buf = _scratch(size, acc, device)
+    rs = plan.views(buf)
+
+    def middle(i, shape):
+        """T or W of a full projection: in the scratch buffer, or (a piece of several rectangles) its own."""
+        if i not in mids:
+            return _scratch(shape, acc, device)
+        at, want = mids[i]
+        assert tuple(shape) == want, (shape, want)
+        return buf[at:at + math.prod(want)].view(want)
+
     firsts, seconds = {}, {}  # jobs launched together (_Launch.matmul's and adam's `group`)
     tables = _Tables(cache)
     launch = lambda step: _Launch(step, hyper, inv_scale, found_inf, weight_decay,  # noqa: E731
@@ -699,15 +724,9 @@ def galore_phases(params, grads, states, *, lr, betas, eps, weight_decay, scale=
     # is zeros here.
     cleared = []
     for i in proj:
-        s = states[i]
-        run = launch(s["step"])
-        rects[i] = local_rects(layouts[i], shapes[i], tuple(params[i].shape), device)
+        run = launch(states[i]["step"])
         start, off = plan.starts[i], plan.starts[i] + rs[i].numel()
-        g = grads[i] if grads[i].is_contiguous() else grads[i].contiguous()
-        # Each rectangle's rows of P and columns of Q, for both phases: the state's own (no copy) where it keeps
-        # the local piece's (DTensor params), else gathered once.
-        bases[i] = [tuple(b.contiguous() if b is not None else None for b in local_bases(s, shapes[i], rect))
-                    for rect in rects[i]]
+        g = gs[i]
         # Where the param's product goes: the whole R (a whole param), the view of R at a single rectangle's
         # rows or columns (a Shard(d) piece: the rest of R is zeros here, summed over the ranks), or, for
         # several rectangles or scattered indices, a buffer of its own that rect.place adds into R.
@@ -733,7 +752,7 @@ def galore_phases(params, grads, states, *, lr, betas, eps, weight_decay, scale=
             # of their own go now, since rect.place reads them.
             first, second = (firsts, seconds) if into is not None else (None, None)
             if left is not None and right is not None:
-                t = _scratch((nb, a, n), acc, device)
+                t = middle(i, (nb, a, n))
                 run.matmul(left.transpose(1, 2), g3, t, scale_input=True, group=first)
                 run.matmul(t, right.transpose(1, 2), part, group=second)
             elif left is not None:
@@ -773,7 +792,7 @@ def galore_phases(params, grads, states, *, lr, betas, eps, weight_decay, scale=
             nloc = rect.pick(r, rows=left is None, cols=right is None)  # a view where it can be: any strides
             p3 = rect.view(work)
             if left is not None and right is not None:
-                w = _scratch((nloc.shape[0], nloc.shape[1], right.shape[2]), acc, device)
+                w = middle(i, (nloc.shape[0], nloc.shape[1], right.shape[2]))
                 run.matmul(nloc, right, w, group=firsts)
                 run.matmul(left, w, p3, update=True, group=seconds)
             elif left is not None:
@@ -786,7 +805,7 @@ def galore_phases(params, grads, states, *, lr, betas, eps, weight_decay, scale=
         if works[i] is not params[i]:
             params[i].copy_(works[i])
     if record is not None:
-        record.size, record.zeros, record.plan, record.sharded = plan.scratch_size, zeros + cleared, plan, sharded
+        record.size, record.zeros, record.plan, record.sharded = size, zeros + cleared, plan, sharded
         if record.complete():
             cache["replay"] = record
         else:

@@ -439,7 +439,7 @@ def test_replayed_steps_are_bit_identical(backend, device, nbits, proj_type, mon
     recorded then (kernels/galore.py's _Record) instead of building them again, and gives the same bits as the
     steps that build them: 12 steps with a learning rate that changes every step, GradScaler with an inf step,
     refreshes at steps 1, 6 and 11, a gradient swapped for its transpose in the same memory (same address and
-    shape: built again), a state_dict load midway. Full projections (buffers of their own) are not replayed."""
+    shape: built again), a state_dict load midway. Full projections replay too (T and W in the scratch buffer)."""
     if backend != "triton":
         pytest.skip("the Triton launches")
     from fastopt.kernels import galore as k
@@ -481,9 +481,9 @@ def test_replayed_steps_are_bit_identical(backend, device, nbits, proj_type, mon
         for key, v in opt.state[p].items():
             assert torch.equal(v, opt_b.state[q][key]) if key != "note" else v == opt_b.state[q][key], key
     # Replayed, in each of the two buckets (projected, plain), the steps after one that recorded: 8 of the
-    # projected one (not the first, the load, the transposed step and the one after it; none with full
-    # projections), 9 of the plain one (not the first, the load, the note).
-    assert len(replays) == (0 if proj_type == "full" else 8) + 9, len(replays)
+    # projected one (not the first, the load, the transposed step and the one after it), 9 of the plain one (not
+    # the first, the load, the note).
+    assert len(replays) == 8 + 9, len(replays)
 
 
 def test_replay_tells_the_bases_apart(backend, device, monkeypatch):
@@ -828,7 +828,7 @@ def test_dtensor_shards_match_single_process():
             assert max(x[d] for x in local) == -(-whole[d] // 4), (i, local, whole)
 
 
-def _dtensor_replay(rank, world, init, grads, nbits):
+def _dtensor_replay(rank, world, init, grads, nbits, proj_type):
     """Child: the DIST_CASES params as DTensors on the Triton back end, two optimizers stepped alike, one with
     its launches replayed (kernels/galore.py's _Record) and one building them every step; returns whether the
     params and states are bit-identical and the replays of each run."""
@@ -854,8 +854,9 @@ def _dtensor_replay(rank, world, init, grads, nbits):
         for replay in (True, False):
             params = [torch.nn.Parameter(distribute_tensor(x.clone(), m, pl, src_data_rank=None))
                       for x, (m, pl) in zip(init, plc)]
-            opt = fastopt.GaLoreAdamW([{"params": params[:DIST_PROJ], **GROUP}, {"params": params[DIST_PROJ:]}],
-                                      lr=LR, weight_decay=WD, nbits=nbits, **SMALL_8BIT)
+            opt = fastopt.GaLoreAdamW([{"params": params[:DIST_PROJ], **GROUP, "proj_type": proj_type},
+                                       {"params": params[DIST_PROJ:]}], lr=LR, weight_decay=WD, nbits=nbits,
+                                      **SMALL_8BIT)
             sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1 / (1 + t))
             runs.append((params, opt, sched, replay))
         for step_grads in grads:
@@ -878,21 +879,22 @@ def _dtensor_replay(rank, world, init, grads, nbits):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("nbits", [32, 8])
-def test_dtensor_replay_is_bit_identical(nbits):
+@pytest.mark.parametrize("nbits, proj_type", [(32, "std"), (8, "std"), (32, "full")])
+def test_dtensor_replay_is_bit_identical(nbits, proj_type):
     """4 gloo ranks, DTensor params on two meshes (Shard(0) and Shard(1) pieces, _StridedShard, a replicated
     matrix, a sharded vector in the plain group), gradients in new memory every step, a learning rate that
     changes every step, refreshes inside the run, scratch buffers filled with NaN: after the first step each of
     the three buckets (the sharded projected params, with their reduce-scatter and all-gather between the
     launches; the replicated matrix of the same group, whose cache is its own; the sharded vector) replays the
     launches it recorded, also on the ranks whose pieces of the 3-D param and of the vector are empty (their
-    part of R: zeros), and params and states are bit-identical to those of steps that build their launches."""
+    part of R: zeros), and params and states are bit-identical to those of steps that build their launches;
+    with full projections too (their middle products T and W in the scratch buffer)."""
     from dist_utils import run as dist_run
     from fastopt import ops
     if not (ops.triton_available() and ops.interpreting()):
         pytest.skip("the Triton launches, under the interpreter")
     init, grads = make_problem([c[0] for c in DIST_CASES], steps=DIST_STEPS, seed=2)
-    for same, replays in dist_run(_dtensor_replay, 4, init, grads, nbits):
+    for same, replays in dist_run(_dtensor_replay, 4, init, grads, nbits, proj_type):
         assert same
         assert replays == [True] * (3 * (DIST_STEPS - 1)), (len(replays), replays)  # 3 buckets, after the first step
 
