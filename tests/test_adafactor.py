@@ -249,6 +249,30 @@ def test_group_lr_with_relative_step_is_refused_when_added(how):
     check_bad_group_refused(fastopt.Adafactor, dict(beta1=0.9), dict(lr=1e-2), "lr", how)
 
 
+@pytest.mark.parametrize("how", ["constructor", "add_param_group"])
+def test_group_turning_relative_step_on_inherits_the_lr_without_refusal(backend, device, how):
+    """A group that turns relative_step on beside groups with a fixed lr takes the defaults' lr without being
+    refused (it is not the group's own) and ignores it: its param steps as transformers' relative-step
+    Adafactor steps it, over several steps."""
+    init, grads = make_problem(shapes=[(4, 6), (3, 5)], steps=6)
+    ours = [p.detach().clone().to(device).requires_grad_() for p in init]
+    theirs = [p.detach().clone().requires_grad_() for p in init]
+    fixed, rel = dict(params=[ours[0]]), dict(params=[ours[1]], relative_step=True)
+    if how == "constructor":
+        opt = fastopt.Adafactor([fixed, rel], lr=1e-2, relative_step=False)
+    else:
+        opt = fastopt.Adafactor([fixed], lr=1e-2, relative_step=False)
+        opt.add_param_group(rel)
+    ref = HFAdafactor([dict(params=[theirs[0]], lr=1e-2, relative_step=False),
+                       dict(params=[theirs[1]], lr=None, relative_step=True)], lr=1e-2, relative_step=False)
+    for step_grads in grads:
+        for a, b, gr in zip(ours, theirs, step_grads):
+            a.grad, b.grad = gr.to(device), gr.clone()
+        opt.step()
+        ref.step()
+    assert_tracks([p.detach().cpu() for p in ours], [p.detach() for p in theirs], init, torch.float64)
+
+
 def test_adafactor_schedule_logs_the_lr_and_steps_like_transformers(backend, device):
     """transformers' AdafactorSchedule (what its Trainer logs with relative-step Adafactor) writes the lr it
     reads from `_get_lr` into the groups, which relative_step ignores: params track transformers', and each

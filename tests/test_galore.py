@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import (TOL, Counting, assert_tracks, rel_update_error, step_with_inf_at,
                       check_refuses_sparse_and_complex, check_skips_params_without_grad, through_8bit,
-                      check_no_host_sync)
+                      check_no_host_sync, snapshot, assert_unchanged)
 
 import fastopt
 
@@ -402,6 +402,68 @@ def test_vector_in_a_projected_group_refused_before_any_change(backend, device):
                                                    "have 2 dims")):
         opt.step()
     assert torch.equal(a, a0) and not opt.state[a]
+
+
+def test_rank_set_on_a_plain_group_later(backend, device):
+    """`rank` written into a plain group between steps makes it projected with galore-torch's defaults for the
+    keys it lacks, as add_param_group fills them: before its params have state, the next steps are those of a
+    group built with `rank`; once they have plain AdamW state, the step refuses the changed group, naming it,
+    before any param or state changes (the first group, stepped earlier in the list, too)."""
+    init, grads = make_problem([(6, 8), (8, 5)], steps=4)
+    runs = []
+    for later in (True, False):
+        ps = [x.to(device).clone().requires_grad_() for x in init]
+        opt = fastopt.GaLoreAdamW([{"params": ps[:1]}, {"params": ps[1:], **({} if later else {"rank": 2})}],
+                                  lr=LR, weight_decay=WD)
+        if later:
+            opt.param_groups[1]["rank"] = 2
+        for step_grads in grads:
+            for p, g in zip(ps, step_grads):
+                p.grad = g.to(device)
+            opt.step()
+        runs.append((ps, opt))
+    (ours, opt), (want, _) = runs
+    assert opt.param_groups[1]["proj_type"] == "std" and opt.param_groups[1]["update_proj_gap"] == 200
+    for p, q in zip(ours, want):
+        assert torch.equal(p, q)
+    opt.param_groups[0]["rank"] = 2  # its param has full-size moments now
+    before = snapshot(opt)
+    with pytest.raises(ValueError, match=re.escape("GaLoreAdamW: param_groups[0]['rank']=2")):
+        opt.step()
+    assert_unchanged(opt, before)
+
+
+def test_non_finite_gradient_at_a_refresh_is_refused_before_any_change(backend, device):
+    """Without GradScaler, a NaN in a projected param's gradient at a step that refreshes its projection cannot
+    go through the SVD: step() refuses it, naming the param, before any param, state or step counter changes
+    (the plain group listed first included). A run that catches the error and goes on is then the run that
+    never saw that batch, bit for bit."""
+    init, grads = make_problem([(5,), (6, 8), (8, 5)], steps=6)
+    runs = []
+    for skip in (2, None):
+        ps = [x.to(device).clone().requires_grad_() for x in init]
+        opt = fastopt.GaLoreAdamW([{"params": ps[:1]}, {"params": ps[1:], "rank": 2, "update_proj_gap": 2}],
+                                  lr=LR, weight_decay=WD)
+        for t, step_grads in enumerate(grads):
+            if t == skip:  # step 3 would be a refresh (t - 1) % 2 == 0
+                for p, g in zip(ps, step_grads):
+                    p.grad = g.to(device)
+                ps[2].grad[1, 1] = float("nan")
+                before = snapshot(opt)
+                with pytest.raises(RuntimeError, match=re.escape("param_groups[1]['params'][1] is not finite")):
+                    opt.step()
+                assert_unchanged(opt, before)
+                continue
+            if skip is None and t == 2:
+                continue
+            for p, g in zip(ps, step_grads):
+                p.grad = g.to(device)
+            opt.step()
+        runs.append((ps, opt))
+    (ours, opt), (want, opt_b) = runs
+    for p, q in zip(ours, want):
+        assert torch.equal(p, q)
+        assert all(torch.equal(v, opt_b.state[q][k]) for k, v in opt.state[p].items())
 
 
 def test_colossal_piece_checked_by_its_global_shape():

@@ -67,7 +67,9 @@ class Adafactor(FastOptimizer):
         if {"lr", "relative_step", "warmup_init"} & set(hp):
             full = hp if where is None else {**self.defaults, **hp}
             lr, relative = full["lr"], full["relative_step"]
-            if lr is not None and relative and (where is None or self._adding):
+            # Refused where the lr is the caller's own: the constructor's, or an added group's (not one it takes
+            # from the defaults, as a group that turns relative_step on beside groups with an lr does).
+            if lr is not None and relative and (where is None or (self._adding and "lr" in hp)):
                 raise ValueError(f"{n}: {name('lr')}={lr!r} cannot be combined with relative_step=True; "
                                  "pass lr=None, or relative_step=False with an lr")
             check(relative or lr is not None, name("lr"), n, lr, "be a finite number >= 0 when relative_step=False")
@@ -78,8 +80,9 @@ class Adafactor(FastOptimizer):
     _adding = False
 
     def add_param_group(self, param_group: dict) -> None:
-        """A group given an lr of its own with relative_step=True is refused, like the constructor's lr: once
-        added, a group's lr is ignored under relative_step (schedulers may write it)."""
+        """A group given an lr of its own with relative_step=True is refused, like the constructor's lr; one that
+        only inherits the defaults' lr is not. Once added, a group's lr is ignored under relative_step (schedulers
+        may write it)."""
         self._adding = True
         try:
             super().add_param_group(param_group)

@@ -163,8 +163,56 @@ class GaLoreAdamW(FastOptimizer):
                   f"be at most min(m, n) = {min(shape[-2:])} of its param {pi} of shape {shape}")
 
     def _check_group(self, gi: int, group: dict) -> None:
+        """A group given `rank` since it was added (a plain group made projected) takes the projected keys it
+        lacks from GROUP_DEFAULTS, as add_param_group gives them, and is checked like one added so."""
         if "rank" in group:
+            missing = {k: v for k, v in GROUP_DEFAULTS.items() if k not in group}
+            group.update(missing)
+            if missing:
+                self._check_hyper(group, f"param_groups[{gi}]")
             self._check_projected(group, f"param_groups[{gi}]")
+
+    def _check_grads(self) -> None:
+        """The base class's checks, then (`_check_refresh_grads`) the gradients the SVDs of this step will read."""
+        super()._check_grads()
+        self._check_refresh_grads()
+
+    def _check_refresh_grads(self) -> None:
+        """Without GradScaler, a non-finite gradient of a param whose projection this step refreshes is refused
+        before any param, state or step counter changes (one host sync, on refresh steps only): its SVD could not
+        be computed. (GradScaler skips such a step instead.) Params sharded over ranks are left to the refresh,
+        where every rank of the param's groups learns of a failed SVD and raises (after this step's other
+        buckets ran): a rank's own piece cannot tell the others without a collective."""
+        if getattr(self, "found_inf", None) is not None:
+            return
+        self._resolve_pending()
+        due, states, mirror = [], self.state, self._host_steps
+        for gi, group in enumerate(self.param_groups):
+            if "rank" not in group:
+                continue
+            gap = group["update_proj_gap"]
+            for pi, p in enumerate(group["params"]):  # every step: the cheap tests first
+                g = p.grad
+                if g is None:
+                    continue
+                s = states.get(p)
+                step = s.get("step") if s else None
+                if step is not None:
+                    e = mirror.get(id(step))
+                    if (e[1] if e is not None and e[0] is step else int(step.item())) % gap:
+                        continue
+                # (no step yet: its first step is a refresh)
+                if not (g.is_meta or p.numel() == 0 or self._layout(p) is not None):
+                    due.append((gi, pi, local(g)))
+        if not due:
+            return
+        finite = torch.stack([torch.isfinite(g).all().to(due[0][2].device) for *_, g in due])
+        if bool(finite.all()):
+            return
+        gi, pi, _ = due[int((~finite).nonzero()[0])]
+        raise RuntimeError(f"{self._name}: the gradient of param_groups[{gi}]['params'][{pi}] is not finite at a "
+                           "step that refreshes its projection (the SVD of its gradient); nothing was changed. "
+                           "Skip the batch, or let torch.amp.GradScaler skip such steps")
 
     # ---- state ------------------------------------------------------------------------------------------
     def _state_known(self, p, group):
