@@ -472,16 +472,18 @@ class MomentExchange:
             pre, post = math.prod(whole[:d]), math.prod(whole[d + 1:])
             ranges = lay.shard_ranges(n)
             c = max(size for _, size in ranges)
-            key = ("galore_cut", n, str(device))
-            if key not in lay._cache:
-                pick, pos = [], torch.empty(n, dtype=torch.long)
-                for k, (start, size) in enumerate(ranges):
-                    pick += list(range(start, start + size)) + [0] * (c - size)
-                    pos[start:start + size] = torch.arange(k * c, k * c + size)
-                lay._cache[key] = (torch.tensor(pick, dtype=torch.long, device=device), pos.to(device))
-            pick, pos = lay._cache[key]
-            mine = tuple(whole[:d]) + (ranges[me][1],) + tuple(whole[d + 1:])
             even = pre == 1 and all((start, size) == (k * c, c) for k, (start, size) in enumerate(ranges))
+            pick = pos = None  # the index tensors of the per-param copies: the even params need none
+            if not even:
+                key = ("galore_cut", n, str(device))
+                if key not in lay._cache:
+                    pick, pos = [], torch.empty(n, dtype=torch.long)
+                    for k, (start, size) in enumerate(ranges):
+                        pick += list(range(start, start + size)) + [0] * (c - size)
+                        pos[start:start + size] = torch.arange(k * c, k * c + size)
+                    lay._cache[key] = (torch.tensor(pick, dtype=torch.long, device=device), pos.to(device))
+                pick, pos = lay._cache[key]
+            mine = tuple(whole[:d]) + (ranges[me][1],) + tuple(whole[d + 1:])
             self.entries.append([None, (pre, n, post), c, (mine, ranges[me][1]), pick, pos, even])
         col = 0
         for entry in sorted(self.entries, key=lambda e: not e[6]):  # the even ones first (stable: same order)
