@@ -75,9 +75,7 @@ def _rank(rank: int, args: argparse.Namespace, init: str, out: str) -> None:
                  "torch": torch.__version__, "steps": args.steps, "host_ms": statistics.median(host),
                  "launches": profile_step._NoLaunch.count / args.steps}
             Path(out).write_text(json.dumps(r))
-        # Leave together: a rank that tears its gloo pairs down while the other still holds them can abort that
-        # one ("terminate called without an active exception": rank 0 exited with -6 once in CI, under load).
-        dist.barrier()
+        dist.barrier()  # no rank closes its connections while another still talks to it
     finally:
         dist.destroy_process_group()
 
@@ -88,7 +86,12 @@ def main(argv=None) -> dict | None:
     if args.worker is not None:
         rank, init, out = args.worker
         _rank(int(rank), args, init, out)
-        return None
+        # The work is done and written. Leave without the interpreter's teardown: gloo's background threads can
+        # abort it ("terminate called without an active exception": rank 1 exited with -6 in a suite run, after
+        # the barrier and destroy_process_group below), as fastopt.demo's and bench_zero's ranks do.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     # The ranks run this file (not a pickled function: the suite loads bench/ as a package of its own, which
     # spawned interpreters could not import).
     with tempfile.TemporaryDirectory() as tmp:

@@ -3,6 +3,7 @@
 - `backend`: "torch" (the reference) and "triton" (the real kernels: compiled on CUDA, through Triton's
   interpreter on CPU when TRITON_INTERPRET=1 was set before Python started, as `./run.sh test` does).
 - `device`: "cpu", plus "cuda" when a GPU is present.
+- `pool`: 4 gloo processes (tests/dist_utils.py's DistPool) shared by every test module that asks for them.
 - markers: `gpu` (skipped without CUDA), `dist` (spawns gloo processes).
 """
 from __future__ import annotations
@@ -66,6 +67,20 @@ def pytest_unconfigure(config):
     early = getattr(config, "_fastopt_compile", None)
     if early is not None:
         early.close()
+
+
+DIST_WORLD = 4
+
+
+@pytest.fixture(scope="session")
+def pool():
+    """One DistPool of DIST_WORLD gloo ranks for the whole run: starting 4 processes that import torch and
+    fastopt costs seconds each time (about 5 s on the 2-core CI machine), and the pool restarts itself after a
+    failure. Functions run on it set FASTOPT_BACKEND themselves where they need another than "torch", and put
+    back what they change."""
+    from dist_utils import DistPool
+    with DistPool(DIST_WORLD, timeout=120.0, env={"FASTOPT_BACKEND": "torch"}) as p:
+        yield p
 
 
 def _triton_runs_here() -> bool:

@@ -7,8 +7,8 @@ return value comes back pickled by value, one entry per rank. If any rank raises
 (a rank stuck in a collective that a failed rank never joined), the processes are killed and `DistError`
 says which ranks never answered.
 
-Starting processes costs seconds (each imports torch), so a test module that runs many functions keeps one
-`DistPool` for all of them (a module-scoped fixture): the same processes and process group serve every call,
+Starting processes costs seconds (each imports torch), so the tests share one `DistPool` of 4 ranks (the
+session-scoped `pool` fixture of tests/conftest.py): the same processes and process group serve every call,
 and the pool restarts itself after a failure, so one failing test cannot poison the next.
 
 Children run with one intra-op thread and with the parent's environment plus `env`; `FASTOPT_BACKEND` can

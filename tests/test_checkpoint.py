@@ -26,12 +26,12 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import DistPool
+from conftest import DIST_WORLD
 
 import fastopt
 from fastopt import checkpoint as ckpt
 
-WORLD = 4
+WORLD = DIST_WORLD  # the session pool's ranks (conftest.py)
 STEPS = 8
 HALF = STEPS // 2
 TOL_REL = 1e-5  # issue 8: resumed vs uninterrupted, relative to the size of the resumed steps' update
@@ -154,12 +154,6 @@ def _flat_states(states):
 
 
 # ---- DCP across layouts (4 gloo processes) --------------------------------------------------------------
-@pytest.fixture(scope="module")
-def pool():
-    with DistPool(WORLD, timeout=120.0, env={"FASTOPT_BACKEND": "torch"}) as p:
-        yield p
-
-
 @pytest.fixture
 def shared_dir(pool):
     d = tempfile.mkdtemp(prefix="fastopt-ckpt-")

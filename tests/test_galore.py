@@ -815,7 +815,7 @@ def _dtensor_galore(rank, world, init, grads, backends, proj_types):
 
 
 @pytest.mark.dist
-def test_dtensor_shards_match_single_process():
+def test_dtensor_shards_match_single_process(pool):
     """4 gloo ranks: every layout gives galore-torch's single-process result; the bases are the same SVD of
     the whole gradient (bit for bit), each rank keeping the rows of P and the columns of Q of its own piece, and
     the moments of a sharded param are cut along one dim over its ranks (each entry on exactly one rank of its
@@ -826,7 +826,6 @@ def test_dtensor_shards_match_single_process():
     rank k % 4), one all-reduce of the failure flags and the all-reduces of the bucket's new bases (one per
     basis here, with the buffer bound set to 1 element); none for the sharded vector of the plain group. The
     replicated param's SVD runs on every rank."""
-    from dist_utils import run as dist_run
     from fastopt import ops
     backends = ["torch"] + (["triton"] if ops.triton_available() and ops.interpreting() else [])
     shapes = [c[0] for c in DIST_CASES]
@@ -835,7 +834,7 @@ def test_dtensor_shards_match_single_process():
     ref_init = split_batches(init[:DIST_PROJ]) + init[DIST_PROJ:]
     ref_grads = [split_batches(g[:DIST_PROJ]) + g[DIST_PROJ:] for g in grads]
     proj_types = ["std", "full"]
-    results = dist_run(_dtensor_galore, 4, init, grads, backends, proj_types)
+    results = pool.run(_dtensor_galore, init, grads, backends, proj_types)
     sharded = [i for i, c in enumerate(DIST_CASES[:DIST_PROJ]) if c[2][0][0] != "R"]
     buckets = 1  # the 1-D mesh over all 4 ranks and the 2 x 2 mesh sharded on both dims: the world group
     for backend, proj_type in [(b, t) for b in backends for t in proj_types]:
@@ -942,7 +941,7 @@ def _dtensor_replay(rank, world, init, grads, nbits, proj_type):
 
 @pytest.mark.dist
 @pytest.mark.parametrize("nbits, proj_type", [(32, "std"), (8, "std"), (32, "full")])
-def test_dtensor_replay_is_bit_identical(nbits, proj_type):
+def test_dtensor_replay_is_bit_identical(pool, nbits, proj_type):
     """4 gloo ranks, DTensor params on two meshes (Shard(0) and Shard(1) pieces, _StridedShard, a replicated
     matrix, a sharded vector in the plain group), gradients in new memory every step, a learning rate that
     changes every step, refreshes inside the run, scratch buffers filled with NaN: after the first step each of
@@ -951,12 +950,11 @@ def test_dtensor_replay_is_bit_identical(nbits, proj_type):
     launches it recorded, also on the ranks whose pieces of the 3-D param and of the vector are empty (their
     part of R: zeros), and params and states are bit-identical to those of steps that build their launches;
     with full projections too (their middle products T and W in the scratch buffer)."""
-    from dist_utils import run as dist_run
     from fastopt import ops
     if not (ops.triton_available() and ops.interpreting()):
         pytest.skip("the Triton launches, under the interpreter")
     init, grads = make_problem([c[0] for c in DIST_CASES], steps=DIST_STEPS, seed=2)
-    for same, replays in dist_run(_dtensor_replay, 4, init, grads, nbits, proj_type):
+    for same, replays in pool.run(_dtensor_replay, init, grads, nbits, proj_type):
         assert same
         assert replays == [True] * (3 * (DIST_STEPS - 1)), (len(replays), replays)  # 3 buckets, after the first step
 
@@ -990,17 +988,16 @@ def _permuted_mesh(rank, world, backend, init, grads):
 
 
 @pytest.mark.dist
-def test_sharded_moments_follow_the_mesh_rank_order():
+def test_sharded_moments_follow_the_mesh_rank_order(pool):
     """A mesh whose rank k is not the k-th coordinate in row-major order ([[0, 2], [1, 3]]): rank 1 holds rows
     8-11 of the param and keeps rows 8-11 of its (16, 4) moments, not rows 4-7 (the reduce-scatter's packing
     follows the group's ranks, not their order on the mesh): params and moments as in one process, over 4
     steps with a refresh."""
-    from dist_utils import run as dist_run
     from fastopt import ops
     backends = ["torch"] + (["triton"] if ops.triton_available() and ops.interpreting() else [])
     init, grads = make_problem([(16, 6)], steps=4, seed=5)
     for backend in backends:
-        for r, diffs in enumerate(dist_run(_permuted_mesh, 4, backend, init[0], [g[0] for g in grads])):
+        for r, diffs in enumerate(pool.run(_permuted_mesh, backend, init[0], [g[0] for g in grads])):
             assert max(diffs.values()) <= 1e-12, (backend, r, diffs)
 
 
@@ -1028,10 +1025,9 @@ def _svd_failure(rank, world):
 
 
 @pytest.mark.dist
-def test_failed_svd_raises_on_every_rank():
+def test_failed_svd_raises_on_every_rank(pool):
     """The SVD of a sharded param runs on one rank of its group (the second param's on rank 1); when it fails,
     every rank raises the same error instead of waiting for that rank in the next collective."""
-    from dist_utils import run as dist_run
-    msgs = dist_run(_svd_failure, 4, timeout=60.0)
+    msgs = pool.run(_svd_failure)
     assert all("rank(s) [1]" in m for m in msgs), msgs
     assert "converge" in msgs[1] or "non-finite" in msgs[1], msgs[1]

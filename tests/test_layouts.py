@@ -8,13 +8,14 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import DistPool, placement
+from conftest import DIST_WORLD
+from dist_utils import placement
 
 import fastopt
 
 pytestmark = pytest.mark.dist
 
-WORLD = 4
+WORLD = DIST_WORLD  # the session pool's ranks (conftest.py)
 STEPS = 8
 RELOAD_AT = 4  # state_dict save and reload into a fresh optimizer after this many steps
 TOL_REL = 1e-10  # relative update error: issue 7 asks <= 1e-4 (ColossalAI's ZeRO path: 4-15%); fp64 gives ~1e-15
@@ -51,13 +52,6 @@ APPROX = {"came8": 5e-2, "galore8": 2e-2}
 MODEL_OPTS = [n for n in OPTS if n not in APPROX and n != "adafactor_relative"]
 MODES = ["ddp", "tp", "fsdp", "fsdp_tp", "flat", "explicit", "colossal"]
 FACTOR_KEYS = ("exp_avg_sq_row", "exp_avg_sq_col", "exp_avg_res_row", "exp_avg_res_col")
-
-
-@pytest.fixture(scope="module")
-def pool():
-    # A rank that fails leaves the others waiting in a collective until this timeout: keep it short.
-    with DistPool(WORLD, timeout=60.0, env={"FASTOPT_BACKEND": "torch"}) as p:
-        yield p
 
 
 def _make_opt(name, params, shapes=None):

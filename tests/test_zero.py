@@ -18,8 +18,8 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import TOL, rel_update_error
-from dist_utils import DistError, DistPool
+from conftest import DIST_WORLD, TOL, rel_update_error
+from dist_utils import DistError
 
 import fastopt
 from fastopt import ZeroRedundancyOptimizer
@@ -29,7 +29,7 @@ from fastopt.distributed import zero as zero_module
 
 pytestmark = pytest.mark.dist
 
-WORLD = 4
+WORLD = DIST_WORLD  # the session pool's ranks (conftest.py)
 STEPS = 8
 LOCAL_BATCH = 6
 BUCKET_MB = 0.0005  # ~520 bytes: several buckets, some holding one param and some several
@@ -211,12 +211,6 @@ def _train(rank, world, name, mode, backend="torch", steps=STEPS):
                 state_err=_state_err(full, ref_opt.state_dict()),
                 params=[p.detach().clone() for p in model.parameters()],
                 owners=list(opt._owner), has_grad=grads_after_backward)
-
-
-@pytest.fixture(scope="module")
-def pool():
-    with DistPool(WORLD, env={"FASTOPT_BACKEND": "torch"}) as p:
-        yield p
 
 
 def _check_equal_across_ranks(results):
