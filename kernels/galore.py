@@ -109,7 +109,8 @@ HYPER = ("lr", "beta1", "beta2", "1-beta1", "1-beta2", "log(beta1)", "log(beta2)
 
 @triton.jit
 def _eta(step_ptr, hyper_ptr):
-    """lr sqrt(1 - beta2^t) / (1 - beta1^t) in fp64 from the device step counter."""
+    """lr sqrt(1 - beta2^t) / (1 - beta1^t) in fp64 from the device step counter (lr where the logs are -inf:
+    no bias correction, _hyper)."""
     t = tl.load(step_ptr).to(tl.float64)
     return tl.load(hyper_ptr) * tl.sqrt(1.0 - tl.exp(t * tl.load(hyper_ptr + 6))) / \
         (1.0 - tl.exp(t * tl.load(hyper_ptr + 5)))
@@ -298,13 +299,14 @@ def _galore_adam_kernel(table_ptr, base, r_ref, m_ref, ma_ref, out_ref, step_ref
 LEFT, RIGHT = "proj_left", "proj_right"
 
 
-def _hyper(cache, lr, betas, eps, weight_decay, scale, device) -> torch.Tensor:
-    """The float64 hyperparameter tensor (see HYPER), rebuilt only when a value changed (e.g. lr)."""
-    key = ("hyper", device, lr, betas, eps, weight_decay, scale)
+def _hyper(cache, lr, betas, eps, weight_decay, scale, device, correct_bias=True) -> torch.Tensor:
+    """The float64 hyperparameter tensor (see HYPER), rebuilt only when a value changed (e.g. lr). Without
+    `correct_bias` both logs are -inf: _eta's beta^t = exp(t * -inf) = 0 for t >= 1, and the step size is lr."""
+    key = ("hyper", device, lr, betas, eps, weight_decay, scale, correct_bias)
     if cache is None or cache.get("hyper_key") != key:
         b1, b2 = betas
-        values = [lr, b1, b2, 1.0 - b1, 1.0 - b2, math.log(b1) if b1 > 0 else -math.inf,
-                  math.log(b2) if b2 > 0 else -math.inf, eps, lr * weight_decay, scale]
+        values = [lr, b1, b2, 1.0 - b1, 1.0 - b2, math.log(b1) if b1 > 0 and correct_bias else -math.inf,
+                  math.log(b2) if b2 > 0 and correct_bias else -math.inf, eps, lr * weight_decay, scale]
         t = to_device([float(x) for x in values], torch.float64, device)
         if cache is None:
             return t
@@ -648,8 +650,8 @@ class _Tables:
         return to_device(values, torch.int64, device)
 
 
-def galore_phases(params, grads, states, *, lr, betas, eps, weight_decay, scale=1.0, block_size=256, inv_scale=None,
-                  found_inf=None, cache=None, layouts=None, sharded=False):
+def galore_phases(params, grads, states, *, lr, betas, eps, weight_decay, scale=1.0, block_size=256,
+                  correct_bias=True, inv_scale=None, found_inf=None, cache=None, layouts=None, sharded=False):
     """One step over a bucket (same device and dtype) whose bases are already refreshed; `step` advanced; a
     generator that yields its collectives when `sharded` (fastopt.distributed.phases).
     Sharded params as in the reference: each rank's partial R (the sum over the rectangles of the matrices it
@@ -663,7 +665,7 @@ def galore_phases(params, grads, states, *, lr, betas, eps, weight_decay, scale=
     device = params[0].device
     acc = torch.float64 if params[0].dtype == torch.float64 else torch.float32
     hyper = _hyper(cache, float(lr), tuple(float(b) for b in betas), float(eps), float(weight_decay),
-                   float(scale), device)
+                   float(scale), device, bool(correct_bias))
     precision, lowp = dot_precision()
     layouts = layouts if layouts is not None else [None] * len(params)
     keyed = _replay_key(params, grads, states, layouts, sharded, cache,

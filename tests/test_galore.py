@@ -57,7 +57,7 @@ def galore_torch_run(init, grads, proj_type, n_mats, dtype=torch.float64, skip=(
     groups = [{"params": params[:n_mats], "proj_type": proj_type, **GROUP}, {"params": params[n_mats:]}]
     opt = galore_torch.GaLoreAdamW(groups, lr=kw.get("lr", LR), weight_decay=kw.get("weight_decay", WD),
                                    eps=kw.get("eps", 1e-6), betas=kw.get("betas", (0.9, 0.999)),
-                                   no_deprecation_warning=True)
+                                   correct_bias=kw.get("correct_bias", True), no_deprecation_warning=True)
     for t, step_grads in enumerate(grads):
         if t in skip:
             continue
@@ -168,6 +168,47 @@ def test_matches_galore_torch(backend, device, proj_type, monkeypatch):
         assert rel_update_error([a.detach().cpu()], [b], [c]) <= TOL[torch.float64], f"param {i} {tuple(c.shape)}"
     assert_states_match(opt, params, ref_opt, owners, proj_type)
     assert all(float(s["step"]) == STEPS and s["step"].dtype == torch.float32 for s in opt.state.values())
+
+
+@pytest.mark.parametrize("proj_type", ["std", "full"])
+def test_correct_bias_false_matches_galore_torch(backend, device, proj_type):
+    """galore-torch's correct_bias=False (step size lr, no bias corrections), in both groups: params and states
+    against galore-torch after 9 steps with refreshes, and no_deprecation_warning is taken; the same run with
+    bias corrections is far from it (the first step alone is sqrt(1 - 0.999) / (1 - 0.9) = 0.32 of lr)."""
+    init, grads = make_problem(MATS + PLAIN, seed=4)
+    ref, ref_opt, owners = reference(init, grads, proj_type, device=device, correct_bias=False)
+    params, opt = run(init, grads, torch.float64, device, proj_type, correct_bias=False, no_deprecation_warning=True)
+    assert all(g["correct_bias"] is False for g in opt.param_groups)
+    for i, (a, b, c) in enumerate(zip(params, ref, init)):
+        assert rel_update_error([a.detach().cpu()], [b], [c]) <= TOL[torch.float64], f"param {i} {tuple(c.shape)}"
+    assert_states_match(opt, params, ref_opt, owners, proj_type)
+    corrected, _ = run(init, grads, torch.float64, device, proj_type)
+    assert rel_update_error([p.detach().cpu() for p in corrected], ref, init) > 0.1
+
+
+def test_state_dict_without_correct_bias_loads_as_corrected(backend):
+    """A state_dict saved before `correct_bias` was a group key (bias corrections always on) loads with
+    correct_bias=True into an optimizer built with False, and the next steps are those of the run it came from,
+    bit for bit; a pickled optimizer whose groups lack it steps the same way."""
+    init, grads = make_problem(MATS + PLAIN, seed=6)
+    params, opt = run(init, grads[:4], torch.float64)
+    sd = opt.state_dict()
+    for g in sd["param_groups"]:
+        del g["correct_bias"]
+    twin = [p.detach().clone().requires_grad_() for p in params]
+    other = make_opt(twin, correct_bias=False)
+    other.load_state_dict(sd)
+    assert [g["correct_bias"] for g in other.param_groups] == [True, True]
+    old = pickle.loads(pickle.dumps(opt))
+    for g in old.param_groups:
+        del g["correct_bias"]
+    old.__setstate__(old.__getstate__())
+    old_params = [p for g in old.param_groups for p in g["params"]]
+    assert [g["correct_bias"] for g in old.param_groups] == [True, True]
+    for ps, o in ((params, opt), (twin, other), (old_params, old)):
+        step(o, ps, grads[4:])
+    for a, b, c in zip(params, twin, old_params):
+        assert torch.equal(a, b) and torch.equal(a, c)
 
 
 # ---- nbits=8 ------------------------------------------------------------------------------------------

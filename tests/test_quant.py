@@ -218,6 +218,9 @@ def test_dequantize_argument_errors(impl):
     codes, absmax = fastopt.quantize_blockwise(torch.randn(300), 64)
     with pytest.raises(ValueError, match="absmax"):
         fastopt.dequantize_blockwise(codes, absmax[:-1], 64)
+    for wide in (torch.float64, torch.bfloat16):  # both back ends: absmax is float32, as quantize returns it
+        with pytest.raises(ValueError, match="absmax.*float32"):
+            fastopt.dequantize_blockwise(codes, absmax.to(wide), 64)
     with pytest.raises(ValueError, match="uint8"):
         fastopt.dequantize_blockwise(codes.int(), absmax, 64)
     with pytest.raises(ValueError, match="dtype"):

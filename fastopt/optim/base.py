@@ -165,6 +165,9 @@ class FastOptimizer(torch.optim.Optimizer):
         defaults = state.get("defaults", self.__dict__.get("defaults", {}))
         differentiable = "differentiable" in defaults
         super().__setstate__(state)
+        for group in self.param_groups:
+            for k, v in self._added_defaults.items():
+                group.setdefault(k, v)
         # torch adds defaults["differentiable"]; a group of a state_dict would then "lack" it on the next load.
         if not differentiable:
             self.defaults.pop("differentiable", None)
@@ -238,6 +241,9 @@ class FastOptimizer(torch.optim.Optimizer):
 
     # key -> rule (see NONNEG etc. above): what `_check_hyper` checks. Subclasses declare theirs.
     _hyper_rules: dict = {}
+    # Group keys added after a release, with the value the optimizer stepped with before: a state_dict or a
+    # pickle whose groups lack one loads with that value (load_state_dict, __setstate__).
+    _added_defaults: dict = {}
 
     def _check_hyper(self, hp: dict, where: str | None = None) -> dict:
         """The constructor's checks (`_hyper_rules`) of the hyperparameters present in `hp`: constructor
@@ -635,6 +641,10 @@ class FastOptimizer(torch.optim.Optimizer):
             if out is not None:
                 state_dict = out
         state_dict = self._from_foreign(state_dict)
+        groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+        if self._added_defaults and isinstance(groups, list):
+            state_dict = {**state_dict, "param_groups": [{**self._added_defaults, **g} if isinstance(g, dict) else g
+                                                         for g in groups]}
         new_state = self._validate_state_dict(state_dict)
         saved_groups = copy.deepcopy(state_dict["param_groups"])
         for g, sg in zip(self.param_groups, saved_groups):  # torch's update_group

@@ -13,8 +13,8 @@ from ..distributed.layout import layout_of, local
 from ..reference.galore import (LEFT, PROJ_TYPES, basis_shapes, keeps_local_bases, moment_cut, moment_dim,
                                 projected_shape, projection_side)
 from ..reference.quant import num_blocks
-from .base import (BLOCK_SIZE, MIN_8BIT_SIZE, NBITS, NONNEG, FastOptimizer, betas_rule, check, host_value, is_int,
-                   is_number, lr_rule)
+from .base import (BLOCK_SIZE, FLAG, MIN_8BIT_SIZE, NBITS, NONNEG, FastOptimizer, betas_rule, check, host_value,
+                   is_int, is_number, lr_rule)
 
 __all__ = ["GaLoreAdamW", "GaLoreAdamW8bit", "get_galore_param_groups"]
 
@@ -32,7 +32,8 @@ class GaLoreAdamW(FastOptimizer):
     projected gradient, and its output is projected back, times `scale`. A param with more than two dims is a
     batch of matrices over its last two dims, each with its own projection. Groups without `rank` are plain
     AdamW. Transformers-style AdamW throughout: eps added to the uncorrected sqrt(v), step size
-    lr sqrt(1 - beta2^t) / (1 - beta1^t), decoupled weight decay p -= lr weight_decay p after the update.
+    lr sqrt(1 - beta2^t) / (1 - beta1^t) (lr with correct_bias=False), decoupled weight decay
+    p -= lr weight_decay p after the update.
 
     Sharded params (DTensor Shard / _StridedShard placements: tensor parallelism, FSDP2, both on a 2-D mesh;
     `fastopt.distributed.declare_shard`; flat ZeRO ranges, also through `setup_distributed`) give the
@@ -64,6 +65,10 @@ class GaLoreAdamW(FastOptimizer):
             8-bit block-wise format of `fastopt.quantize_blockwise`: signed map for m, unsigned for v).
         min_8bit_size: with nbits=8, moments with fewer elements stay 32-bit.
         block_size: elements per quantization block with nbits=8 (a power of two from 64 to 4096).
+        correct_bias: fold Adam's bias corrections into the step size (galore-torch's argument; a group key).
+            A state_dict saved before the key existed loads with True, the only behaviour then.
+        no_deprecation_warning: accepted for galore-torch's signature and ignored (this class warns of
+            nothing).
 
     State per param (tensors only; loads with `torch.load(weights_only=True)`): `step` (fp32 scalar on the
     param's device), `exp_avg`, `exp_avg_sq` (fp32, fp64 for fp64 params, or uint8 codes plus
@@ -95,17 +100,21 @@ class GaLoreAdamW(FastOptimizer):
     # A projected group's own keys too (checked where present: when a group is added, before each step, in a
     # state_dict before it loads).
     _hyper_rules = dict(lr=lr_rule(">= 0"), betas=betas_rule(2), eps=NONNEG, weight_decay=NONNEG, nbits=NBITS,
-                        min_8bit_size=MIN_8BIT_SIZE, block_size=BLOCK_SIZE,
+                        min_8bit_size=MIN_8BIT_SIZE, block_size=BLOCK_SIZE, correct_bias=FLAG,
                         rank=(lambda v: is_int(v) and v >= 1, "be an int >= 1"),
                         update_proj_gap=(lambda v: is_int(v) and v >= 1, "be an int >= 1"),
                         scale=(is_number, "be a finite number"),
                         proj_type=(lambda v: isinstance(v, str) and v in PROJ_TYPES,
                                    "be one of " + ", ".join(PROJ_TYPES)))
 
+    # Group keys that a state_dict saved by an earlier fastopt may lack, and the value it then stepped with.
+    _added_defaults = dict(correct_bias=True)
+
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01, nbits=32,
-                 min_8bit_size=4096, block_size=256):
+                 min_8bit_size=4096, block_size=256, correct_bias=True, no_deprecation_warning=False):
         defaults = self._check_hyper(dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, nbits=nbits,
-                                          min_8bit_size=min_8bit_size, block_size=block_size))
+                                          min_8bit_size=min_8bit_size, block_size=block_size,
+                                          correct_bias=correct_bias))
         self._host_steps: dict = {}  # id(state["step"]) -> [that tensor, its value as the host knows it]
         self._pending: list = []     # (found_inf copy, CUDA event or None, host-step entries it may undo)
         super().__init__(params, defaults)
@@ -330,7 +339,8 @@ class GaLoreAdamW(FastOptimizer):
     # ---- the step -----------------------------------------------------------------------------------------
     def _step_group(self, group, params, grads, states, scaler, layouts=None, sharded=False):
         hyper = dict(lr=host_value(group["lr"]), betas=group["betas"], eps=group["eps"],
-                     weight_decay=group["weight_decay"], block_size=group["block_size"])
+                     weight_decay=group["weight_decay"], block_size=group["block_size"],
+                     correct_bias=group["correct_bias"])
         if "rank" in group:
             refresh = self._refresh_flags(states, group["update_proj_gap"], scaler.found_inf)
             if any(refresh):
@@ -348,9 +358,9 @@ class GaLoreAdamW8bit(GaLoreAdamW):
     _name = "GaLoreAdamW8bit"
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01, min_8bit_size=4096,
-                 block_size=256):
+                 block_size=256, correct_bias=True):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, nbits=8,
-                         min_8bit_size=min_8bit_size, block_size=block_size)
+                         min_8bit_size=min_8bit_size, block_size=block_size, correct_bias=correct_bias)
 
 
 def _is_norm(module: torch.nn.Module) -> bool:

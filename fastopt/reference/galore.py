@@ -595,11 +595,12 @@ class BucketPlan:
 
 
 def galore_phases(params: list[Tensor], grads: list[Tensor], states: list[dict], *, lr, betas, eps, weight_decay,
-                  scale=1.0, block_size: int = 256, inv_scale: Tensor | None = None,
+                  scale=1.0, block_size: int = 256, correct_bias: bool = True, inv_scale: Tensor | None = None,
                   found_inf: Tensor | None = None, layouts: list | None = None, sharded: bool = False):
     """One step over a bucket (same device and dtype) whose bases are already refreshed (`refresh_bases`);
     each state's `step` is already advanced. Math in fp64 for fp64 params, else fp32. A generator that yields
-    its collectives (fastopt.distributed.phases) when `sharded`.
+    its collectives (fastopt.distributed.phases) when `sharded`. The step size is
+    lr sqrt(1 - beta2^t) / (1 - beta1^t), or lr without `correct_bias` (galore-torch's correct_bias=False).
 
     Sharded params (`layouts[i]`): each rank projects its piece of the gradient into a flat buffer of every
     projected param's whole R; the part of the params with whole moments is summed over the ranks (one
@@ -639,7 +640,7 @@ def galore_phases(params: list[Tensor], grads: list[Tensor], states: list[dict],
         if i in rs:
             r.copy_(n)
             continue
-        eta = step_size(s["step"], lr=lr, betas=betas, bias_correction=True).to(acc)
+        eta = step_size(s["step"], lr=lr, betas=betas, bias_correction=correct_bias).to(acc)
         p_new = p.to(acc) - eta * n
         if weight_decay > 0:
             p_new = p_new - (lr * weight_decay) * p_new
@@ -648,7 +649,7 @@ def galore_phases(params: list[Tensor], grads: list[Tensor], states: list[dict],
     # Phase 3: the back-projection of the whole N onto the local piece, then the decoupled decay.
     for i in proj:
         p, s = params[i], states[i]
-        eta = step_size(s["step"], lr=lr, betas=betas, bias_correction=True).to(acc)
+        eta = step_size(s["step"], lr=lr, betas=betas, bias_correction=correct_bias).to(acc)
         work = p.detach().clone().to(acc).contiguous()
         for rect in rects[i]:
             piece = rect.view(work)

@@ -149,6 +149,8 @@ def dequantize_blockwise(codes: Tensor, absmax: Tensor, block_size: int = 256, s
     if absmax.numel() != num_blocks(n, block_size):
         raise ValueError(f"dequantize_blockwise: absmax has {absmax.numel()} elements; {n} codes in blocks of "
                          f"{block_size} need {num_blocks(n, block_size)}")
+    if absmax.dtype != torch.float32:  # as quantize_blockwise returns it, and as the extension requires
+        raise ValueError(f"dequantize_blockwise: absmax has dtype {absmax.dtype}; expected torch.float32")
     vals = dynamic_map(signed, codes.device)[codes.reshape(-1).long()]
-    scale = absmax.to(torch.float32).repeat_interleave(block_size)[:n]
+    scale = absmax.repeat_interleave(block_size)[:n]
     return (vals * scale).to(dtype).view(codes.shape)
