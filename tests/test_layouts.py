@@ -50,7 +50,7 @@ OPTS = {
 # factors and GaLore's bases, which see the gradients alone, must still be exact. galore8 measured 8.9e-3.
 APPROX = {"came8": 5e-2, "galore8": 2e-2}
 MODEL_OPTS = [n for n in OPTS if n not in APPROX and n != "adafactor_relative"]
-MODES = ["ddp", "tp", "fsdp", "fsdp_tp", "flat", "explicit", "colossal"]
+MODES = ["ddp", "tp", "fsdp", "fsdp_tp", "fsdp1", "hsdp1", "fsdp1_tp", "flat", "explicit", "colossal"]
 FACTOR_KEYS = ("exp_avg_sq_row", "exp_avg_sq_col", "exp_avg_res_row", "exp_avg_res_col")
 
 
@@ -94,7 +94,7 @@ class _Block(torch.nn.Module):
 # Parallel activations of parallelize_module must split evenly over TP (DTensor.from_local assumes it), so
 # 4-way TP uses h=8, f=16 and the 2-way TP of fsdp_tp h=10, f=14; the shards of FSDP and of the hand-made
 # layouts are uneven (vocab 11, h 10, f 13 over 2 or 4 ranks; flat ranges cut rows and end in padding).
-DIMS = {"tp": dict(h=8, f=16), "fsdp_tp": dict(h=10, f=14)}
+DIMS = {"tp": dict(h=8, f=16), "fsdp_tp": dict(h=10, f=14), "fsdp1_tp": dict(h=10, f=14)}
 TP_PLAN = {"q": 0, "o": 1, "up": 0, "down": 1}  # module -> sharded weight dim (colwise 0, rowwise 1)
 
 
@@ -219,6 +219,26 @@ class _FakeDistLayout:
         self.sharding_spec = type("Spec", (), {"dim_partition_dict": {dim: [0]}})()
 
 
+def _fsdp1_wrap(model, mode, **kw):
+    """`model` under FSDP1 with a unit per linear layer and one for the rest; "hsdp1": HYBRID_SHARD over a
+    2 x 2 mesh; "fsdp1_tp": FSDP1 over dp 2 of TP 2 (its flat parameters of the TP pieces). `kw`: more of
+    FSDP1's arguments (default use_orig_params=True)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    if mode == "hsdp1":
+        kw.update(sharding_strategy=ShardingStrategy.HYBRID_SHARD, device_mesh=init_device_mesh("cpu", (2, 2)))
+    elif mode == "fsdp1_tp":
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        parallelize_module(model, mesh["tp"], {"q": ColwiseParallel(), "o": RowwiseParallel(),
+                                               "up": ColwiseParallel(), "down": RowwiseParallel()})
+        kw.update(device_mesh=mesh["dp"])
+    kw.setdefault("use_orig_params", True)
+    return FullyShardedDataParallel(model, device_id=torch.device("cpu"),
+                                    auto_wrap_policy=ModuleWrapPolicy({torch.nn.Linear}), **kw)
+
+
 def _model_case(rank, world, mode, name):
     from fastopt.distributed import full_tensor
     from fastopt.distributed.layout import local
@@ -249,6 +269,12 @@ def _model_case(rank, world, mode, name):
         parallelize_module(model, mesh["tp"], {"q": ColwiseParallel(), "o": RowwiseParallel(),
                                                "up": ColwiseParallel(), "down": RowwiseParallel()})
         fully_shard(model, mesh=mesh["dp"])
+    elif mode in ("fsdp1", "hsdp1", "fsdp1_tp"):
+        # FSDP1, a unit per linear layer and one for the rest: most params cut mid-row, some ranks without any
+        # element of a param (those get no grad from FSDP1 and step an empty piece); hsdp1: HYBRID_SHARD, each
+        # param sharded over 2 ranks and replicated over the other 2; fsdp1_tp: pieces of TP pieces
+        model = fastopt.distributed.declare_fsdp(_fsdp1_wrap(model, mode))
+        shard_batch = True
     else:
         by_hand = _ByHand(mode, model, rank)
 
@@ -258,8 +284,8 @@ def _model_case(rank, world, mode, name):
     opt = make()
     for i, (tok, tgt) in enumerate(batches):
         if shard_batch:  # each data-parallel rank its slice; the averaged gradient is the whole batch's
-            part = rank // 2 if mode == "fsdp_tp" else rank
-            parts = 2 if mode == "fsdp_tp" else WORLD
+            part = rank // 2 if mode in ("fsdp_tp", "fsdp1_tp") else rank
+            parts = 2 if mode in ("fsdp_tp", "fsdp1_tp") else WORLD
             tok, tgt = tok.chunk(parts)[part], tgt.chunk(parts)[part]
         _loss(model, tok, tgt).backward()
         if by_hand:
@@ -275,7 +301,14 @@ def _model_case(rank, world, mode, name):
 
     inner = model.module if mode == "ddp" else model
     names = [n for n, _ in ref_model.named_parameters()]
-    ours = [p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in inner.parameters()]
+    # copies: FSDP1 frees the memory of its whole params when summon_full_params ends
+    full = lambda: [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()  # noqa: E731
+                    for p in inner.parameters()]
+    if mode in ("fsdp1", "hsdp1", "fsdp1_tp"):
+        with type(model).summon_full_params(model):
+            ours = full()
+    else:
+        ours = full()
     ref = [p.detach() for p in ref_model.parameters()]
     num = sum((a - b).square().sum() for a, b in zip(ours, ref)) ** 0.5
     den = sum((b - init[n]).square().sum() for b, n in zip(ref, names)) ** 0.5
@@ -289,11 +322,14 @@ def _model_case(rank, world, mode, name):
             assert want > g["eps"][1] * g["lr"] and abs(lr - want) <= 1e-12 * want, (mode, lr, want)
 
     opt_params = list(by_hand.pieces.values()) if by_hand else list(inner.parameters())
+    group_of = {id(q): g for g in opt.param_groups for q in g["params"]}
     checked = cut_bases = 0
     for p, p_ref in zip(opt_params, ref_model.parameters()):
         st, st_ref = opt.state[p], ref_opt.state[p_ref]
         assert sorted(st) == sorted(st_ref), (sorted(st), sorted(st_ref))
         lay = opt._layout(p)
+        # element-wise states of a piece (by key, alike on every rank: an FSDP1 piece may hold all of a vector)
+        pieces = opt._elementwise_keys(group_of[id(p)]) if lay is not None else ()
         for k, v_ref in st_ref.items():
             v = local(st[k])
             if k == "step":
@@ -308,7 +344,7 @@ def _model_case(rank, world, mode, name):
                 assert mode == "explicit", (mode, k)
                 v_ref = ref_galore.basis_piece(v_ref, k, lay)
                 cut_bases += tuple(v.shape) != tuple(st_ref[k].shape)
-            elif tuple(v.shape) != tuple(v_ref.shape):  # element-wise state of the local piece
+            elif tuple(v.shape) != tuple(v_ref.shape) or k in pieces:  # element-wise state of the local piece
                 v = full_tensor(v, lay).view_as(v_ref)
             elif lay is not None:  # whole states (factors) are identical on every rank of the param's groups
                 for g in lay.groups:
@@ -625,6 +661,82 @@ def _errors_case(rank, world):
 
 def test_declarations_are_checked(pool):
     pool.run(_errors_case)
+
+
+def _fsdp1(**kw):
+    """_Block in float64 under FSDP1 over the world, as the "fsdp1" mode has it (`kw`: FSDP1's)."""
+    torch.manual_seed(0)
+    return _fsdp1_wrap(_Block().double(), "fsdp1", **kw)
+
+
+def _fsdp1_case(rank, world):
+    from torch.distributed.fsdp import ShardingStrategy
+    from fastopt.distributed import declare_fsdp
+    shapes = [tuple(p.shape) for p in _Block().parameters()]
+    (tok, tgt), (tok2, tgt2) = _batches()[:2]
+
+    # Undeclared pieces: each optimizer that takes statistics over a whole tensor refuses them at its first step,
+    # naming the param and declare_fsdp, before anything changes; the element-wise ones step them as they are.
+    model = _fsdp1()
+    _loss(model, tok, tgt).backward()
+    params = list(model.parameters())
+    before = [p.detach().clone() for p in params]
+    for name in ["adafactor", "came", "lamb", "galore"]:
+        opt = _make_opt(name, params, shapes)
+        with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[\d+\] \(local shape .*declare_fsdp"):
+            opt.step()
+        assert not any(opt.state.values()) and all(torch.equal(p, b) for p, b in zip(params, before)), name
+    plain = fastopt.GaLoreAdamW(params, lr=1e-2)  # no projected group: element-wise AdamW
+    for opt in (plain, fastopt.AdamW8bit(params, lr=1e-2)):
+        opt.step()
+    assert all(not torch.equal(p, b) for p, b in zip(params, before) if p.numel())
+
+    # use_orig_params=False: one FlatParameter per unit, of several params' elements
+    flat = _fsdp1(use_orig_params=False)
+    _loss(flat, tok, tgt).backward()
+    opt = fastopt.Lamb(flat.parameters())
+    with pytest.raises(ValueError, match="is an FSDP1 FlatParameter.*use_orig_params=True"):
+        opt.step()
+    with pytest.raises(ValueError, match="use_orig_params=False"):
+        declare_fsdp(flat)
+    with pytest.raises(ValueError, match="no FullyShardedDataParallel"):
+        declare_fsdp(_Block())
+
+    # zero_grad(set_to_none=True), then a step before any backward: the holders of a param have no grad for it,
+    # so the ranks without its elements leave it out too (a step of theirs alone would mismatch the collectives)
+    model = declare_fsdp(_fsdp1())
+    opt = fastopt.Adafactor(model.parameters(), lr=1e-2, relative_step=False)
+    _loss(model, tok, tgt).backward()
+    opt.step()
+    opt.zero_grad()
+    after_one = [p.detach().clone() for p in model.parameters()]
+    opt.step()
+    assert all(torch.equal(p, a) for p, a in zip(model.parameters(), after_one))
+    assert all(float(s["step"]) == 1 for s in opt.state.values())
+    _loss(model, tok2, tgt2).backward()
+    opt.step()
+    assert all(float(s["step"]) == 2 for s in opt.state.values())
+
+    # NO_SHARD: whole params, replicated (its gradients averaged as DDP's)
+    init, ref_model, _ = _reference("adafactor", "fsdp1")
+    model = declare_fsdp(_fsdp1(sharding_strategy=ShardingStrategy.NO_SHARD))
+    opt = _make_opt("adafactor", list(model.parameters()))
+    for tok, tgt in _batches():
+        _loss(model, tok.chunk(world)[rank], tgt.chunk(world)[rank]).backward()
+        opt.step()
+        opt.zero_grad()
+    for p, q, n in zip(model.parameters(), ref_model.parameters(), init):
+        assert _rel(p.detach() - init[n], q.detach() - init[n]) <= TOL_REL, n
+
+
+def test_fsdp1_pieces_are_declared_or_refused(pool):
+    """FSDP1 (FullyShardedDataParallel, use_orig_params=True) hands the optimizer 1-D pieces of the params:
+    undeclared, the optimizers that need whole-tensor statistics refuse them (they measured 0.11 (Lamb) to 2.3
+    (GaLore) off a single process, relative to the update, before this refusal); FlatParameters and a model
+    without FSDP1 units are refused by declare_fsdp; a step after zero_grad without a backward changes nothing
+    (and its collectives match); NO_SHARD units step whole params (their exactness under sharding: the "fsdp1"
+    mode of test_every_optimizer_every_layout_matches_single_process)."""
+    pool.run(_fsdp1_case)
 
 
 # One process: a declaration needs no process group until a collective runs (`Layout.reduce`, patched out where a
@@ -1158,7 +1270,7 @@ KERNEL_STEPS = {"adafactor": "adafactor_phases", "adafactor_relative": "adafacto
                 "came8": "came_phases", "galore": "galore_phases", "galore8": "galore_phases"}  # name -> the routed op
 # The interpreter is slow: whole-model runs only for the layouts the placement and flat-range cases below do not
 # already cover one by one (strided FSDP2 + TP, hand-declared dims beside unsharded buckets, ZeRO over TP).
-KERNEL_MODES = ["fsdp_tp", "explicit", "colossal"]
+KERNEL_MODES = ["fsdp_tp", "explicit", "colossal", "fsdp1"]
 needs_interpreter = pytest.mark.skipif(not (fastopt.ops.triton_available() and fastopt.ops.interpreting()),
                                        reason="the gloo cases hold CPU tensors: needs TRITON_INTERPRET=1")
 
@@ -1196,8 +1308,8 @@ def _on_kernels(rank, world, case, *args):
                 finally:
                     os.environ["FASTOPT_BACKEND"] = "torch"
                 yield req
-            if on:
-                assert len(launches) > before, fn.__name__
+            if on:  # (a bucket of empty pieces, FSDP1's on ranks without their elements, has nothing to launch)
+                assert len(launches) > before or not any(p.numel() for p in params), fn.__name__
                 sharded_calls.append(fn.__name__)
         return steps
 

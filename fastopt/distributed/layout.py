@@ -13,7 +13,8 @@ partial statistics of the param must be summed (the ranks that hold other pieces
   the optimizers neither read nor write. `declare_shard(p, ..., flat_offset=o)` declares one; a flat range
   of a tensor that is itself sharded (ZeRO over TP: `FastOptimizer.setup_distributed`) has that tensor's
   layout as `base`; a range may lie partly or wholly in the padding past the end (clamped: no real elements
-  there), as ZeRO gives the last ranks when the numel does not split evenly.
+  there), as ZeRO gives the last ranks when the numel does not split evenly. `declare_fsdp(model)` declares
+  the pieces FSDP1 (`FullyShardedDataParallel(use_orig_params=True)`) hands the optimizer as flat ranges.
 
 A DTensor on a mesh without this rank (a sub-mesh) holds nothing here: its layout is `outside` (a flat range
 of no elements, no group), and the optimizers skip the param on this rank (`FastOptimizer._buckets`), as DTensor's own ops
@@ -25,8 +26,9 @@ DDP, whose gradients are already averaged).
 Stable API (the optimizers and the GaLore layout support use it): `Layout` with `global_shape`, `index`,
 `group`, `groups`, `group_key`, `flat`, `base`, `numel`, `count`, `outside`, `is_flat`, `dim_index`,
 `batch_index`, `flat_index`, `factor_index`, `local_view`, `reduce`, `mesh`, `mesh_dims`, `shard_ranges`,
-`shard_placements`; `layout_of`, `local`, `collective`, `declare_shard`, `make_layout`, `full_tensor`,
-`gather_to_owners`, `real_elements`, `check_cover`.
+`shard_placements`, `fsdp`; `layout_of`, `local`, `collective`, `declare_shard`, `declare_fsdp`, `make_layout`,
+`full_tensor`, `gather_to_owners`, `real_elements`, `check_cover`, `fsdp1_refusal`, `stepped_without_grad`,
+`fsdp_flat_grads`.
 
 A declaration is checked once, at the first step that uses it (`check_cover`): every rank of the declared groups
 must declare the same global shape, and the real elements of the pieces must be every element of the global
@@ -43,14 +45,15 @@ from __future__ import annotations
 import functools
 import math
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["Layout", "layout_of", "local", "is_dtensor", "collective", "declare_shard", "make_layout", "full_tensor",
-           "gather_to_owners", "real_elements", "check_cover"]
+__all__ = ["Layout", "layout_of", "local", "is_dtensor", "collective", "declare_shard", "declare_fsdp", "make_layout",
+           "full_tensor", "gather_to_owners", "real_elements", "check_cover", "fsdp1_refusal", "stepped_without_grad",
+           "fsdp_flat_grads"]
 
 _ATTR = "_fastopt_layout"  # where declare_shard keeps a plain tensor's declared layout
 
@@ -67,6 +70,7 @@ class Layout:
     mesh: object = None  # DTensor layouts: the param's DeviceMesh; `group` spans its dims `mesh_dims`
     mesh_dims: tuple[int, ...] = ()  # DTensor layouts: the mesh dims that shard the param
     outside: bool = False  # a DTensor whose mesh lacks this rank: nothing here, no group (`_outside_layout`)
+    fsdp: object = None  # FSDP1 pieces (`declare_fsdp`): (weak reference to the FlatParamHandle, param's index)
     _cache: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
@@ -257,28 +261,32 @@ def _group_for(mesh, mesh_dims: tuple[int, ...]):
     return mesh[tuple(names[d] for d in mesh_dims)]._flatten().get_group()
 
 
-def _outside_layout(p) -> Layout:
-    """The layout of DTensor `p` on a rank outside its mesh: `to_local()` is an empty 1-D tensor there and the
-    mesh has no group for this rank, so the param holds nothing here (a flat range of no elements:
+def _outside_layout(shape: tuple[int, ...]) -> Layout:
+    """The layout of a DTensor of global `shape` on a rank outside its mesh: `to_local()` is an empty 1-D tensor
+    there and the mesh has no group for this rank, so the param holds nothing here (a flat range of no elements:
     skipped by the optimizers, as DTensor's ops are no-ops on such a rank) and sums over nothing. Its global
     shape is the param's, so that checks of it (GaLore's rank) raise on these ranks as on the others. No mesh:
     its states are plain zeros, made without any group."""
-    return Layout(tuple(p.shape), (None,) * p.dim(), dist.GroupMember.NON_GROUP_MEMBER, ("outside",), flat=(0, 0),
+    return Layout(shape, (None,) * len(shape), dist.GroupMember.NON_GROUP_MEMBER, ("outside",), flat=(0, 0),
                   outside=True)
 
 
 def _dtensor_layout(p) -> Layout | None:
+    return _placements_layout(p.device_mesh, tuple(p.placements), tuple(p.shape), p.to_local().device)
+
+
+def _placements_layout(mesh, placements: tuple, shape: tuple[int, ...], device) -> Layout | None:
+    """The layout of a DTensor of global `shape` with `placements` on `mesh` (its local tensor on `device`)."""
     from torch.distributed.tensor import distribute_tensor
     from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
 
-    mesh, placements = p.device_mesh, tuple(p.placements)
     if mesh.get_coordinate() is None:  # a mesh without this rank (replicated or not): nothing here
-        return _outside_layout(p)
+        return _outside_layout(shape)
     sharded_mesh_dims = tuple(m for m, pl in enumerate(placements) if _shard_dim(pl) is not None)
     if not sharded_mesh_dims:
         return None
     index = []
-    for d, n in enumerate(p.shape):
+    for d, n in enumerate(shape):
         acting = []
         for pl in placements:
             if _shard_dim(pl) == d:
@@ -289,12 +297,11 @@ def _dtensor_layout(p) -> Layout | None:
         if all(isinstance(a, Replicate) for a in acting):
             index.append(None)
             continue
-        probe = torch.arange(n, dtype=torch.long, device=p.to_local().device)
+        probe = torch.arange(n, dtype=torch.long, device=device)
         idx = distribute_tensor(probe, mesh, acting, src_data_rank=None).to_local()
         index.append(idx.clone())
     group = _group_for(mesh, sharded_mesh_dims)
-    return Layout(tuple(p.shape), tuple(index), group, _groups_key((group,)), mesh=mesh,
-                  mesh_dims=sharded_mesh_dims)
+    return Layout(shape, tuple(index), group, _groups_key((group,)), mesh=mesh, mesh_dims=sharded_mesh_dims)
 
 
 def layout_of(p: Tensor, *, owner: str = "fastopt.distributed.layout_of") -> Layout | None:
@@ -484,6 +491,119 @@ def declare_shard(p: Tensor, global_shape, group, *, dim: int | None = None, sta
     setattr(p, _ATTR, lay)
     _remember(p)
     return p
+
+
+_FSDP_WHOLE = "_fastopt_fsdp_whole"  # declare_fsdp's mark on the params of FSDP1 units that shard nothing
+_FSDP_HANDLES: "weakref.WeakSet" = weakref.WeakSet()  # the FlatParamHandles of the units declare_fsdp declared
+
+
+def declare_fsdp(model: torch.nn.Module) -> torch.nn.Module:
+    """Declare the params of every FSDP1 unit in `model` (`torch.distributed.fsdp.FullyShardedDataParallel`
+    built with `use_orig_params=True`), so that every fastopt optimizer gives the single-process result on them.
+    Call it once after wrapping, before the optimizer's first step. Returns `model`.
+
+    FSDP1 hands the optimizer each param as a 1-D view of the range of its flattened elements that falls in
+    this rank's shard of the unit's flat parameter: it may start and end mid-row, and it is empty on ranks that
+    hold none of it. Nothing on the param says which param it is a piece of, so the optimizer cannot tell it from
+    a whole vector: undeclared, an optimizer that needs statistics over the whole tensor (Adafactor, CAME,
+    Lamb, GaLore's projected groups) refuses it at its first step, naming this function; AdamW8bit and GaLore's
+    plain groups, element-wise, step it as it is. Each param becomes a flat range of its global tensor over the
+    unit's process group (`declare_shard(..., flat_offset=...)`; under HYBRID_SHARD, the shard group: the
+    replicas hold the same pieces); under FSDP1 over tensor parallelism (a unit with `device_mesh=mesh["dp"]`
+    around DTensor params), a flat range of the param's TP piece, as ZeRO over TP (`setup_distributed`). A rank
+    that holds none of a param gets no gradient for it from FSDP1, yet takes part in its collectives while the
+    ranks that hold its elements have one: FSDP1's own record of which params got a gradient in the last
+    backward (the same on every rank) says when (`stepped_without_grad`); a step() after the optimizer's
+    zero_grad(set_to_none=True) and before the next backward steps none of them (after `model.zero_grad()`
+    instead, such a step would run the collectives on the empty pieces' ranks alone). Units that shard nothing
+    (NO_SHARD, or a world of one) hand over whole params, marked as such. The statistics are summed over the
+    unit's process group on the params' device: with `CPUOffload(offload_params=True)` that group needs a
+    backend for CPU tensors (e.g. `init_process_group("cpu:gloo,cuda:nccl")`). FSDP2 (`fully_shard`) needs no
+    declaration: its params are DTensors.
+
+    Raises ValueError for a unit built with `use_orig_params=False`: it hands the optimizer one FlatParameter
+    of several params' elements, whose statistics no optimizer can take apart; and for a model without FSDP1
+    units."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    units = [u for u in FullyShardedDataParallel.fsdp_modules(model) if getattr(u, "_handle", None) is not None]
+    if not units:
+        raise ValueError("declare_fsdp: the model has no FullyShardedDataParallel (FSDP1) unit with params; FSDP2 "
+                         "(fully_shard) makes DTensor params, which need no declaration")
+    for unit in units:
+        handle = unit._handle
+        fp = handle.flat_param
+        if fp._params is None:
+            raise ValueError("declare_fsdp: a FullyShardedDataParallel unit was built with use_orig_params=False: "
+                             "it hands the optimizer one FlatParameter that concatenates several params, so no "
+                             "statistic over a param (row and column factors, norms, projections) can be taken; "
+                             "build it with use_orig_params=True")
+        infos, specs = fp._shard_param_infos, getattr(fp, "_param_extensions", None) or (None,) * len(fp._params)
+        if not len(fp._params) == len(fp._shapes) == len(infos) == len(specs):
+            raise RuntimeError(f"declare_fsdp: FSDP1's flat parameter lists {len(fp._params)} params, "
+                               f"{len(fp._shapes)} shapes, {len(infos)} shard ranges and {len(specs)} extensions: "
+                               "report this with your torch version")
+        for i, (p, shape, info, spec) in enumerate(zip(fp._params, fp._shapes, infos, specs)):
+            if not handle.uses_sharded_strategy:
+                setattr(p, _FSDP_WHOLE, True)
+                continue
+            # FSDP1 over tensor parallelism flattens a DTensor's local piece (its spec kept as the extension):
+            # a flat range of that piece, as ZeRO over TP (`setup_distributed`)
+            base = None if spec is None else _placements_layout(spec.mesh, tuple(spec.placements),
+                                                                tuple(spec.shape), p.device)
+            offset = info.intra_param_start_idx if info.in_shard else math.prod(shape)
+            lay = make_layout((p.numel(),), tuple(shape) if base is None else base.global_shape,
+                              handle.process_group, flat_offset=offset, base=base, owner="declare_fsdp")
+            setattr(p, _ATTR, replace(lay, fsdp=(weakref.ref(handle), i)))
+            _remember(p)
+        if handle.uses_sharded_strategy:
+            _FSDP_HANDLES.add(handle)
+    return model
+
+
+def fsdp_flat_grads() -> dict:
+    """{id(handle): weak reference to its flat gradient} for the FSDP1 units declared (`declare_fsdp`) that
+    have one now: what an optimizer's zero_grad(set_to_none=True) leaves behind (`stepped_without_grad`)."""
+    return {id(h): weakref.ref(h.flat_param.grad) for h in list(_FSDP_HANDLES) if h.flat_param.grad is not None}
+
+
+def fsdp1_refusal(p: Tensor, owner: str) -> str | None:
+    """Why `p` (named by `owner`, e.g. "Adafactor: param_groups[0]['params'][3]") cannot be stepped as a whole
+    tensor when it is FSDP1's and not declared (`declare_fsdp`): a FlatParameter of several params, or a flat
+    piece of one; None for any other tensor."""
+    if (not getattr(p, "_fsdp_flattened", False) or getattr(p, _FSDP_WHOLE, False)
+            or getattr(p, _ATTR, None) is not None):
+        return None
+    if getattr(p, "_is_flat_param", False):
+        return (f"{owner} is an FSDP1 FlatParameter (FullyShardedDataParallel with use_orig_params=False): "
+                "the elements of several params flattened together and sharded, whose statistics (row and column "
+                "factors, norms, projections) cannot be taken apart; build the FullyShardedDataParallel units with "
+                "use_orig_params=True and call fastopt.distributed.declare_fsdp(model), or shard with FSDP2 "
+                "(torch.distributed.fsdp.fully_shard)")
+    return (f"{owner} (local shape {tuple(p.shape)}) is a piece of a param flattened and sharded by FSDP1 "
+            "(FullyShardedDataParallel), with nothing on it to say which: stepped as a whole tensor, its "
+            "statistics would be taken over this rank's piece alone. Call fastopt.distributed.declare_fsdp(model) "
+            "once after wrapping, or shard with FSDP2 (torch.distributed.fsdp.fully_shard)")
+
+
+def stepped_without_grad(p: Tensor, lay: Layout | None, cleared: dict) -> bool:
+    """Whether this rank steps FSDP1 piece `p` (`declare_fsdp`) that has no gradient here: it holds none of the
+    param's elements (FSDP1 sets the grad of such a piece to None), and the ranks that hold them have one, so it
+    must join the collectives of the param's bucket with an empty piece. FSDP1's handle says so alike on every
+    rank: the param requires a gradient, the flat parameter has one, and the last backward gave this param one
+    (`_is_grad_none_mask`). `cleared`: {id(handle): weak reference to the flat gradient} where the optimizer's
+    `zero_grad(set_to_none=True)` left it (the holders' pieces have no gradient until a backward makes a new
+    one)."""
+    if lay is None or lay.fsdp is None or lay.count or p.numel() or not p.requires_grad:
+        return False
+    handle = lay.fsdp[0]()
+    if handle is None:
+        return False
+    fp = handle.flat_param
+    grad = fp.grad
+    if grad is None or fp._is_grad_none_mask[lay.fsdp[1]]:
+        return False
+    gone = cleared.get(id(handle))
+    return gone is None or gone() is not grad
 
 
 def full_tensor(x: Tensor, layout: Layout | None, dst: int | None = None) -> Tensor:

@@ -52,6 +52,9 @@ class AdamW8bit(FastOptimizer):
                                           block_size=block_size, min_8bit_size=min_8bit_size))
         super().__init__(params, defaults)
 
+    def _whole_statistics(self, p):
+        return False
+
     # ---- state and step ---------------------------------------------------------------------------------
     def _state_spec(self, p, group):
         shape = tuple(local(p).shape)

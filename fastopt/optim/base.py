@@ -19,7 +19,7 @@ from torch import Tensor
 
 from .. import checkpoint as ckpt
 from ..distributed import phases
-from ..distributed.layout import Layout, layout_of, local
+from ..distributed.layout import Layout, fsdp1_refusal, fsdp_flat_grads, layout_of, local, stepped_without_grad
 
 __all__ = ["FastOptimizer", "check", "check_betas", "ScalerArgs", "lr_rule", "host_value"]
 
@@ -422,8 +422,19 @@ class FastOptimizer(torch.optim.Optimizer):
         cache = self.__dict__.setdefault("_layout_cache", {})
         key = id(p)
         if key not in cache:
-            cache[key] = (p, layout_of(p, owner=self._name))  # keep p alive so its id is not reused
+            lay = layout_of(p, owner=self._name)
+            if lay is None and fsdp1_refusal(p, "") is not None and self._whole_statistics(p):
+                where = next((f"param_groups[{gi}]['params'][{pi}]" for gi, g in enumerate(self.param_groups)
+                              for pi, q in enumerate(g["params"]) if q is p), "a param")
+                # not cached: declare_fsdp may come before the next step
+                raise ValueError(fsdp1_refusal(p, f"{self._name}: {where}"))
+            cache[key] = (p, lay)  # keep p alive so its id is not reused
         return cache[key][1]
+
+    def _whole_statistics(self, p: Tensor) -> bool:
+        """Whether stepping p takes statistics over the whole tensor (norms, factors, projections), so that a
+        piece of it cannot be stepped as if it were the whole (`fsdp1_refusal`); False for element-wise steps."""
+        return True
 
     def _check_declarations(self, group: dict, params: list[Tensor], layouts: list) -> None:
         """At the first step that uses a declared layout (`declare_shard`, `setup_distributed`): its pieces must
@@ -447,12 +458,15 @@ class FastOptimizer(torch.optim.Optimizer):
     def _buckets(self, params: Iterable[Tensor]) -> dict:
         """Params with grads and elements, grouped by (device, dtype, reduction groups): one fused launch
         sequence, and one collective per phase and group, for each. A sharded param whose piece here is empty
-        stays in: every rank of its group must put the same params in the same buffers. A DTensor on a mesh
+        stays in: every rank of its group must put the same params in the same buffers (an FSDP1 piece of no
+        elements too, which FSDP1 leaves without a grad: `stepped_without_grad`). A DTensor on a mesh
         without this rank (`Layout.outside`) has no group here: skipped, as DTensor's ops skip such a rank."""
         out: dict = defaultdict(list)
+        cleared = self.__dict__.get("_fsdp_cleared", {})
         for p in params:
             lay = self._layout(p)
-            if p.grad is None or (p.numel() if lay is None else lay.numel) == 0 or (lay is not None and lay.outside):
+            if (p.grad is None and not stepped_without_grad(p, lay, cleared)) or (
+                    p.numel() if lay is None else lay.numel) == 0 or (lay is not None and lay.outside):
                 continue
             out[(p.device, p.dtype, None if lay is None else lay.group_key)].append(p)
         return out
@@ -541,6 +555,14 @@ class FastOptimizer(torch.optim.Optimizer):
             # bench/gpu_checks.py's no-host-sync check); the list form reads it on the device
             inc = 1.0 - scaler.found_inf
             torch._foreach_add_(steps, [inc] * len(steps))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's zero_grad. With set_to_none, it also notes the flat gradient of each FSDP1 unit (`declare_fsdp`)
+        as it stands: the pieces that have elements lose their grads here, so until a backward makes a new flat
+        gradient, the ranks that hold none of a param must not step it either (`stepped_without_grad`)."""
+        super().zero_grad(set_to_none)
+        if set_to_none:
+            self.__dict__["_fsdp_cleared"] = fsdp_flat_grads()
 
     # torch.compile of a training step runs this step eagerly (a graph break): the step is fused kernels already,
     # dynamo cannot trace the Triton launches, and inductor miscompiled the reference's 8-bit dequantization of a
@@ -759,6 +781,8 @@ def _local_grad(p: Tensor) -> Tensor:
     SequenceParallel, and `Replicate` grads on an embedding sharded by `RowwiseParallel(input_layouts=
     Replicate())`. One collective per such param (none from Replicate to Shard)."""
     g = p.grad
+    if g is None:  # an FSDP1 piece of no elements (`stepped_without_grad`)
+        return torch.zeros_like(local(p))
     if ckpt.is_dtensor(g) and ckpt.is_dtensor(p) and (g.placements != p.placements
                                                         or g.device_mesh != p.device_mesh):
         g = g.redistribute(p.device_mesh, p.placements)

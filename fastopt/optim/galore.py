@@ -223,6 +223,10 @@ class GaLoreAdamW(FastOptimizer):
                            "step that refreshes its projection (the SVD of its gradient); nothing was changed. "
                            "Skip the batch, or let torch.amp.GradScaler skip such steps")
 
+    def _whole_statistics(self, p):
+        """The projected groups' params (a group without 'rank' is element-wise AdamW)."""
+        return any(q is p for g in self.param_groups if "rank" in g for q in g["params"])
+
     # ---- state ------------------------------------------------------------------------------------------
     def _state_known(self, p, group):
         # An undeclared 1-D piece in a projected group: its matrix's shape comes with setup_distributed (read
