@@ -272,8 +272,11 @@ def _model_case(rank, world, mode, name):
     elif mode in ("fsdp1", "hsdp1", "fsdp1_tp"):
         # FSDP1, a unit per linear layer and one for the rest: most params cut mid-row, some ranks without any
         # element of a param (those get no grad from FSDP1 and step an empty piece); hsdp1: HYBRID_SHARD, each
-        # param sharded over 2 ranks and replicated over the other 2; fsdp1_tp: pieces of TP pieces
-        model = fastopt.distributed.declare_fsdp(_fsdp1_wrap(model, mode))
+        # param sharded over 2 ranks and replicated over the other 2; fsdp1_tp: pieces of TP pieces. The
+        # optimizers find the units themselves; fsdp1_tp declares them (declare_fsdp)
+        model = _fsdp1_wrap(model, mode)
+        if mode == "fsdp1_tp":
+            fastopt.distributed.declare_fsdp(model)
         shard_batch = True
     else:
         by_hand = _ByHand(mode, model, rank)
@@ -671,25 +674,25 @@ def _fsdp1(**kw):
 
 def _fsdp1_case(rank, world):
     from torch.distributed.fsdp import ShardingStrategy
-    from fastopt.distributed import declare_fsdp
-    shapes = [tuple(p.shape) for p in _Block().parameters()]
+    from fastopt.distributed import declare_fsdp, layout_of
     (tok, tgt), (tok2, tgt2) = _batches()[:2]
 
-    # Undeclared pieces: each optimizer that takes statistics over a whole tensor refuses them at its first step,
-    # naming the param and declare_fsdp, before anything changes; the element-wise ones step them as they are.
-    model = _fsdp1()
-    _loss(model, tok, tgt).backward()
-    params = list(model.parameters())
-    before = [p.detach().clone() for p in params]
-    for name in ["adafactor", "came", "lamb", "galore"]:
-        opt = _make_opt(name, params, shapes)
-        with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[\d+\] \(local shape .*declare_fsdp"):
+    # An FSDP1 piece whose unit is not found (a tensor marked as FSDP1's by hand): each optimizer that takes
+    # statistics over a whole tensor refuses it at its first step, naming the param and declare_fsdp, before
+    # anything changes; the element-wise ones step it as it is.
+    lone = torch.nn.Parameter(torch.ones(5, dtype=torch.float64))
+    lone._fsdp_flattened = True
+    lone.grad = torch.ones_like(lone)
+    for name in ["adafactor", "came", "lamb"]:
+        opt = _make_opt(name, [lone])
+        with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\] \(local shape \(5,\)\).*declare_fsdp"):
             opt.step()
-        assert not any(opt.state.values()) and all(torch.equal(p, b) for p, b in zip(params, before)), name
-    plain = fastopt.GaLoreAdamW(params, lr=1e-2)  # no projected group: element-wise AdamW
-    for opt in (plain, fastopt.AdamW8bit(params, lr=1e-2)):
-        opt.step()
-    assert all(not torch.equal(p, b) for p, b in zip(params, before) if p.numel())
+        assert not any(opt.state.values()) and torch.equal(lone, torch.ones_like(lone)), name
+    with pytest.raises(ValueError, match="declare_fsdp"):
+        fastopt.GaLoreAdamW([{"params": [lone], "rank": 1}]).step()
+    for opt in (fastopt.GaLoreAdamW([lone], lr=1e-2), fastopt.AdamW8bit([lone], lr=1e-2)):
+        opt.step()  # element-wise: no unit needed
+    assert not torch.equal(lone, torch.ones_like(lone))
 
     # use_orig_params=False: one FlatParameter per unit, of several params' elements
     flat = _fsdp1(use_orig_params=False)
@@ -702,12 +705,22 @@ def _fsdp1_case(rank, world):
     with pytest.raises(ValueError, match="no FullyShardedDataParallel"):
         declare_fsdp(_Block())
 
+    # get_galore_param_groups groups the pieces by their whole params' shapes: as for one process, on every rank
+    model = _fsdp1()
+    index = {id(p): i for i, p in enumerate(model.parameters())}
+    ref = _Block()
+    ref_index = {id(p): i for i, p in enumerate(ref.parameters())}
+    groups = [[index[id(p)] for p in g["params"]] for g in fastopt.get_galore_param_groups(model, 0.1, rank=2)]
+    assert groups == [[ref_index[id(p)] for p in g["params"]]
+                      for g in fastopt.get_galore_param_groups(ref, 0.1, rank=2)] and len(groups) == 3, groups
+
     # zero_grad(set_to_none=True), then a step before any backward: the holders of a param have no grad for it,
     # so the ranks without its elements leave it out too (a step of theirs alone would mismatch the collectives)
-    model = declare_fsdp(_fsdp1())
+    model = _fsdp1()
     opt = fastopt.Adafactor(model.parameters(), lr=1e-2, relative_step=False)
     _loss(model, tok, tgt).backward()
-    opt.step()
+    opt.step()  # finds the units: every param declared on every rank
+    assert all(layout_of(p) is not None and layout_of(p).flat is not None for p in model.parameters())
     opt.zero_grad()
     after_one = [p.detach().clone() for p in model.parameters()]
     opt.step()
@@ -719,23 +732,25 @@ def _fsdp1_case(rank, world):
 
     # NO_SHARD: whole params, replicated (its gradients averaged as DDP's)
     init, ref_model, _ = _reference("adafactor", "fsdp1")
-    model = declare_fsdp(_fsdp1(sharding_strategy=ShardingStrategy.NO_SHARD))
+    model = _fsdp1(sharding_strategy=ShardingStrategy.NO_SHARD)
     opt = _make_opt("adafactor", list(model.parameters()))
     for tok, tgt in _batches():
         _loss(model, tok.chunk(world)[rank], tgt.chunk(world)[rank]).backward()
         opt.step()
         opt.zero_grad()
     for p, q, n in zip(model.parameters(), ref_model.parameters(), init):
+        assert layout_of(p) is None
         assert _rel(p.detach() - init[n], q.detach() - init[n]) <= TOL_REL, n
 
 
 def test_fsdp1_pieces_are_declared_or_refused(pool):
-    """FSDP1 (FullyShardedDataParallel, use_orig_params=True) hands the optimizer 1-D pieces of the params:
-    undeclared, the optimizers that need whole-tensor statistics refuse them (they measured 0.11 (Lamb) to 2.3
-    (GaLore) off a single process, relative to the update, before this refusal); FlatParameters and a model
-    without FSDP1 units are refused by declare_fsdp; a step after zero_grad without a backward changes nothing
-    (and its collectives match); NO_SHARD units step whole params (their exactness under sharding: the "fsdp1"
-    mode of test_every_optimizer_every_layout_matches_single_process)."""
+    """FSDP1 (FullyShardedDataParallel, use_orig_params=True) hands the optimizer 1-D pieces of the params, which
+    the optimizers declare from the units they find (stepped as whole vectors, they were 0.11 (Lamb) to 2.3
+    (GaLore) off a single process, relative to the update); a piece without a unit is refused by the optimizers
+    that need whole-tensor statistics, FlatParameters (use_orig_params=False) by every such optimizer and by
+    declare_fsdp; a step after zero_grad without a backward changes nothing (and its collectives match); NO_SHARD
+    units step whole params; get_galore_param_groups groups the pieces as one process's params. Exactness under
+    sharding: the fsdp1, hsdp1 and fsdp1_tp modes of test_every_optimizer_every_layout_matches_single_process."""
     pool.run(_fsdp1_case)
 
 

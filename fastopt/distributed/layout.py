@@ -14,7 +14,8 @@ partial statistics of the param must be summed (the ranks that hold other pieces
   of a tensor that is itself sharded (ZeRO over TP: `FastOptimizer.setup_distributed`) has that tensor's
   layout as `base`; a range may lie partly or wholly in the padding past the end (clamped: no real elements
   there), as ZeRO gives the last ranks when the numel does not split evenly. `declare_fsdp(model)` declares
-  the pieces FSDP1 (`FullyShardedDataParallel(use_orig_params=True)`) hands the optimizer as flat ranges.
+  the pieces FSDP1 (`FullyShardedDataParallel(use_orig_params=True)`) hands the optimizer as flat ranges (the
+  optimizers do it themselves for the units they find: `declare_found_fsdp`).
 
 A DTensor on a mesh without this rank (a sub-mesh) holds nothing here: its layout is `outside` (a flat range
 of no elements, no group), and the optimizers skip the param on this rank (`FastOptimizer._buckets`), as DTensor's own ops
@@ -28,7 +29,7 @@ Stable API (the optimizers and the GaLore layout support use it): `Layout` with 
 `batch_index`, `flat_index`, `factor_index`, `local_view`, `reduce`, `mesh`, `mesh_dims`, `shard_ranges`,
 `shard_placements`, `fsdp`; `layout_of`, `local`, `collective`, `declare_shard`, `declare_fsdp`, `make_layout`,
 `full_tensor`, `gather_to_owners`, `real_elements`, `check_cover`, `fsdp1_refusal`, `stepped_without_grad`,
-`fsdp_flat_grads`.
+`fsdp_flat_grads`, `declare_found_fsdp`.
 
 A declaration is checked once, at the first step that uses it (`check_cover`): every rank of the declared groups
 must declare the same global shape, and the real elements of the pieces must be every element of the global
@@ -53,7 +54,7 @@ from torch import Tensor
 
 __all__ = ["Layout", "layout_of", "local", "is_dtensor", "collective", "declare_shard", "declare_fsdp", "make_layout",
            "full_tensor", "gather_to_owners", "real_elements", "check_cover", "fsdp1_refusal", "stepped_without_grad",
-           "fsdp_flat_grads"]
+           "fsdp_flat_grads", "declare_found_fsdp"]
 
 _ATTR = "_fastopt_layout"  # where declare_shard keeps a plain tensor's declared layout
 
@@ -305,8 +306,10 @@ def _placements_layout(mesh, placements: tuple, shape: tuple[int, ...], device) 
 
 
 def layout_of(p: Tensor, *, owner: str = "fastopt.distributed.layout_of") -> Layout | None:
-    """The layout of `p`: declared with `declare_shard`, else read off its DTensor placements; None when this
-    rank holds all of it (plain tensor, or a replicated DTensor). Raises ValueError (naming `owner`) for a plain
+    """The layout of `p`: declared with `declare_shard`, else read off its DTensor placements, else, for a piece
+    of a param of an FSDP1 unit, read off the unit (`declare_found_fsdp`); None when this rank holds all of it
+    (plain tensor, a replicated DTensor, an FSDP1 unit that shards nothing; an FSDP1 piece whose unit is not
+    found: `fsdp1_refusal` says why that cannot be stepped whole). Raises ValueError (naming `owner`) for a plain
     tensor without a declaration that views exactly the elements that a tensor declared with `declare_shard`
     viewed, in the same live storage (`torch.nn.Parameter(t)`, `t.detach()`, `t.data` or `t.view(...)` of a
     declared `t`): it would be taken for a whole tensor, its statistics silently computed over the piece alone."""
@@ -315,6 +318,8 @@ def layout_of(p: Tensor, *, owner: str = "fastopt.distributed.layout_of") -> Lay
         return declared
     if is_dtensor(p):
         return _dtensor_layout(p)
+    if getattr(p, "_fsdp_flattened", False) and declare_found_fsdp(p):
+        return getattr(p, _ATTR, None)  # None: a whole param (NO_SHARD)
     if _DECLARED:
         _check_undeclared(p, owner)
     return None
@@ -500,64 +505,97 @@ _FSDP_HANDLES: "weakref.WeakSet" = weakref.WeakSet()  # the FlatParamHandles of 
 def declare_fsdp(model: torch.nn.Module) -> torch.nn.Module:
     """Declare the params of every FSDP1 unit in `model` (`torch.distributed.fsdp.FullyShardedDataParallel`
     built with `use_orig_params=True`), so that every fastopt optimizer gives the single-process result on them.
-    Call it once after wrapping, before the optimizer's first step. Returns `model`.
+    Returns `model`. `layout_of` does this itself (`declare_found_fsdp`) for the units whose pieces it is
+    handed, so the optimizers need no call; calling it once after wrapping spares them the search.
 
     FSDP1 hands the optimizer each param as a 1-D view of the range of its flattened elements that falls in
     this rank's shard of the unit's flat parameter: it may start and end mid-row, and it is empty on ranks that
-    hold none of it. Nothing on the param says which param it is a piece of, so the optimizer cannot tell it from
-    a whole vector: undeclared, an optimizer that needs statistics over the whole tensor (Adafactor, CAME,
-    Lamb, GaLore's projected groups) refuses it at its first step, naming this function; AdamW8bit and GaLore's
-    plain groups, element-wise, step it as it is. Each param becomes a flat range of its global tensor over the
-    unit's process group (`declare_shard(..., flat_offset=...)`; under HYBRID_SHARD, the shard group: the
-    replicas hold the same pieces); under FSDP1 over tensor parallelism (a unit with `device_mesh=mesh["dp"]`
-    around DTensor params), a flat range of the param's TP piece, as ZeRO over TP (`setup_distributed`). A rank
-    that holds none of a param gets no gradient for it from FSDP1, yet takes part in its collectives while the
-    ranks that hold its elements have one: FSDP1's own record of which params got a gradient in the last
-    backward (the same on every rank) says when (`stepped_without_grad`); a step() after the optimizer's
-    zero_grad(set_to_none=True) and before the next backward steps none of them (after `model.zero_grad()`
-    instead, such a step would run the collectives on the empty pieces' ranks alone). Units that shard nothing
-    (NO_SHARD, or a world of one) hand over whole params, marked as such. The statistics are summed over the
-    unit's process group on the params' device: with `CPUOffload(offload_params=True)` that group needs a
-    backend for CPU tensors (e.g. `init_process_group("cpu:gloo,cuda:nccl")`). FSDP2 (`fully_shard`) needs no
-    declaration: its params are DTensors.
+    hold none of it. Nothing on the param says which param it is a piece of: only the unit's FlatParamHandle
+    knows. Each param becomes a flat range of its global tensor over the unit's process group
+    (`declare_shard(..., flat_offset=...)`; under HYBRID_SHARD, the shard group: the replicas hold the same
+    pieces); under FSDP1 over tensor parallelism (a unit with `device_mesh=mesh["dp"]` around DTensor params), a
+    flat range of the param's TP piece, as ZeRO over TP (`setup_distributed`). A rank that holds none of a param
+    gets no gradient for it from FSDP1, yet takes part in its collectives while the ranks that hold its elements
+    have one: FSDP1's own record of which params got a gradient in the last backward (the same on every rank)
+    says when (`stepped_without_grad`); a step() after the optimizer's zero_grad(set_to_none=True) and before the
+    next backward steps none of them (after `model.zero_grad()` instead, such a step would run the collectives on
+    the empty pieces' ranks alone). Units that shard nothing (NO_SHARD, or a world of one) hand over whole
+    params, marked as such. The statistics are summed over the unit's process group on the params' device: with
+    `CPUOffload(offload_params=True)` that group needs a backend for CPU tensors (e.g.
+    `init_process_group("cpu:gloo,cuda:nccl")`). FSDP2 (`fully_shard`) needs no declaration: its params are
+    DTensors.
 
     Raises ValueError for a unit built with `use_orig_params=False`: it hands the optimizer one FlatParameter
-    of several params' elements, whose statistics no optimizer can take apart; and for a model without FSDP1
-    units."""
+    of several params' elements, whose statistics no optimizer can take apart (`fsdp1_refusal`); and for a
+    model without FSDP1 units."""
     from torch.distributed.fsdp import FullyShardedDataParallel
     units = [u for u in FullyShardedDataParallel.fsdp_modules(model) if getattr(u, "_handle", None) is not None]
     if not units:
         raise ValueError("declare_fsdp: the model has no FullyShardedDataParallel (FSDP1) unit with params; FSDP2 "
                          "(fully_shard) makes DTensor params, which need no declaration")
     for unit in units:
-        handle = unit._handle
-        fp = handle.flat_param
-        if fp._params is None:
+        if unit._handle.flat_param._params is None:
             raise ValueError("declare_fsdp: a FullyShardedDataParallel unit was built with use_orig_params=False: "
                              "it hands the optimizer one FlatParameter that concatenates several params, so no "
                              "statistic over a param (row and column factors, norms, projections) can be taken; "
                              "build it with use_orig_params=True")
-        infos, specs = fp._shard_param_infos, getattr(fp, "_param_extensions", None) or (None,) * len(fp._params)
-        if not len(fp._params) == len(fp._shapes) == len(infos) == len(specs):
-            raise RuntimeError(f"declare_fsdp: FSDP1's flat parameter lists {len(fp._params)} params, "
-                               f"{len(fp._shapes)} shapes, {len(infos)} shard ranges and {len(specs)} extensions: "
-                               "report this with your torch version")
-        for i, (p, shape, info, spec) in enumerate(zip(fp._params, fp._shapes, infos, specs)):
-            if not handle.uses_sharded_strategy:
-                setattr(p, _FSDP_WHOLE, True)
-                continue
-            # FSDP1 over tensor parallelism flattens a DTensor's local piece (its spec kept as the extension):
-            # a flat range of that piece, as ZeRO over TP (`setup_distributed`)
-            base = None if spec is None else _placements_layout(spec.mesh, tuple(spec.placements),
-                                                                tuple(spec.shape), p.device)
-            offset = info.intra_param_start_idx if info.in_shard else math.prod(shape)
-            lay = make_layout((p.numel(),), tuple(shape) if base is None else base.global_shape,
-                              handle.process_group, flat_offset=offset, base=base, owner="declare_fsdp")
-            setattr(p, _ATTR, replace(lay, fsdp=(weakref.ref(handle), i)))
-            _remember(p)
-        if handle.uses_sharded_strategy:
-            _FSDP_HANDLES.add(handle)
+        _declare_unit(unit._handle)
     return model
+
+
+def _declare_unit(handle) -> None:
+    """`declare_fsdp` for the params of one FSDP1 unit (its FlatParamHandle, use_orig_params=True)."""
+    fp = handle.flat_param
+    infos, specs = fp._shard_param_infos, getattr(fp, "_param_extensions", None) or (None,) * len(fp._params)
+    if not len(fp._params) == len(fp._shapes) == len(infos) == len(specs):
+        raise RuntimeError(f"declare_fsdp: FSDP1's flat parameter lists {len(fp._params)} params, "
+                           f"{len(fp._shapes)} shapes, {len(infos)} shard ranges and {len(specs)} extensions: "
+                           "report this with your torch version")
+    for i, (p, shape, info, spec) in enumerate(zip(fp._params, fp._shapes, infos, specs)):
+        if not handle.uses_sharded_strategy:
+            setattr(p, _FSDP_WHOLE, True)
+            continue
+        # FSDP1 over tensor parallelism flattens a DTensor's local piece (its spec kept as the extension):
+        # a flat range of that piece, as ZeRO over TP (`setup_distributed`)
+        base = None if spec is None else _placements_layout(spec.mesh, tuple(spec.placements),
+                                                            tuple(spec.shape), p.device)
+        # the piece from FSDP1's record, not from p: a unit found in the middle of a forward holds whole params
+        offset, count = (info.intra_param_start_idx, info.numel_in_shard) if info.in_shard else (math.prod(shape), 0)
+        lay = make_layout((count,), tuple(shape) if base is None else base.global_shape,
+                          handle.process_group, flat_offset=offset, base=base, owner="declare_fsdp")
+        setattr(p, _ATTR, replace(lay, fsdp=(weakref.ref(handle), i)))
+        _remember(p)
+    if handle.uses_sharded_strategy:
+        _FSDP_HANDLES.add(handle)
+
+
+_FSDP_UNFOUND = "_fastopt_fsdp_unfound"  # the mark of an FSDP1 piece a search found no unit for: not searched again
+
+
+def declare_found_fsdp(p: Tensor) -> bool:
+    """For a piece `p` of a param of an FSDP1 unit (`_fsdp_flattened`, use_orig_params=True) not declared yet:
+    find the FlatParamHandles alive in this process (one pass over the objects Python's collector tracks: tens of
+    milliseconds for a few hundred thousand objects, once; FSDP1 keeps no way from a param to its unit) and
+    declare the params of every one that holds an undeclared param (`declare_fsdp`). Every rank finds the same
+    units, so all declare alike. Whether `p` is declared now, or marked whole (False for a FlatParameter,
+    use_orig_params=False, which no declaration can take apart, and for a piece of no unit found)."""
+    import gc
+
+    if fsdp1_refusal(p, "") is None:
+        return True
+    if getattr(p, "_is_flat_param", False) or getattr(p, _FSDP_UNFOUND, False):
+        return False
+    from torch.distributed.fsdp._flat_param import FlatParamHandle
+    for obj in gc.get_objects():
+        if issubclass(type(obj), FlatParamHandle):  # type(): isinstance would ask proxies for __class__
+            params = obj.flat_param._params
+            if params and any(getattr(q, _ATTR, None) is None and not getattr(q, _FSDP_WHOLE, False)
+                              for q in params):
+                _declare_unit(obj)
+    if fsdp1_refusal(p, "") is None:
+        return True
+    setattr(p, _FSDP_UNFOUND, True)
+    return False
 
 
 def fsdp_flat_grads() -> dict:
@@ -577,12 +615,13 @@ def fsdp1_refusal(p: Tensor, owner: str) -> str | None:
         return (f"{owner} is an FSDP1 FlatParameter (FullyShardedDataParallel with use_orig_params=False): "
                 "the elements of several params flattened together and sharded, whose statistics (row and column "
                 "factors, norms, projections) cannot be taken apart; build the FullyShardedDataParallel units with "
-                "use_orig_params=True and call fastopt.distributed.declare_fsdp(model), or shard with FSDP2 "
+                "use_orig_params=True (fastopt reads their pieces' places off them), or shard with FSDP2 "
                 "(torch.distributed.fsdp.fully_shard)")
     return (f"{owner} (local shape {tuple(p.shape)}) is a piece of a param flattened and sharded by FSDP1 "
-            "(FullyShardedDataParallel), with nothing on it to say which: stepped as a whole tensor, its "
-            "statistics would be taken over this rank's piece alone. Call fastopt.distributed.declare_fsdp(model) "
-            "once after wrapping, or shard with FSDP2 (torch.distributed.fsdp.fully_shard)")
+            "(FullyShardedDataParallel), and no FSDP1 unit holding it was found in this process: stepped as a "
+            "whole tensor, its statistics would be taken over this rank's piece alone. Call "
+            "fastopt.distributed.declare_fsdp(model) on the wrapped model, or shard with FSDP2 "
+            "(torch.distributed.fsdp.fully_shard)")
 
 
 def stepped_without_grad(p: Tensor, lay: Layout | None, cleared: dict) -> bool:

@@ -378,7 +378,8 @@ def get_galore_param_groups(model: torch.nn.Module, weight_decay: float, rank: i
     other params of two or more dims plain AdamW with `weight_decay`, and biases, norms' params and every
     other vector or scalar plain AdamW without decay. A Linear weight with a dim smaller than `rank` stays
     plain (its projection would keep no fewer numbers). Params without requires_grad are left out; a param
-    shared by several modules appears once. Empty groups are dropped."""
+    shared by several modules appears once. Empty groups are dropped. Shapes are the whole params' (`layout_of`:
+    an FSDP1 piece is 1-D, a shard declared by hand smaller), so that every rank makes the same groups."""
     check(is_int(rank) and rank >= 1, "rank", "get_galore_param_groups", rank, "be an int >= 1")
     projected, decayed, plain = [], [], []
     seen: set = set()
@@ -387,9 +388,11 @@ def get_galore_param_groups(model: torch.nn.Module, weight_decay: float, rank: i
             if not p.requires_grad or id(p) in seen:
                 continue
             seen.add(id(p))
-            if isinstance(module, torch.nn.Linear) and name == "weight" and min(p.shape) >= rank:
+            lay = layout_of(p, owner="get_galore_param_groups")
+            shape = tuple(p.shape) if lay is None else lay.global_shape
+            if isinstance(module, torch.nn.Linear) and name == "weight" and min(shape) >= rank:
                 projected.append(p)
-            elif p.dim() >= 2 and not _is_norm(module):
+            elif len(shape) >= 2 and not _is_norm(module):
                 decayed.append(p)
             else:
                 plain.append(p)
