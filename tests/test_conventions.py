@@ -740,7 +740,9 @@ def test_compiled_training_step_runs_the_step_eagerly(case, backend, device):
 @pytest.mark.parametrize("case", list(CASES))
 def test_found_inf_of_shape_one_as_fsdp_sharded_grad_scaler_makes_it(case):
     """FSDP's ShardedGradScaler hands step() a found_inf of shape (1,), not 0-dim: with 0 it steps exactly as a
-    0-dim found_inf does (6 steps, params and state bit for bit); with 1 nothing changes, step counters included."""
+    0-dim found_inf does (6 steps, params and state bit for bit); with 1, and with 4 (its unscale_ sums the infs
+    over the ranks; GradScaler sums them over devices), nothing changes, step counters included (they went back
+    by found_inf - 1)."""
     a, b = make_params("cpu"), make_params("cpu")
     oa, ob = make(case, a), make(case, b)
     for t in range(6):
@@ -754,10 +756,30 @@ def test_found_inf_of_shape_one_as_fsdp_sharded_grad_scaler_makes_it(case):
         for k, v in oa.state[p].items():
             assert torch.equal(ob.state[q][k], v), k
     before = ([p.detach().clone() for p in b], [{k: v.clone() for k, v in ob.state[p].items()} for p in b])
-    set_grads(b, 6)
-    ob.found_inf = torch.ones(1)
-    ob.step()
-    for p, p0, s0 in zip(b, *before):
-        assert torch.equal(p, p0)
-        for k, v in s0.items():
-            assert torch.equal(ob.state[p][k], v), k
+    for found in (1.0, 4.0):
+        set_grads(b, 6)
+        ob.found_inf = torch.full((1,), found)
+        ob.step()
+        for p, p0, s0 in zip(b, *before):
+            assert torch.equal(p, p0)
+            for k, v in s0.items():
+                assert torch.equal(ob.state[p][k], v), (found, k)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_grads_in_another_dtype_step_as_their_copy_in_the_param_dtype(case, backend, device):
+    """fp32 params whose grads are bf16 (FSDP1's MixedPrecision(keep_low_precision_grads=True) makes them, through
+    `.data`): bit for bit the steps of the same grads made fp32, over 4 steps, params and states (the Triton
+    Adafactor read the params through the grads' type: NaN; AdamW8bit's extension refused them)."""
+    low, twin = make_params(device, F32), make_params(device, F32)
+    opt, ref = make(case, low), make(case, twin)
+    for t in range(4):
+        set_grads(twin, t)
+        for p, q in zip(low, twin):
+            q.grad = q.grad.to(torch.bfloat16).to(F32)
+            p.grad = q.grad.clone()
+            p.grad.data = q.grad.to(torch.bfloat16)
+        assert all(p.grad.dtype == torch.bfloat16 for p in low)
+        opt.step()
+        ref.step()
+    assert_same(opt, ref)

@@ -666,6 +666,18 @@ def test_declarations_are_checked(pool):
     pool.run(_errors_case)
 
 
+class _Tiny(_Block):
+    """_Block and a Linear(2, 1) of 3 elements: FSDP1 over 4 ranks gives one rank a shard of it all padding."""
+
+    def __init__(self):
+        super().__init__()
+        self.tiny = torch.nn.Linear(2, 1)
+
+    def forward(self, tok):
+        x = super().forward(tok)  # (to one logit: added to all, its gradient would be rounding noise alone)
+        return torch.cat([x[..., :1] + self.tiny(x[..., :2]), x[..., 1:]], dim=-1)
+
+
 def _fsdp1(**kw):
     """_Block in float64 under FSDP1 over the world, as the "fsdp1" mode has it (`kw`: FSDP1's)."""
     torch.manual_seed(0)
@@ -685,7 +697,7 @@ def _fsdp1_case(rank, world):
     lone.grad = torch.ones_like(lone)
     for name in ["adafactor", "came", "lamb"]:
         opt = _make_opt(name, [lone])
-        with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\] \(local shape \(5,\)\).*declare_fsdp"):
+        with pytest.raises(ValueError, match=r"\['params'\]\[0\] \(local shape \(5,\)\).*declare_fsdp"):
             opt.step()
         assert not any(opt.state.values()) and torch.equal(lone, torch.ones_like(lone)), name
     with pytest.raises(ValueError, match="declare_fsdp"):
@@ -714,21 +726,89 @@ def _fsdp1_case(rank, world):
     assert groups == [[ref_index[id(p)] for p in g["params"]]
                       for g in fastopt.get_galore_param_groups(ref, 0.1, rank=2)] and len(groups) == 3, groups
 
+    # What the ranks that hold a param's elements did since the backward decides, on every rank (fsdp_grads): a
+    # grad set to None, a param frozen or unfrozen after the backward, FSDP1's own resets in summon_full_params
+    # (where a rank's shard of the `tiny` unit, Linear(2, 1) over 4 ranks, is all padding). The same steps as
+    # one process's; each crashed or hung a gloo collective when the ranks without elements guessed.
+    for what in ("grad_none", "freeze", "unfreeze", "summon"):
+        torch.manual_seed(0)
+        ref = _Tiny().double()
+        model = _fsdp1_wrap(copy.deepcopy(ref), "fsdp1")
+        runs = [(ref, _make_opt("adafactor", list(ref.parameters())), slice(None)),
+                (model, _make_opt("adafactor", list(model.parameters())), slice(2 * rank, 2 * rank + 2))]
+        for m, opt, part in runs:
+            bias = m.q.bias if m is ref else m.module.q.module.bias
+            bias.requires_grad_(what != "unfreeze")
+            for i, (tok, tgt) in enumerate(_batches()[:3]):
+                _loss(m, tok[part], tgt[part]).backward()
+                if i == 1:
+                    if what == "grad_none":
+                        bias.grad = None
+                    elif what in ("freeze", "unfreeze"):
+                        bias.requires_grad_(what == "unfreeze")
+                    elif m is model:
+                        with type(model).summon_full_params(model):
+                            pass
+                opt.step()
+                opt.zero_grad()
+        with type(model).summon_full_params(model):
+            for (n, q), p in zip(ref.named_parameters(), model.parameters()):
+                assert torch.allclose(p, q, rtol=0, atol=1e-13), (what, n, float((p - q).abs().max()))
+
     # zero_grad(set_to_none=True), then a step before any backward: the holders of a param have no grad for it,
-    # so the ranks without its elements leave it out too (a step of theirs alone would mismatch the collectives)
-    model = _fsdp1()
-    opt = fastopt.Adafactor(model.parameters(), lr=1e-2, relative_step=False)
-    _loss(model, tok, tgt).backward()
-    opt.step()  # finds the units: every param declared on every rank
-    assert all(layout_of(p) is not None and layout_of(p).flat is not None for p in model.parameters())
-    opt.zero_grad()
-    after_one = [p.detach().clone() for p in model.parameters()]
-    opt.step()
-    assert all(torch.equal(p, a) for p, a in zip(model.parameters(), after_one))
-    assert all(float(s["step"]) == 1 for s in opt.state.values())
-    _loss(model, tok2, tgt2).backward()
-    opt.step()
-    assert all(float(s["step"]) == 2 for s in opt.state.values())
+    # so the ranks without its elements leave it out too (a step of theirs alone would mismatch the collectives).
+    # The unit's backend taken for one without CPU tensors (NCCL alone): the agreement goes over a gloo group of
+    # its ranks, made once.
+    from fastopt.distributed import layout as lay_mod
+    takes_cpu, lay_mod._takes_cpu = lay_mod._takes_cpu, lambda group: False
+    try:
+        made = len(lay_mod._CPU_GROUPS)
+        model = _fsdp1()
+        opt = fastopt.Adafactor(model.parameters(), lr=1e-2, relative_step=False)
+        _loss(model, tok, tgt).backward()
+        opt.step()  # finds the units: every param declared on every rank
+        assert len(lay_mod._CPU_GROUPS) == made + 1
+        assert all(layout_of(p) is not None and layout_of(p).flat is not None for p in model.parameters())
+        opt.zero_grad()
+        after_one = [p.detach().clone() for p in model.parameters()]
+        opt.step()
+        assert all(torch.equal(p, a) for p, a in zip(model.parameters(), after_one))
+        assert all(float(s["step"]) == 1 for s in opt.state.values())
+        _loss(model, tok2, tgt2).backward()
+        opt.step()
+        assert all(float(s["step"]) == 2 for s in opt.state.values())
+        assert len(lay_mod._CPU_GROUPS) == made + 1
+    finally:
+        lay_mod._takes_cpu = takes_cpu
+
+    # GradScaler: a rank's found_inf covers its own pieces, so GradScaler takes torch's path here (unscale_, which
+    # ShardedGradScaler syncs over the ranks, then a step where no rank found an inf); an inf in one rank's piece
+    # makes every rank skip, with one scale (they stepped or skipped each on its own, their scales drifting
+    # apart); so does unscale_ called first with an inf on every rank (found_inf summed to 4.: the step counters
+    # went back by 3 per such step).
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+    for unscale, where in ((False, [0]), (True, range(world))):
+        model = _fsdp1()
+        opt = _make_opt("lamb", list(model.parameters()))
+        assert not opt._step_supports_amp_scaling
+        scaler = ShardedGradScaler("cpu", init_scale=2.0 ** 10)
+        for i, (tok, tgt) in enumerate(_batches()[:3]):
+            scaler.scale(_loss(model, tok.chunk(world)[rank], tgt.chunk(world)[rank])).backward()
+            if i == 1:
+                if rank in where:
+                    held = next(p for p in model.parameters() if p.grad is not None and p.numel())
+                    held.grad.view(-1)[0] = float("inf")
+                before = [p.detach().clone() for p in model.parameters()]
+            if unscale:
+                scaler.unscale_(opt)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            if i == 1:
+                assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before)), unscale
+                assert scaler.get_scale() == 2.0 ** 9, (unscale, scaler.get_scale())
+        assert all(float(s["step"]) == 2 for s in opt.state.values()), unscale
+    assert _make_opt("lamb", list(_Block().parameters()))._step_supports_amp_scaling  # one process: on device
 
     # NO_SHARD: whole params, replicated (its gradients averaged as DDP's)
     init, ref_model, _ = _reference("adafactor", "fsdp1")

@@ -28,8 +28,8 @@ Stable API (the optimizers and the GaLore layout support use it): `Layout` with 
 `group`, `groups`, `group_key`, `flat`, `base`, `numel`, `count`, `outside`, `is_flat`, `dim_index`,
 `batch_index`, `flat_index`, `factor_index`, `local_view`, `reduce`, `mesh`, `mesh_dims`, `shard_ranges`,
 `shard_placements`, `fsdp`; `layout_of`, `local`, `collective`, `declare_shard`, `declare_fsdp`, `make_layout`,
-`full_tensor`, `gather_to_owners`, `real_elements`, `check_cover`, `fsdp1_refusal`, `stepped_without_grad`,
-`fsdp_flat_grads`, `declare_found_fsdp`.
+`full_tensor`, `gather_to_owners`, `real_elements`, `check_cover`, `fsdp1_refusal`, `fsdp_grads`,
+`declare_found_fsdp`.
 
 A declaration is checked once, at the first step that uses it (`check_cover`): every rank of the declared groups
 must declare the same global shape, and the real elements of the pieces must be every element of the global
@@ -53,8 +53,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 __all__ = ["Layout", "layout_of", "local", "is_dtensor", "collective", "declare_shard", "declare_fsdp", "make_layout",
-           "full_tensor", "gather_to_owners", "real_elements", "check_cover", "fsdp1_refusal", "stepped_without_grad",
-           "fsdp_flat_grads", "declare_found_fsdp"]
+           "full_tensor", "gather_to_owners", "real_elements", "check_cover", "fsdp1_refusal", "fsdp_grads",
+           "declare_found_fsdp"]
 
 _ATTR = "_fastopt_layout"  # where declare_shard keeps a plain tensor's declared layout
 
@@ -71,7 +71,7 @@ class Layout:
     mesh: object = None  # DTensor layouts: the param's DeviceMesh; `group` spans its dims `mesh_dims`
     mesh_dims: tuple[int, ...] = ()  # DTensor layouts: the mesh dims that shard the param
     outside: bool = False  # a DTensor whose mesh lacks this rank: nothing here, no group (`_outside_layout`)
-    fsdp: object = None  # FSDP1 pieces (`declare_fsdp`): (weak reference to the FlatParamHandle, param's index)
+    fsdp: bool = False  # an FSDP1 piece (`declare_fsdp`): whether it has a grad is agreed each step (`fsdp_grads`)
     _cache: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
@@ -499,7 +499,6 @@ def declare_shard(p: Tensor, global_shape, group, *, dim: int | None = None, sta
 
 
 _FSDP_WHOLE = "_fastopt_fsdp_whole"  # declare_fsdp's mark on the params of FSDP1 units that shard nothing
-_FSDP_HANDLES: "weakref.WeakSet" = weakref.WeakSet()  # the FlatParamHandles of the units declare_fsdp declared
 
 
 def declare_fsdp(model: torch.nn.Module) -> torch.nn.Module:
@@ -516,12 +515,10 @@ def declare_fsdp(model: torch.nn.Module) -> torch.nn.Module:
     pieces); under FSDP1 over tensor parallelism (a unit with `device_mesh=mesh["dp"]` around DTensor params), a
     flat range of the param's TP piece, as ZeRO over TP (`setup_distributed`). A rank that holds none of a param
     gets no gradient for it from FSDP1, yet takes part in its collectives while the ranks that hold its elements
-    have one: FSDP1's own record of which params got a gradient in the last backward (the same on every rank)
-    says when (`stepped_without_grad`); a step() after the optimizer's zero_grad(set_to_none=True) and before the
-    next backward steps none of them (after `model.zero_grad()` instead, such a step would run the collectives on
-    the empty pieces' ranks alone). Units that shard nothing (NO_SHARD, or a world of one) hand over whole
-    params, marked as such. The statistics are summed over the unit's process group on the params' device: with
-    `CPUOffload(offload_params=True)` that group needs a backend for CPU tensors (e.g.
+    have one: at each step the ranks of a unit agree on which of its params have a gradient somewhere
+    (`fsdp_grads`: one small all_reduce on the host, no device sync). Units that shard nothing (NO_SHARD, or a
+    world of one) hand over whole params, marked as such. The statistics are summed over the unit's process group
+    on the params' device: with `CPUOffload(offload_params=True)` that group needs a backend for CPU tensors (e.g.
     `init_process_group("cpu:gloo,cuda:nccl")`). FSDP2 (`fully_shard`) needs no declaration: its params are
     DTensors.
 
@@ -551,7 +548,7 @@ def _declare_unit(handle) -> None:
         raise RuntimeError(f"declare_fsdp: FSDP1's flat parameter lists {len(fp._params)} params, "
                            f"{len(fp._shapes)} shapes, {len(infos)} shard ranges and {len(specs)} extensions: "
                            "report this with your torch version")
-    for i, (p, shape, info, spec) in enumerate(zip(fp._params, fp._shapes, infos, specs)):
+    for p, shape, info, spec in zip(fp._params, fp._shapes, infos, specs):
         if not handle.uses_sharded_strategy:
             setattr(p, _FSDP_WHOLE, True)
             continue
@@ -563,10 +560,8 @@ def _declare_unit(handle) -> None:
         offset, count = (info.intra_param_start_idx, info.numel_in_shard) if info.in_shard else (math.prod(shape), 0)
         lay = make_layout((count,), tuple(shape) if base is None else base.global_shape,
                           handle.process_group, flat_offset=offset, base=base, owner="declare_fsdp")
-        setattr(p, _ATTR, replace(lay, fsdp=(weakref.ref(handle), i)))
+        setattr(p, _ATTR, replace(lay, fsdp=True))
         _remember(p)
-    if handle.uses_sharded_strategy:
-        _FSDP_HANDLES.add(handle)
 
 
 _FSDP_UNFOUND = "_fastopt_fsdp_unfound"  # the mark of an FSDP1 piece a search found no unit for: not searched again
@@ -598,12 +593,6 @@ def declare_found_fsdp(p: Tensor) -> bool:
     return False
 
 
-def fsdp_flat_grads() -> dict:
-    """{id(handle): weak reference to its flat gradient} for the FSDP1 units declared (`declare_fsdp`) that
-    have one now: what an optimizer's zero_grad(set_to_none=True) leaves behind (`stepped_without_grad`)."""
-    return {id(h): weakref.ref(h.flat_param.grad) for h in list(_FSDP_HANDLES) if h.flat_param.grad is not None}
-
-
 def fsdp1_refusal(p: Tensor, owner: str) -> str | None:
     """Why `p` (named by `owner`, e.g. "Adafactor: param_groups[0]['params'][3]") cannot be stepped as a whole
     tensor when it is FSDP1's and not declared (`declare_fsdp`): a FlatParameter of several params, or a flat
@@ -624,25 +613,42 @@ def fsdp1_refusal(p: Tensor, owner: str) -> str | None:
             "(torch.distributed.fsdp.fully_shard)")
 
 
-def stepped_without_grad(p: Tensor, lay: Layout | None, cleared: dict) -> bool:
-    """Whether this rank steps FSDP1 piece `p` (`declare_fsdp`) that has no gradient here: it holds none of the
-    param's elements (FSDP1 sets the grad of such a piece to None), and the ranks that hold them have one, so it
-    must join the collectives of the param's bucket with an empty piece. FSDP1's handle says so alike on every
-    rank: the param requires a gradient, the flat parameter has one, and the last backward gave this param one
-    (`_is_grad_none_mask`). `cleared`: {id(handle): weak reference to the flat gradient} where the optimizer's
-    `zero_grad(set_to_none=True)` left it (the holders' pieces have no gradient until a backward makes a new
-    one)."""
-    if lay is None or lay.fsdp is None or lay.count or p.numel() or not p.requires_grad:
-        return False
-    handle = lay.fsdp[0]()
-    if handle is None:
-        return False
-    fp = handle.flat_param
-    grad = fp.grad
-    if grad is None or fp._is_grad_none_mask[lay.fsdp[1]]:
-        return False
-    gone = cleared.get(id(handle))
-    return gone is None or gone() is not grad
+_CPU_GROUPS: dict = {}  # id(process group) -> (that group, a group of its ranks that takes CPU tensors)
+
+
+def _takes_cpu(group) -> bool:
+    return "gloo" in str(dist.get_backend(group))
+
+
+def _cpu_group(group):
+    """`group` if its backend takes CPU tensors (gloo), else a gloo group of the same ranks, made once by them
+    all (at the first step, which they all reach: `use_local_synchronization`, so no other rank takes part)."""
+    if _takes_cpu(group):
+        return group
+    if id(group) not in _CPU_GROUPS or _CPU_GROUPS[id(group)][0] is not group:
+        _CPU_GROUPS[id(group)] = (group, dist.new_group(dist.get_process_group_ranks(group), backend="gloo",
+                                                        use_local_synchronization=True))
+    return _CPU_GROUPS[id(group)][1]
+
+
+def fsdp_grads(pieces: list) -> dict:
+    """{id(p): whether some rank of its unit has a gradient for it} for FSDP1 pieces `pieces` ((param, layout) in
+    the optimizer's order of params, alike on every rank). A rank that holds none of a param's elements has no
+    gradient for it (FSDP1 sets it to None), yet must step the param's empty piece, and join its collectives,
+    exactly when the ranks that hold its elements do: whether they have one depends on what happened since the
+    backward (the user's `p.grad = None`, a param frozen or unfrozen, FSDP1's own resets in
+    `summon_full_params`, `state_dict()` and forward), which only they know. So the ranks of each unit's process
+    group take the maximum of every param's flag with one all_reduce of host integers per group and step (on CPU
+    tensors: no device sync; over a gloo group of the same ranks where the unit's backend is NCCL alone)."""
+    by_group: dict = {}
+    for p, lay in pieces:
+        by_group.setdefault(id(lay.groups[-1]), (lay.groups[-1], []))[1].append(p)
+    out = {}
+    for group, params in by_group.values():
+        flags = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=_cpu_group(group))
+        out.update(zip(map(id, params), map(bool, flags.tolist())))
+    return out
 
 
 def full_tensor(x: Tensor, layout: Layout | None, dst: int | None = None) -> Tensor:

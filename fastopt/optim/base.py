@@ -19,7 +19,7 @@ from torch import Tensor
 
 from .. import checkpoint as ckpt
 from ..distributed import phases
-from ..distributed.layout import Layout, fsdp1_refusal, fsdp_flat_grads, layout_of, local, stepped_without_grad
+from ..distributed.layout import Layout, fsdp1_refusal, fsdp_grads, layout_of, local
 
 __all__ = ["FastOptimizer", "check", "check_betas", "ScalerArgs", "lr_rule", "host_value"]
 
@@ -129,9 +129,25 @@ class ScalerArgs:
 
 
 class FastOptimizer(torch.optim.Optimizer):
-    # GradScaler sets `self.grad_scale` and `self.found_inf` and lets step() unscale and skip on device.
-    _step_supports_amp_scaling = True
     _name = "FastOptimizer"
+
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """GradScaler then sets `self.grad_scale` and `self.found_inf` and lets step() unscale and skip on device,
+        with no host sync. Not with params sharded as plain tensors (FSDP1, `declare_shard`,
+        `setup_distributed`): each rank's found_inf covers its own pieces alone (a DTensor's is agreed over its
+        mesh), so ranks would skip different steps and their loss scales drift apart; GradScaler then unscales
+        first (FSDP1's ShardedGradScaler sums the infs over its ranks there) and steps only when no rank found
+        one, as for torch's optimizers (its host sync, outside step()). Read at every GradScaler.step: the answer
+        is kept until the params or their known layouts change (`_declare_group` forgets it)."""
+        key = (len(self.__dict__.get("_layout_cache", ())),) + tuple(
+            (id(g["params"]), len(g["params"])) for g in self.param_groups)
+        memo = self.__dict__.get("_amp_memo")
+        if memo is None or memo[0] != key:
+            plain = any((lay := self._layout(p)) is not None and lay.mesh is None and not lay.outside
+                        for g in self.param_groups for p in g["params"])
+            memo = self.__dict__["_amp_memo"] = ((len(self.__dict__["_layout_cache"]),) + key[1:], not plain)
+        return memo[1]
 
     def __init__(self, params, defaults: dict):
         self._plans: dict = {}  # (id(group), device, dtype) -> the kernels' cache of that bucket
@@ -407,8 +423,10 @@ class FastOptimizer(torch.optim.Optimizer):
             inv = grad_scale.to(device=device, dtype=torch.float32, non_blocking=True).reciprocal()
         fi = None
         if found_inf is not None:
-            # 0-dim like the step counters: FSDP's ShardedGradScaler makes found_inf of shape (1,)
-            fi = found_inf.to(device=device, dtype=torch.float32, non_blocking=True).reshape(())
+            # 0-dim like the step counters: FSDP's ShardedGradScaler makes found_inf of shape (1,); 0 or 1: after
+            # ShardedGradScaler.unscale_ it is summed over the ranks (4. where all 4 found one), and GradScaler sums
+            # it over devices
+            fi = (found_inf.to(device=device, non_blocking=True).reshape(()) > 0).to(torch.float32)
         cache[device] = ScalerArgs(inv, fi)
         return cache[device]
 
@@ -430,6 +448,12 @@ class FastOptimizer(torch.optim.Optimizer):
                 raise ValueError(fsdp1_refusal(p, f"{self._name}: {where}"))
             cache[key] = (p, lay)  # keep p alive so its id is not reused
         return cache[key][1]
+
+    def _fsdp_grads(self) -> dict:
+        """`fsdp_grads` of this optimizer's FSDP1 pieces (none: no collective)."""
+        pieces = [(p, lay) for g in self.param_groups for p in g["params"]
+                  if (lay := self._layout(p)) is not None and lay.fsdp]
+        return fsdp_grads(pieces) if pieces else {}
 
     def _whole_statistics(self, p: Tensor) -> bool:
         """Whether stepping p takes statistics over the whole tensor (norms, factors, projections), so that a
@@ -455,18 +479,18 @@ class FastOptimizer(torch.optim.Optimizer):
         lay = self._layout(p)
         return tuple(p.shape) if lay is None else lay.global_shape
 
-    def _buckets(self, params: Iterable[Tensor]) -> dict:
+    def _buckets(self, params: Iterable[Tensor], fsdp: dict) -> dict:
         """Params with grads and elements, grouped by (device, dtype, reduction groups): one fused launch
         sequence, and one collective per phase and group, for each. A sharded param whose piece here is empty
-        stays in: every rank of its group must put the same params in the same buffers (an FSDP1 piece of no
-        elements too, which FSDP1 leaves without a grad: `stepped_without_grad`). A DTensor on a mesh
-        without this rank (`Layout.outside`) has no group here: skipped, as DTensor's ops skip such a rank."""
+        stays in: every rank of its group must put the same params in the same buffers. An FSDP1 piece has a grad
+        when some rank of its unit has one (`fsdp`: `fsdp_grads`): FSDP1 leaves the pieces of no elements without
+        one. A DTensor on a mesh without this rank (`Layout.outside`) has no group here: skipped, as DTensor's
+        ops skip such a rank."""
         out: dict = defaultdict(list)
-        cleared = self.__dict__.get("_fsdp_cleared", {})
         for p in params:
             lay = self._layout(p)
-            if (p.grad is None and not stepped_without_grad(p, lay, cleared)) or (
-                    p.numel() if lay is None else lay.numel) == 0 or (lay is not None and lay.outside):
+            if ((not fsdp[id(p)] if lay is not None and lay.fsdp else p.grad is None)
+                    or (p.numel() if lay is None else lay.numel) == 0 or (lay is not None and lay.outside)):
                 continue
             out[(p.device, p.dtype, None if lay is None else lay.group_key)].append(p)
         return out
@@ -512,6 +536,7 @@ class FastOptimizer(torch.optim.Optimizer):
     def _declare_group(self, gi: int, spec: tuple) -> None:
         """`setup_distributed`'s declaration of the params of param_groups[gi]."""
         from ..distributed.layout import make_layout
+        self.__dict__.pop("_amp_memo", None)
         n = f"{self._name}.setup_distributed"
         tp_group, dp_group, mapping, pads, is_zero = spec
         cache = self.__dict__.setdefault("_layout_cache", {})
@@ -556,14 +581,6 @@ class FastOptimizer(torch.optim.Optimizer):
             inc = 1.0 - scaler.found_inf
             torch._foreach_add_(steps, [inc] * len(steps))
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """torch's zero_grad. With set_to_none, it also notes the flat gradient of each FSDP1 unit (`declare_fsdp`)
-        as it stands: the pieces that have elements lose their grads here, so until a backward makes a new flat
-        gradient, the ranks that hold none of a param must not step it either (`stepped_without_grad`)."""
-        super().zero_grad(set_to_none)
-        if set_to_none:
-            self.__dict__["_fsdp_cleared"] = fsdp_flat_grads()
-
     # torch.compile of a training step runs this step eagerly (a graph break): the step is fused kernels already,
     # dynamo cannot trace the Triton launches, and inductor miscompiled the reference's 8-bit dequantization of a
     # partial last block (pytorch/pytorch#195582: NaN and wrong params on CPU).
@@ -576,9 +593,10 @@ class FastOptimizer(torch.optim.Optimizer):
                 loss = closure()
         self._check_grads()
         self.__dict__.pop("_unstepped", None)
+        fsdp = self._fsdp_grads()
         buckets = []  # every bucket's declarations checked before any param or step counter changes
         for group in self.param_groups:
-            for (device, _dtype, group_key), params in self._buckets(group["params"]).items():
+            for (device, _dtype, group_key), params in self._buckets(group["params"], fsdp).items():
                 layouts = None
                 if group_key is not None:
                     if not self._supports_layouts:
@@ -775,14 +793,18 @@ def _warm_maps(group: dict) -> None:
 
 
 def _local_grad(p: Tensor) -> Tensor:
-    """p.grad's local tensor, laid out like p's. A DTensor grad whose placements differ from its param's is
-    redistributed to them first, as the DTensor ops of torch's own optimizers do implicitly (FSDP2 does it
-    itself): pure tensor parallelism leaves `Partial(sum)` grads on replicated norm weights under
+    """p.grad's local tensor, laid out like p's and in p's dtype. A DTensor grad whose placements differ from its
+    param's is redistributed to them first, as the DTensor ops of torch's own optimizers do implicitly (FSDP2 does
+    it itself): pure tensor parallelism leaves `Partial(sum)` grads on replicated norm weights under
     SequenceParallel, and `Replicate` grads on an embedding sharded by `RowwiseParallel(input_layouts=
-    Replicate())`. One collective per such param (none from Replicate to Shard)."""
+    Replicate())`. One collective per such param (none from Replicate to Shard). A grad in another dtype than
+    its param (FSDP1's `keep_low_precision_grads`) is stepped as a copy in the param's, as torch's optimizers
+    promote it. An FSDP1 piece stepped without a grad here (`fsdp_grads`: it has no elements here): zeros."""
     g = p.grad
-    if g is None:  # an FSDP1 piece of no elements (`stepped_without_grad`)
+    if g is None:
         return torch.zeros_like(local(p))
+    if g.dtype != p.dtype:
+        g = g.to(p.dtype)
     if ckpt.is_dtensor(g) and ckpt.is_dtensor(p) and (g.placements != p.placements
                                                         or g.device_mesh != p.device_mesh):
         g = g.redistribute(p.device_mesh, p.placements)
