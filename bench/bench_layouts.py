@@ -216,7 +216,7 @@ def _machinery_ms(opt, reps: int = 50) -> float:
     for _ in range(reps):
         t0 = time.perf_counter()
         for group in opt.param_groups:
-            opt._buckets(group["params"])
+            opt._buckets(group["params"], opt._fsdp_grads())
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
 

@@ -516,9 +516,9 @@ def declare_fsdp(model: torch.nn.Module) -> torch.nn.Module:
     flat range of the param's TP piece, as ZeRO over TP (`setup_distributed`). A rank that holds none of a param
     gets no gradient for it from FSDP1, yet takes part in its collectives while the ranks that hold its elements
     have one: at each step the ranks of a unit agree on which of its params have a gradient somewhere
-    (`fsdp_grads`: one small all_reduce on the host, no device sync). Units that shard nothing (NO_SHARD, or a
-    world of one) hand over whole params, marked as such. The statistics are summed over the unit's process group
-    on the params' device: with `CPUOffload(offload_params=True)` that group needs a backend for CPU tensors (e.g.
+    (`fsdp_grads`: one small all_reduce, on the host where the unit's backend takes CPU tensors). Units that shard
+    nothing (NO_SHARD, or a world of one) hand over whole params, marked as such. The statistics are summed over
+    the unit's process group on the params' device: with `CPUOffload(offload_params=True)` that group needs a backend for CPU tensors (e.g.
     `init_process_group("cpu:gloo,cuda:nccl")`). FSDP2 (`fully_shard`) needs no declaration: its params are
     DTensors.
 
@@ -613,22 +613,8 @@ def fsdp1_refusal(p: Tensor, owner: str) -> str | None:
             "(torch.distributed.fsdp.fully_shard)")
 
 
-_CPU_GROUPS: dict = {}  # id(process group) -> (that group, a group of its ranks that takes CPU tensors)
-
-
 def _takes_cpu(group) -> bool:
     return "gloo" in str(dist.get_backend(group))
-
-
-def _cpu_group(group):
-    """`group` if its backend takes CPU tensors (gloo), else a gloo group of the same ranks, made once by them
-    all (at the first step, which they all reach: `use_local_synchronization`, so no other rank takes part)."""
-    if _takes_cpu(group):
-        return group
-    if id(group) not in _CPU_GROUPS or _CPU_GROUPS[id(group)][0] is not group:
-        _CPU_GROUPS[id(group)] = (group, dist.new_group(dist.get_process_group_ranks(group), backend="gloo",
-                                                        use_local_synchronization=True))
-    return _CPU_GROUPS[id(group)][1]
 
 
 def fsdp_grads(pieces: list) -> dict:
@@ -638,15 +624,19 @@ def fsdp_grads(pieces: list) -> dict:
     exactly when the ranks that hold its elements do: whether they have one depends on what happened since the
     backward (the user's `p.grad = None`, a param frozen or unfrozen, FSDP1's own resets in
     `summon_full_params`, `state_dict()` and forward), which only they know. So the ranks of each unit's process
-    group take the maximum of every param's flag with one all_reduce of host integers per group and step (on CPU
-    tensors: no device sync; over a gloo group of the same ranks where the unit's backend is NCCL alone)."""
+    group take the maximum of every param's flag, with one all_reduce per group and step: of host integers where
+    the group's backend takes CPU tensors (gloo, "cpu:gloo,cuda:nccl"), no device sync; else (NCCL alone) of a
+    tensor on the params' device, read back: one device sync. (A gloo group of the same ranks would need every
+    rank of the world to make it, or, made by its ranks alone, takes the name of any other group of those ranks
+    made so, such as a DeviceMesh's, and hangs.)"""
     by_group: dict = {}
     for p, lay in pieces:
         by_group.setdefault(id(lay.groups[-1]), (lay.groups[-1], []))[1].append(p)
     out = {}
     for group, params in by_group.values():
-        flags = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=_cpu_group(group))
+        flags = torch.tensor([p.grad is not None for p in params], dtype=torch.int32,
+                             device="cpu" if _takes_cpu(group) else params[0].device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
         out.update(zip(map(id, params), map(bool, flags.tolist())))
     return out
 
