@@ -3,6 +3,7 @@ and each state, after several steps of real forward and backward equals a single
 optimizer; the collectives of one step() do not grow with the model; declarations are checked."""
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -96,6 +97,13 @@ class _Block(torch.nn.Module):
 # layouts are uneven (vocab 11, h 10, f 13 over 2 or 4 ranks; flat ranges cut rows and end in padding).
 DIMS = {"tp": dict(h=8, f=16), "fsdp_tp": dict(h=10, f=14), "fsdp1_tp": dict(h=10, f=14)}
 TP_PLAN = {"q": 0, "o": 1, "up": 0, "down": 1}  # module -> sharded weight dim (colwise 0, rowwise 1)
+FSDP1_MODES = ("fsdp1", "hsdp1", "fsdp1_tp")
+
+
+def _tp_plan() -> dict:
+    """TP_PLAN as parallelize_module takes it."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    return {m: ColwiseParallel() if d == 0 else RowwiseParallel() for m, d in TP_PLAN.items()}
 
 
 def _batches(vocab=11):
@@ -229,10 +237,9 @@ def _fsdp1_wrap(model, mode, **kw):
     if mode == "hsdp1":
         kw.update(sharding_strategy=ShardingStrategy.HYBRID_SHARD, device_mesh=init_device_mesh("cpu", (2, 2)))
     elif mode == "fsdp1_tp":
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        from torch.distributed.tensor.parallel import parallelize_module
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        parallelize_module(model, mesh["tp"], {"q": ColwiseParallel(), "o": RowwiseParallel(),
-                                               "up": ColwiseParallel(), "down": RowwiseParallel()})
+        parallelize_module(model, mesh["tp"], _tp_plan())
         kw.update(device_mesh=mesh["dp"])
     kw.setdefault("use_orig_params", True)
     return FullyShardedDataParallel(model, device_id=torch.device("cpu"),
@@ -254,22 +261,19 @@ def _model_case(rank, world, mode, name):
         model = torch.nn.parallel.DistributedDataParallel(model)
         shard_batch = True
     elif mode == "tp":
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-        mesh = init_device_mesh("cpu", (WORLD,))
-        parallelize_module(model, mesh, {"q": ColwiseParallel(), "o": RowwiseParallel(),
-                                         "up": ColwiseParallel(), "down": RowwiseParallel()})
+        from torch.distributed.tensor.parallel import parallelize_module
+        parallelize_module(model, init_device_mesh("cpu", (WORLD,)), _tp_plan())
     elif mode == "fsdp":
         from torch.distributed.fsdp import fully_shard
         fully_shard(model, mesh=init_device_mesh("cpu", (WORLD,)))
         shard_batch = True
     elif mode == "fsdp_tp":
         from torch.distributed.fsdp import fully_shard
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        from torch.distributed.tensor.parallel import parallelize_module
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        parallelize_module(model, mesh["tp"], {"q": ColwiseParallel(), "o": RowwiseParallel(),
-                                               "up": ColwiseParallel(), "down": RowwiseParallel()})
+        parallelize_module(model, mesh["tp"], _tp_plan())
         fully_shard(model, mesh=mesh["dp"])
-    elif mode in ("fsdp1", "hsdp1", "fsdp1_tp"):
+    elif mode in FSDP1_MODES:
         # FSDP1, a unit per linear layer and one for the rest: most params cut mid-row, some ranks without any
         # element of a param (those get no grad from FSDP1 and step an empty piece); hsdp1: HYBRID_SHARD, each
         # param sharded over 2 ranks and replicated over the other 2; fsdp1_tp: pieces of TP pieces. The
@@ -305,13 +309,8 @@ def _model_case(rank, world, mode, name):
     inner = model.module if mode == "ddp" else model
     names = [n for n, _ in ref_model.named_parameters()]
     # copies: FSDP1 frees the memory of its whole params when summon_full_params ends
-    full = lambda: [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()  # noqa: E731
-                    for p in inner.parameters()]
-    if mode in ("fsdp1", "hsdp1", "fsdp1_tp"):
-        with type(model).summon_full_params(model):
-            ours = full()
-    else:
-        ours = full()
+    with type(model).summon_full_params(model) if mode in FSDP1_MODES else contextlib.nullcontext():
+        ours = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for p in inner.parameters()]
     ref = [p.detach() for p in ref_model.parameters()]
     num = sum((a - b).square().sum() for a, b in zip(ours, ref)) ** 0.5
     den = sum((b - init[n]).square().sum() for b, n in zip(ref, names)) ** 0.5
