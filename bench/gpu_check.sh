@@ -5,40 +5,49 @@
 #
 # Installs nothing from the network (an editable install with --no-deps --no-index; when that fails, the
 # later stages run from a copy of the tree laid out as installed, in /tmp/fastopt_src), then, each stage under
-# its own timeout and the whole under GPU_CHECK_BUDGET_S (default 530 s, inside the device's 10-minute limit):
+# its own timeout and the whole under GPU_CHECK_BUDGET_S (default 560 s, for a device call of timeout_s 600):
 #   1. nvidia-smi and the versions of torch/Triton/CUDA
-#   2. the whole pytest suite on CUDA, compiled Triton (TRITON_INTERPRET unset)   -> $OUT/pytest.log
-#      (all but the gloo `dist` tests first, then those with the time left)
+#   2. the pytest suite on this machine, compiled Triton (TRITON_INTERPRET unset), TESTS_MAX_S (200) at most,
+#      in passes: the tests that use CUDA first, then those on CPU tensors and the gloo `dist` tests (both of
+#      which CI runs too) with the time left                                       -> $OUT/pytest.log
 #   3. bench/gpu_checks.py: no host sync in step(), CUDA-graph capture + replay   -> $OUT/gpu_checks.json
-#   4. the demo on the GPU, every optimizer, DEMO_STEPS (30) steps                 -> demo/ in results.tar.gz
-#   4b. bench/profile_step.py: host against device time of one step, the slow cases -> profile/ in results.tar.gz
+#   4. (opt-in, stage `demo`) the demo on the GPU, every optimizer, DEMO_STEPS (30) -> demo/ in results.tar.gz
+#   4b. (opt-in, stage `profile`) bench/profile_step.py: host against device time of one step, the slow cases
+#                                                                                   -> profile/ in results.tar.gz
 #   4c. (opt-in, stage `tiles`) bench/galore_tiles.py: GaLore's matmul tiles timed -> galore_tiles.json in the tarball
-#   5. the benchmark suite (bench/run.py) with the time that is left              -> $OUT/suite-<gpu>.{json,md,png}
+#   5. the benchmark suite (bench/run.py) with the time that is left, the benches in BENCH_FIRST (default
+#      adamw8bit,galore: the kernels changed since the last GPU run) first         -> $OUT/suite-<gpu>.{json,md,png}
 # Everything printed goes to $OUT/gpu_check.log; the per-bench files go into $OUT/results.tar.gz (the
 # device returns at most 8 files). Unpack that into bench/results/ to commit it.
 # Wheels in .whl/ (carried) are installed to /tmp/site first: the image lacks some test dependencies (the
 # install stage fails, saying which, when one is still missing: its comparison tests would skip).
-# Knobs: PYTHON, GPU_CHECK_BUDGET_S, PYTEST_WORKERS (default 4 with pytest-xdist, 0: serial),
-# PYTEST_ARGS, BENCH_ARGS, FASTOPT_COMMIT, and for splitting the work over
-# several device calls (each at most 10 minutes; the machine stays warm only 30 s between them):
+# Knobs: PYTHON, GPU_CHECK_BUDGET_S, PYTEST_WORKERS (default 8 with pytest-xdist, 0: serial),
+# PYTEST_ARGS (a -k there replaces the passes' split: one pass without `dist`, then `dist`), BENCH_FIRST,
+# BENCH_ARGS, FASTOPT_COMMIT, and
 #   GPU_CHECK_STAGES   the stages to run, of: info install tests gpu_checks demo profile tiles bench (default:
-#                      all but tiles)
-#   TESTS_MAX_S        the tests stage's cap (default 270; e.g. 500 when a call runs info install tests alone)
-#   CHECKS_MAX_S       the gpu_checks stage's cap (default 240: ten configurations, up to 6 at a time; each
-#                      is killed at what is left of the stage, and gpu_checks.json is rewritten as each ends)
+#                      info install tests gpu_checks bench)
+#   TESTS_MAX_S        the tests stage's cap (default 200)
+#   CHECKS_MAX_S       the gpu_checks stage's cap (default 75: ten configurations, up to 6 at a time, 3-7 s each
+#                      on the H100; each is killed at what is left of the stage, and gpu_checks.json is
+#                      rewritten as each ends)
 # The commit the results record: FASTOPT_COMMIT, else `git rev-parse HEAD`, else the file .fastopt_commit (the
 # device gets the tree without .git: write it before the call, `git rev-parse HEAD > .fastopt_commit`, and
 # carry it; it is git-ignored). Without any of them the results say "commit": "unknown" and this warns.
 # bench/gpu_prep.sh writes .fastopt_commit and fetches the wheels, on the development machine, before the calls.
-# e.g. call 1: GPU_CHECK_STAGES="info install tests" TESTS_MAX_S=500 bash bench/gpu_check.sh
-#      call 2: GPU_CHECK_STAGES="info install gpu_checks demo profile" bash bench/gpu_check.sh
-#      call 3: GPU_CHECK_STAGES="info install bench" bash bench/gpu_check.sh
+#
+# A session has 15 minutes of device time, the machine's start (a minute or more) and its idle waits counted:
+# one call of the defaults (timeout_s 600), then, at once (the machine stays warm 30 s), what that call's
+# summary lists as skipped or not run, with what is left, e.g.
+#      GPU_CHECK_STAGES="info install bench" GPU_CHECK_BUDGET_S=150 BENCH_FIRST= \
+#        BENCH_ARGS="--benches came,lamb" bash bench/gpu_check.sh
+# and give the machine back. The bench writes a suite file per call: keep the per-bench files of both.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the folder that receives the results}"
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)  # absolute: the stages may run from another folder (install)
 PY=${PYTHON:-python3}
-BUDGET=${GPU_CHECK_BUDGET_S:-530}
+BENCH_FIRST=${BENCH_FIRST-adamw8bit,galore}  # set empty for the suite's own order
+BUDGET=${GPU_CHECK_BUDGET_S:-560}
 T0=$(date +%s)
 unset TRITON_INTERPRET
 export FASTOPT_BACKEND=auto PYTHONUNBUFFERED=1 MPLBACKEND=Agg
@@ -129,37 +138,47 @@ raise SystemExit(1 if missing else 0)" || deps=3
 
 tests() {
   local par=() par1=()
-  local workers=${PYTEST_WORKERS:-4}
+  local workers=${PYTEST_WORKERS:-8}
   if [ "$workers" != 0 ] && "$PY" -c "import xdist" 2>/dev/null; then
     par=(-n "$workers" --dist loadfile)
-    # The CUDA pass spreads single tests: a worker that crashes (a segfault) is then replaced and its test
+    # The CUDA passes spread single tests: a worker that crashes (a segfault) is then replaced and its test
     # reported, where loadfile's rescheduling raised INTERNALERROR (xdist 3, seen 2026-11-24) and left the rest
     # of the pass unrun. The dist pass keeps loadfile: a module's process pool serves all its tests.
     par1=(-n "$workers" --dist load --max-worker-restart 100)
   fi
-  # Two passes, so that a stage cut short by its timeout has run every CUDA test: first all but the `dist`
-  # tests (gloo processes on CPU, which CI runs too), then those with the time left.
-  local t0 rc1 rc2 left
+  # Passes in the order of what only this machine can run, each given the stage's time left, so that a stage
+  # cut short has run the CUDA tests whole (pytest prints its summary and failures only at a pass's end):
+  #   gpu: every test but the `dist` ones whose name has no "cpu" (CUDA devices, compiled Triton, the
+  #        extension's CUDA kernels, and tests that take the device the machine has);
+  #   cpu: the tests on CPU tensors, which CI runs too (here under this image's torch);
+  #   dist: gloo processes on CPU, which CI runs too.
+  # A -k in PYTEST_ARGS replaces the passes' own (pytest keeps the last -k): then one pass without `dist`.
+  local t0 rc=0 r left name sel mark xopts
+  local passes=("gpu|not cpu|not dist" "cpu|cpu|not dist" "dist||dist")
+  case " ${PYTEST_ARGS:-} " in *" -k"*) passes=("selected||not dist" "dist||dist") ;; esac
   t0=$(date +%s)
-  # shellcheck disable=SC2086
-  timeout -k 10 "$T" "$PY" -m pytest tests -q -ra -p no:cacheprovider --continue-on-collection-errors "${par1[@]}" \
-    -m "not dist" --junitxml="$WORK/junit.xml" ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log"
-  rc1=${PIPESTATUS[0]}
-  left=$((T - ($(date +%s) - t0)))
-  if [ "$left" -lt 30 ]; then
-    echo "=== tests: the dist tests (gloo, CPU processes) not run: ${left}s left" | tee -a "$OUT/pytest.log"
-    return "$rc1"
-  fi
-  # shellcheck disable=SC2086
-  timeout -k 10 "$left" "$PY" -m pytest tests -q -ra -p no:cacheprovider --continue-on-collection-errors \
-    "${par[@]}" -m dist --junitxml="$WORK/junit-dist.xml" ${PYTEST_ARGS:-} 2>&1 | tee -a "$OUT/pytest.log"
-  rc2=${PIPESTATUS[0]}
-  # pytest's 5: no tests collected (PYTEST_ARGS may select one kind only); in both passes: nothing ran
-  [ "$rc1" = 5 ] && [ "$rc2" = 5 ] && return 5
-  [ "$rc1" = 5 ] && rc1=0
-  [ "$rc2" = 5 ] && rc2=0
-  [ "$rc1" = 0 ] && return "$rc2"
-  return "$rc1"
+  : >"$OUT/pytest.log"
+  for p in "${passes[@]}"; do
+    IFS='|' read -r name sel mark <<<"$p"
+    left=$((T - ($(date +%s) - t0)))
+    if [ "$left" -lt 30 ]; then
+      echo "=== tests: pass $name not run: ${left}s left" | tee -a "$OUT/pytest.log"
+      continue
+    fi
+    echo "=== tests: pass $name (${left}s left)" | tee -a "$OUT/pytest.log"
+    xopts=("${par1[@]}")
+    [ "$name" = dist ] && xopts=("${par[@]}")
+    # shellcheck disable=SC2086
+    timeout -k 10 "$left" "$PY" -m pytest tests -q -ra -p no:cacheprovider --continue-on-collection-errors \
+      "${xopts[@]}" -m "$mark" ${sel:+-k "$sel"} --junitxml="$WORK/junit-$name.xml" ${PYTEST_ARGS:-} 2>&1 |
+      tee -a "$OUT/pytest.log"
+    r=${PIPESTATUS[0]}
+    # pytest's 5: no tests collected (a pass that PYTEST_ARGS left empty); 124: the pass ran past its time
+    [ "$r" = 124 ] && echo "=== tests: pass $name TIMED OUT" | tee -a "$OUT/pytest.log"
+    [ "$r" = 5 ] && r=0
+    [ "$rc" = 0 ] && rc=$r
+  done
+  return "$rc"
 }
 
 checks() {
@@ -212,7 +231,8 @@ bench() {
   local budget=$((T - 45))
   [ "$budget" -lt 5 ] && budget=5
   # shellcheck disable=SC2086
-  timeout -k 10 "$T" "$PY" bench/run.py --out "$WORK/results" --budget-s "$budget" ${BENCH_ARGS:-}
+  timeout -k 10 "$T" "$PY" bench/run.py --out "$WORK/results" --budget-s "$budget" \
+    ${BENCH_FIRST:+--first "$BENCH_FIRST"} ${BENCH_ARGS:-}
 }
 
 main() {
@@ -229,18 +249,18 @@ main() {
 WARNING: \"commit\": \"unknown\". Before the device call: git rev-parse HEAD > .fastopt_commit, and carry it."
     echo "$nocommit"
   fi
-  local want=" ${GPU_CHECK_STAGES:-info install tests gpu_checks demo profile bench} "
+  local want=" ${GPU_CHECK_STAGES:-info install tests gpu_checks bench} "
   # The reserves keep time for the stages after each one, counted only when those stages run.
   local r_tests=0 r_checks=0 r_bench=0
   [[ $want == *" bench "* ]] && r_bench=90
-  [[ $want == *" gpu_checks "* ]] && r_checks=90
+  [[ $want == *" gpu_checks "* ]] && r_checks=75
   [[ $want == *" tests "* ]] && r_tests=100
   [[ $want == *" info "* ]] && stage info 60 $((r_tests + r_checks + r_bench + 60)) info
   [[ $want == *" install "* ]] && stage install 90 $((r_tests + r_checks + r_bench + 30)) install
   [[ $want == *" install "* && "${RC[install]}" != 0 && "${RC[install]}" != 3 ]] && \
     echo "WARNING: install failed; the stages below will fail to import fastopt"
-  [[ $want == *" tests "* ]] && stage tests "${TESTS_MAX_S:-270}" $((r_checks + r_bench)) tests
-  [[ $want == *" gpu_checks "* ]] && stage gpu_checks "${CHECKS_MAX_S:-240}" "$r_bench" checks
+  [[ $want == *" tests "* ]] && stage tests "${TESTS_MAX_S:-200}" $((r_checks + r_bench)) tests
+  [[ $want == *" gpu_checks "* ]] && stage gpu_checks "${CHECKS_MAX_S:-75}" "$r_bench" checks
   [[ $want == *" demo "* ]] && stage demo 90 "$r_bench" demo
   [[ $want == *" profile "* ]] && stage profile 150 "$r_bench" profile
   [[ $want == *" tiles "* ]] && stage tiles 540 "$r_bench" tiles

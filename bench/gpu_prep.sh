@@ -6,7 +6,7 @@
 # writes .fastopt_commit (the device gets the tree without .git) and downloads into .whl/ the test
 # dependencies the GPU image lacks (came-pytorch, galore-torch, bitsandbytes), as wheels for its Python 3.12.
 # Both paths are git-ignored; name them in the device call's `carry`: [".whl", ".fastopt_commit"]. Then the
-# three calls of bench/gpu_check.sh's header.
+# calls of bench/gpu_check.sh's header.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}

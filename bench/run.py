@@ -48,18 +48,24 @@ def _error_rows(args, stem: str, msg: str) -> list[dict]:
 def main(argv=None) -> dict:
     p = common.parser("fastopt benchmark suite: every bench/bench_*.py")
     p.add_argument("--benches", type=common._csv, default=None, help="stems to run (default: all present)")
-    p.add_argument("--list", action="store_true", help="list the benches found and exit")
+    p.add_argument("--first", type=common._csv, default=None,
+                   help="stems to run before the others, in this order (e.g. those a change touched, when the "
+                        "device's time may run out)")
+    p.add_argument("--list", action="store_true", help="list the benches that would run, in order, and exit")
     args = p.parse_args(argv)
     found = discover()
-    if args.list:
-        print("\n".join(found))
-        return {}
     stems = found if args.benches is None else args.benches
     if not stems:
         p.error("argument --benches: give at least one stem (found: " + (", ".join(found) or "none") + ")")
-    missing = [s for s in stems if s not in found]
-    if missing:
-        p.error(f"argument --benches: no bench/bench_{missing[0]}.py (found: {', '.join(found) or 'none'})")
+    for name, given in (("--benches", stems), ("--first", args.first or [])):
+        missing = [s for s in given if s not in found]
+        if missing:
+            p.error(f"argument {name}: no bench/bench_{missing[0]}.py (found: {', '.join(found) or 'none'})")
+    if args.first:
+        stems = [s for s in args.first if s in stems] + [s for s in stems if s not in args.first]
+    if args.list:  # in the order they would run
+        print("\n".join(stems))
+        return {}
     args = common.finish_args(args)
     with common.cpu_mode(args):  # first line on CPU: CPU numbers, one torch thread unless OMP_NUM_THREADS is set
         return _run(args, stems)

@@ -92,13 +92,13 @@ def test_suite_end_to_end_on_cpu(tmp_path, monkeypatch, capsys):
     ("--dtypes", "fp8", "'fp8' is not one of fp32"),
     ("--device", "tpu", "must be cpu or cuda"),
     ("--benches", "nope", "no bench/bench_nope.py"),
+    ("--first", "adafactor,nope", "no bench/bench_nope.py"),
 ])
 def test_bad_arguments_are_argparse_errors(flag, value, says, capsys):
     """Out-of-range values fail at parsing (exit code 2, the flag, the value and the range in stderr), before
     anything runs: `--scale 0` was a ZeroDivisionError, `--layers-7b 99` silently 32, `--layers-1b 0` accepted."""
-    listing = [] if flag == "--benches" else ["--list"]  # --list returns before anything is checked after parsing
-    with pytest.raises(SystemExit) as e:
-        fbench.main(["--device", "cpu", flag, value] + listing)
+    with pytest.raises(SystemExit) as e:  # --list: nothing would run after the checks
+        fbench.main(["--device", "cpu", flag, value, "--list"])
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert f"argument {flag}: " in err and says in err, err
@@ -115,6 +115,18 @@ def test_bench_zero_bad_arguments_are_argparse_errors(flag, value, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert f"argument {flag}: " in err and value in err, err
+
+
+def test_first_benches_run_first_in_their_order(capsys):
+    """--first (gpu_check.sh's BENCH_FIRST: the benches a change touched, before the device's time runs out)
+    reorders what would run, within --benches when given; --list prints that order."""
+    found = fbench.load_suite().discover()
+    assert found[-1] == "galore_refresh"
+    fbench.main(["--device", "cpu", "--first", "galore,adamw8bit", "--list"])
+    order = capsys.readouterr().out.split()
+    assert order == ["galore", "adamw8bit"] + [s for s in found if s not in ("galore", "adamw8bit")]
+    fbench.main(["--device", "cpu", "--benches", "came,lamb", "--first", "lamb,galore", "--list"])
+    assert capsys.readouterr().out.split() == ["lamb", "came"]
 
 
 def test_help_still_works(capsys):
