@@ -179,14 +179,19 @@ def _save_then_continue(case, path, flat):
     dcp.save({"model": get_model_state_dict(model), "optim": osd}, checkpoint_id=path)
     mid, saved = full_params(model), full_states(model, opt)
     train(model, opt, range(HALF, STEPS))
-    noise = None
-    if case in EIGHT_BIT:  # how far 8-bit state moves the run from the same run with 32-bit state
-        twin = build("fsdp_tp")
-        twin_case, over = TWIN_32[case]
-        twin_opt = make_opt(twin_case, twin, **over)
-        train(twin, twin_opt, range(STEPS))
-        noise = rel_err(full_params(twin), full_params(model), mid)
-    return mid, saved, full_params(model), full_states(model, opt), noise
+    return mid, saved, full_params(model), full_states(model, opt), _noise(case, model, mid)
+
+
+def _noise(case, model, mid):
+    """How far 8-bit state moves the run of `model` (STEPS under fsdp_tp) from the same run with 32-bit state,
+    relative to the update after `mid`; None for 32-bit cases."""
+    if case not in EIGHT_BIT:
+        return None
+    twin = build("fsdp_tp")
+    twin_case, over = TWIN_32[case]
+    twin_opt = make_opt(twin_case, twin, **over)
+    train(twin, twin_opt, range(STEPS))
+    return rel_err(full_params(twin), full_params(model), mid)
 
 
 def _resume(case, path, target, flat):
@@ -262,6 +267,68 @@ def test_dcp_reshards_fsdp_tp_to_fsdp_tp_single(pool, shared_dir, case, flat):
             else:
                 assert r["param_err"] <= TOL_REL, (where, r["param_err"])
                 assert r["state_err"] <= TOL_REL, (where, r["state_err"])
+
+
+def _full_case(rank, world, case):
+    """torch.save of the full optimizer state on rank 0 (StateDictOptions full_state_dict + cpu_offload, as
+    accelerate's and torchtune's FSDP2 checkpoints take it), loaded by broadcast from rank 0 under fsdp_tp and
+    fsdp."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+    os.environ["FASTOPT_BACKEND"] = "torch"
+    save, load = (StateDictOptions(full_state_dict=True, cpu_offload=True),
+                  StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    model = build("fsdp_tp")
+    opt = make_opt(case, model)
+    train(model, opt, range(HALF))
+    osd = get_optimizer_state_dict(model, opt, options=save)
+    tensors = [t for st in osd.get("state", {}).values() for v in st.values()
+               for t in (v.values() if isinstance(v, dict) else [v])]
+    out = {"rank0_full": all(torch.is_tensor(t) and not ckpt.is_dtensor(t) and t.device.type == "cpu"
+                             for t in tensors) and len(tensors) > 0,
+           "others_empty": not osd.get("state")}
+    buf = io.BytesIO()
+    torch.save({"model": get_model_state_dict(model, options=save), "optim": osd}, buf)
+    mid, saved = full_params(model), full_states(model, opt)
+    train(model, opt, range(HALF, STEPS))
+    final, noise = full_params(model), _noise(case, model, mid)
+    for target in ("fsdp_tp", "fsdp"):
+        model = build(target)
+        opt = make_opt(case, model)
+        buf.seek(0)
+        sd = torch.load(buf, weights_only=True) if rank == 0 else {"model": {}, "optim": {}}
+        set_model_state_dict(model, sd["model"], options=load)
+        set_optimizer_state_dict(model, opt, sd["optim"], options=load)
+        loaded = _flat_states(full_states(model, opt))
+        train(model, opt, range(HALF, STEPS))
+        out[target] = dict(
+            loaded_exact=all(torch.equal(a, b) for a, b in zip(loaded.values(), _flat_states(saved).values())),
+            loaded_moved=max(float((a - b).abs().max() / b.abs().max().clamp(min=1e-300))
+                             for a, b in zip(loaded.values(), _flat_states(saved).values())),
+            param_err=rel_err(full_params(model), final, mid), noise=noise)
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("case", ["adafactor_momentum", "came_8bit", "lamb", "galore_8bit"])
+def test_full_state_dict_on_rank0_resumes(pool, case):
+    """The full (gathered, on rank 0's CPU) optimizer state of an FSDP2+TP run, saved with torch.save and
+    broadcast from rank 0 into FSDP2+TP (the same run, bit for bit) and FSDP2 over 4 ranks: factored, projected
+    and 8-bit states come back whole, as plain CPU tensors on rank 0 only."""
+    for rank, res in enumerate(pool.run(_full_case, case)):
+        assert res["rank0_full"] if rank == 0 else res["others_empty"], (case, rank)
+        for target in ("fsdp_tp", "fsdp"):
+            r, where = res[target], f"{case}, rank {rank}, loaded under {target}"
+            if target == "fsdp_tp" or case not in EIGHT_BIT:
+                assert r["loaded_exact"], f"{where}: the loaded state differs from the saved one"
+            if target == "fsdp_tp":
+                assert r["param_err"] == 0, (where, r["param_err"])
+            elif case in EIGHT_BIT:  # requantized into other blocks: see test_dcp_reshards_...
+                assert r["loaded_moved"] <= 0.00704, (where, r["loaded_moved"])
+                assert r["param_err"] <= r["noise"], (where, r["param_err"], r["noise"])
+            else:
+                assert r["param_err"] <= TOL_REL, (where, r["param_err"])
 
 
 # ---- DCP: corrupted and mismatched checkpoints -------------------------------------------------------------
