@@ -64,9 +64,12 @@ def use_triton(t: torch.Tensor) -> bool:
 def _dense(params: list, grads: list) -> tuple[list, list]:
     """Contiguous stand-ins for the params and grads the Triton kernels index as row-major memory (a transposed
     or channels_last param, a strided grad): the states are always contiguous, so the kernels step the
-    stand-ins and `_write_back` copies them into the params. Contiguous tensors pass through (no copy)."""
+    stand-ins and `_write_back` copies them into the params. Contiguous tensors pass through (no copy). A grad
+    in another dtype than its param comes as a copy in the param's dtype: the kernels read a bucket's params
+    and grads through one element type (the optimizers cast such grads before; this covers direct calls)."""
     return ([p if p.is_contiguous() else p.contiguous() for p in params],
-            [g if g.is_contiguous() else g.contiguous() for g in grads])
+            [g if g.is_contiguous() and g.dtype == p.dtype else g.to(p.dtype, memory_format=torch.contiguous_format)
+             for p, g in zip(params, grads)])
 
 
 def _write_back(params: list, work: list) -> None:
