@@ -30,8 +30,8 @@ import triton
 import triton.language as tl
 
 from . import common
-from .common import (INTERPRET, GradTable, aligned, load16, keep_limit, load_ptr, multiples, program_table, ptr_table,
-                     round_to, segment_sum, stochastic_round_bf16, to_device)
+from .common import (INTERPRET, GradTable, aligned, keep_limit, load_ptr, multiples, param_of_program, program_table,
+                     ptr_table, round_to, segment_sum, stochastic_round_bf16, to_device, unscale_factor)
 from .factored import (FactoredPlan, col_map, global_numel, in_piece, launch_factors, launch_sq_stats, launch_usq,
                        matrix_view, row_block, row_map)
 
@@ -82,15 +82,11 @@ def _vec_stats_kernel(g_ptrs, g_ref, p_ptrs, v_ptrs, step_ptrs, vmeta_ptr, prog_
                       HAS_INF: tl.constexpr, SCALE_PARAM: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
     """V_t = b V + (1-b)(G^2 + eps1); partial sums of (G/sqrt(V_t))^2 and X^2."""
     pid = tl.program_id(0)
-    j = tl.load(prog_param_ptr + pid)
-    n = load16(vmeta_ptr + j * 3, ALIGNED)
-    prog_start = tl.load(vmeta_ptr + j * 3 + 1)
+    j, n, prog_start, _third = param_of_program(vmeta_ptr, prog_param_ptr, ALIGNED)
     acc_t = part2_ptr.dtype.element_ty
     offs = (pid - prog_start).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
-    inv = 1.0
-    if HAS_SCALE:
-        inv = tl.load(inv_scale_ptr)
+    inv = unscale_factor(inv_scale_ptr, HAS_SCALE)
     keep = offs < keep_limit(n, found_inf_ptr, HAS_INF)
     step = _load_step(step_ptrs, j, acc_t)
     bt = 1.0 - tl.exp(tl.load(hyper_ptr + H_DECAY).to(acc_t) * tl.log(step))
@@ -117,9 +113,7 @@ def _apply_kernel(g_ptrs, g_ref, p_ptrs, m_ptrs, step_ptrs, meta_ptr, maps_ptr, 
     pid = tl.program_id(0)
     i, B, R, C, row_off, col_off, _po, b, rb = row_block(meta_ptr, prog_param_ptr, pid, BLOCK_R, ALIGNED)
     acc_t = stats_ptr.dtype.element_ty
-    inv = 1.0
-    if HAS_SCALE:
-        inv = tl.load(inv_scale_ptr)
+    inv = unscale_factor(inv_scale_ptr, HAS_SCALE)
     R_keep = keep_limit(R, found_inf_ptr, HAS_INF)
     step = _load_step(step_ptrs, i, acc_t)
     alpha, scale = _step_scale(step, tl.load(sums_ptr + 2 * i), tl.load(sums_ptr + 2 * i + 1),
@@ -166,15 +160,11 @@ def _vec_apply_kernel(g_ptrs, g_ref, p_ptrs, v_ptrs, m_ptrs, step_ptrs, vmeta_pt
                       WARMUP: tl.constexpr, SCALE_PARAM: tl.constexpr, HAS_MOM: tl.constexpr,
                       HAS_WD: tl.constexpr, SR: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
-    j = tl.load(prog_param_ptr + pid)
-    n = load16(vmeta_ptr + j * 3, ALIGNED)
-    prog_start = tl.load(vmeta_ptr + j * 3 + 1)
+    j, n, prog_start, _third = param_of_program(vmeta_ptr, prog_param_ptr, ALIGNED)
     acc_t = sums_ptr.dtype.element_ty
     offs = (pid - prog_start).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    inv = 1.0
-    if HAS_SCALE:
-        inv = tl.load(inv_scale_ptr)
+    inv = unscale_factor(inv_scale_ptr, HAS_SCALE)
     keep = offs < keep_limit(n, found_inf_ptr, HAS_INF)
     step = _load_step(step_ptrs, j, acc_t)
     k = sums_base + j

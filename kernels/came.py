@@ -45,8 +45,9 @@ import triton.language as tl
 
 from fastopt.reference.came import QBLOCK as QBLOCK_
 from . import common
-from .common import (INTERPRET, GradTable, aligned, keep_limit, load16, load_ptr, multiples, nearest_code,
-                     program_table, ptr_table, round_to, search_table, segment_sum, stochastic_round_bf16, to_device)
+from .common import (INTERPRET, GradTable, aligned, keep_limit, load_ptr, multiples, nearest_code, param_of_program,
+                     program_table, ptr_table, round_to, search_table, segment_sum, stochastic_round_bf16, to_device,
+                     unscale_factor)
 from .factored import (FactoredPlan, col_map, global_numel, in_piece, launch_col_reduce, launch_factors,
                        launch_sq_stats, launch_usq, load_meta, matrix_view, row_block, row_map)
 
@@ -121,9 +122,7 @@ def _res_stats_kernel(g_ptrs, g_ref, m_ptrs, m_ref, absmax_ptrs, qmap_ptr, meta_
     pid = tl.program_id(0)
     i, B, R, C, row_off, col_off, part_off, b, rb = row_block(meta_ptr, prog_param_ptr, pid, BLOCK_R, ALIGNED)
     acc_t = stats_ptr.dtype.element_ty
-    inv = 1.0
-    if HAS_SCALE:
-        inv = tl.load(inv_scale_ptr)
+    inv = unscale_factor(inv_scale_ptr, HAS_SCALE)
     R_keep = keep_limit(R, found_inf_ptr, HAS_INF)
     beta1 = tl.load(hyper_ptr + H_BETA1)
     omb1 = tl.load(hyper_ptr + H_OMB1)
@@ -199,14 +198,10 @@ def _vec_stats_kernel(g_ptrs, g_ref, v_ptrs, vmeta_ptr, prog_param_ptr, part_ptr
                       ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
     """V_t = b2 V + (1-b2)(G^2 + eps1) (stored); partial sums of (G / sqrt(V_t))^2."""
     pid = tl.program_id(0)
-    j = tl.load(prog_param_ptr + pid)
-    n = load16(vmeta_ptr + j * 3, ALIGNED)
-    prog_start = tl.load(vmeta_ptr + j * 3 + 1)
+    j, n, prog_start, _third = param_of_program(vmeta_ptr, prog_param_ptr, ALIGNED)
     offs = (pid - prog_start).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
-    inv = 1.0
-    if HAS_SCALE:
-        inv = tl.load(inv_scale_ptr)
+    inv = unscale_factor(inv_scale_ptr, HAS_SCALE)
     keep = offs < keep_limit(n, found_inf_ptr, HAS_INF)
     beta2 = tl.load(hyper_ptr + H_BETA2)
     omb2 = tl.load(hyper_ptr + H_OMB2)
@@ -227,15 +222,11 @@ def _vec_apply_kernel(g_ptrs, g_ref, p_ptrs, p_ref, v_ptrs, m_ptrs, step_ptrs, v
                       BLOCK: tl.constexpr):
     """U = clip(G / sqrt(V_t)); M_t = b1 M + (1-b1) U (stored); X_t = X - lr wd X - lr M_t."""
     pid = tl.program_id(0)
-    j = tl.load(prog_param_ptr + pid)
-    n = load16(vmeta_ptr + j * 3, ALIGNED)
-    prog_start = tl.load(vmeta_ptr + j * 3 + 1)
+    j, n, prog_start, _third = param_of_program(vmeta_ptr, prog_param_ptr, ALIGNED)
     acc_t = sums_ptr.dtype.element_ty
     offs = (pid - prog_start).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    inv = 1.0
-    if HAS_SCALE:
-        inv = tl.load(inv_scale_ptr)
+    inv = unscale_factor(inv_scale_ptr, HAS_SCALE)
     keep = offs < keep_limit(n, found_inf_ptr, HAS_INF)
     beta1 = tl.load(hyper_ptr + H_BETA1)
     omb1 = tl.load(hyper_ptr + H_OMB1)
@@ -270,16 +261,12 @@ def _apply8_kernel(g_ptrs, g_ref, p_ptrs, p_ref, code_ptrs, code_ref, absmax_ptr
     lr M_t rres cres (or - lr M_t), and M_t's codes and block scales stored. U and M_t are formed exactly as
     _res_stats_kernel formed them, so the instability statistics describe this M_t."""
     pid = tl.program_id(0)
-    j = tl.load(prog_param_ptr + pid)
-    n = load16(qmeta_ptr + j * 3, ALIGNED)
-    prog_start = tl.load(qmeta_ptr + j * 3 + 1)
+    j, n, prog_start, _third = param_of_program(qmeta_ptr, prog_param_ptr, ALIGNED)
     acc_t = sums_ptr.dtype.element_ty
     blk = (pid - prog_start).to(tl.int64) * QB_PER_PROG + tl.arange(0, QB_PER_PROG)
     offs = blk[:, None] * QBLOCK + tl.arange(0, QBLOCK)[None, :]
     mask = offs < n
-    inv = 1.0
-    if HAS_SCALE:
-        inv = tl.load(inv_scale_ptr)
+    inv = unscale_factor(inv_scale_ptr, HAS_SCALE)
     n_keep = keep_limit(n, found_inf_ptr, HAS_INF)
     beta1 = tl.load(hyper_ptr + H_BETA1)
     omb1 = tl.load(hyper_ptr + H_OMB1)

@@ -151,6 +151,28 @@ def keep_limit(n, found_inf_ptr, HAS_INF: tl.constexpr):
 
 
 @triton.jit
+def unscale_factor(inv_scale_ptr, HAS_SCALE: tl.constexpr):
+    """What the gradient is multiplied by: GradScaler's 1/scale (read on the device), or 1."""
+    if HAS_SCALE:
+        return tl.load(inv_scale_ptr)
+    else:
+        return 1.0
+
+
+@triton.jit
+def param_of_program(meta_ptr, prog_param_ptr, ALIGNED: tl.constexpr = False):
+    """(row j of an int64 meta table of width 3 [numel, first program, a third column], numel, first program,
+    third column) of this program's param, for the kernels that give each param a run of programs; with
+    ALIGNED the numel is declared a multiple of 16 (the host checked it)."""
+    pid = tl.program_id(0)
+    j = tl.load(prog_param_ptr + pid)
+    n = load16(meta_ptr + j * 3, ALIGNED)
+    prog_start = tl.load(meta_ptr + j * 3 + 1)
+    third = tl.load(meta_ptr + j * 3 + 2)
+    return j, n, prog_start, third
+
+
+@triton.jit
 def stochastic_round_bf16(x, seed, offs):
     """fp32 -> bf16 rounding up or down with probability proportional to distance (unbiased)."""
     bits = x.to(tl.int32, bitcast=True)

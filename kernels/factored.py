@@ -33,7 +33,8 @@ import triton
 import triton.language as tl
 
 from . import common
-from .common import INTERPRET, load16, keep_limit, load_ptr, multiples, program_table, tile_shape, to_device
+from .common import (INTERPRET, load16, keep_limit, load_ptr, multiples, program_table, tile_shape, to_device,
+                     unscale_factor)
 
 # Columns of the int64 meta table, one row per factored param (the jit functions below spell them as numbers).
 # B, R, C: the (local view) matrix batch the row-block programs sweep; *_OFF: offsets into the stats and
@@ -111,9 +112,7 @@ def _sq_stats_kernel(x_ptrs, x_ref, meta_ptr, maps_ptr, prog_param_ptr, stats_pt
     i, B, R, C, row_off, col_off, part_off, b, rb = row_block(meta_ptr, prog_param_ptr, pid, BLOCK_R, ALIGNED)
     x_ptr = load_ptr(x_ptrs, i, x_ref, ALIGNED)
     acc_t = stats_ptr.dtype.element_ty
-    inv = 1.0
-    if HAS_SCALE:
-        inv = tl.load(inv_scale_ptr)
+    inv = unscale_factor(inv_scale_ptr, HAS_SCALE)
     rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < R
     row_base, rslot = row_map(meta_ptr, maps_ptr, i, b, rows, rmask, R, C, row_off, MAPPED, ALIGNED)
@@ -224,9 +223,7 @@ def _usq_kernel(g_ptrs, g_ref, p_ptrs, meta_ptr, maps_ptr, prog_param_ptr, stats
     acc_t = stats_ptr.dtype.element_ty
     g_ptr = load_ptr(g_ptrs, i, g_ref, ALIGNED)
     p_ptr = load_ptr(p_ptrs, i, g_ref, ALIGNED)
-    inv = 1.0
-    if HAS_SCALE:
-        inv = tl.load(inv_scale_ptr)
+    inv = unscale_factor(inv_scale_ptr, HAS_SCALE)
     rows = rb * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < R
     row_base, rslot = row_map(meta_ptr, maps_ptr, i, b, rows, rmask, R, C, row_off, MAPPED, ALIGNED)

@@ -40,8 +40,9 @@ import triton
 import triton.language as tl
 
 from . import common
-from .common import (INTERPRET, GradTable, aligned, keep_limit, load16, load_ptr, multiples, nearest_code,
-                     program_table, ptr_table, round_to, search_table, segment_sum, stochastic_round_bf16, to_device)
+from .common import (INTERPRET, GradTable, aligned, keep_limit, load_ptr, multiples, nearest_code, param_of_program,
+                     program_table, ptr_table, round_to, search_table, segment_sum, stochastic_round_bf16, to_device,
+                     unscale_factor)
 
 # Elements per program. Small under the interpreter so that the tests' small params span several programs.
 BLOCK = 128 if INTERPRET else 2048
@@ -54,18 +55,6 @@ HYPER = ("lr", "beta1", "beta2", "1-beta1", "1-beta2", "log(beta1)", "log(beta2)
          "max_trust_ratio")
 # Columns of the int64 meta tables: numel, first program, index of the param in the bucket (its slot in sums).
 META_WIDTH = 3
-
-
-@triton.jit
-def _param_of_program(meta_ptr, prog_param_ptr, ALIGNED: tl.constexpr = False):
-    """(index in this kernel's tables, numel, first program, index in the bucket) of this program's param;
-    with ALIGNED the numel is declared a multiple of 16 (_Tables.sizes_aligned)."""
-    pid = tl.program_id(0)
-    j = tl.load(prog_param_ptr + pid)
-    n = load16(meta_ptr + j * 3, ALIGNED)
-    prog_start = tl.load(meta_ptr + j * 3 + 1)
-    k = tl.load(meta_ptr + j * 3 + 2)
-    return j, n, prog_start, k
 
 
 @triton.jit
@@ -128,14 +117,12 @@ def _lamb_stats_kernel(g_ptrs, g_ref, p_ptrs, p_ref, m_ptrs, v_ptrs, meta_ptr, p
                        HAS_WD: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
     """m_t, v_t of this program's elements (stored unless GradScaler found an inf) and partial sums of p^2, a^2."""
     pid = tl.program_id(0)
-    j, n, prog_start, _k = _param_of_program(meta_ptr, prog_param_ptr, ALIGNED)
+    j, n, prog_start, _k = param_of_program(meta_ptr, prog_param_ptr, ALIGNED)
     offs = (pid - prog_start).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     keep = offs < keep_limit(n, found_inf_ptr, HAS_INF)
     acc_t = parts_ptr.dtype.element_ty
-    inv = 1.0
-    if HAS_SCALE:
-        inv = tl.load(inv_scale_ptr)
+    inv = unscale_factor(inv_scale_ptr, HAS_SCALE)
     g = tl.load(load_ptr(g_ptrs, j, g_ref, ALIGNED) + offs, mask=mask, other=0.0).to(acc_t) * inv
     p = tl.load(load_ptr(p_ptrs, j, p_ref, ALIGNED) + offs, mask=mask, other=0.0).to(acc_t)
     m_ptr = load_ptr(m_ptrs, j, parts_ptr, ALIGNED)
@@ -159,7 +146,7 @@ def _lamb_apply_kernel(p_ptrs, p_ref, m_ptrs, v_ptrs, step_ptrs, meta_ptr, prog_
                        BLOCK: tl.constexpr):
     """p -= eta * r * a, with r = ||p|| / ||a|| from the (reduced) sums and a recomputed from m_t, v_t, p."""
     pid = tl.program_id(0)
-    j, n, prog_start, k = _param_of_program(meta_ptr, prog_param_ptr, ALIGNED)
+    j, n, prog_start, k = param_of_program(meta_ptr, prog_param_ptr, ALIGNED)
     offs = (pid - prog_start).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     acc_t = sums_ptr.dtype.element_ty
@@ -208,7 +195,7 @@ def _moments8(j, g_ptrs, g_ref, m_ptrs, v_ptrs, ma_ptrs, va_ptrs, offs, mask, bl
 def _tile8(meta_ptr, prog_param_ptr, QB: tl.constexpr, NQ: tl.constexpr, ALIGNED: tl.constexpr = False):
     """This program's param and its [NQ, QB] tile: element offsets (int64), block indices, masks."""
     pid = tl.program_id(0)
-    j, n, prog_start, k = _param_of_program(meta_ptr, prog_param_ptr, ALIGNED)
+    j, n, prog_start, k = param_of_program(meta_ptr, prog_param_ptr, ALIGNED)
     blk = (pid - prog_start).to(tl.int64) * NQ + tl.arange(0, NQ)
     offs = blk[:, None] * QB + tl.arange(0, QB)[None, :]
     return j, k, n, blk, offs
@@ -224,9 +211,7 @@ def _lamb8_stats_kernel(g_ptrs, g_ref, p_ptrs, p_ref, m_ptrs, v_ptrs, ma_ptrs, v
     mask = offs < n
     bmask = blk * QB < n
     acc_t = parts_ptr.dtype.element_ty
-    inv = 1.0
-    if HAS_SCALE:
-        inv = tl.load(inv_scale_ptr)
+    inv = unscale_factor(inv_scale_ptr, HAS_SCALE)
     m, v = _moments8(j, g_ptrs, g_ref, m_ptrs, v_ptrs, ma_ptrs, va_ptrs, offs, mask, blk, bmask, hyper_ptr, inv,
                      map_s_ptr, map_u_ptr, acc_t, ALIGNED)
     p = tl.load(load_ptr(p_ptrs, j, p_ref, ALIGNED) + offs, mask=mask, other=0.0).to(acc_t)
@@ -251,9 +236,7 @@ def _lamb8_apply_kernel(g_ptrs, g_ref, p_ptrs, p_ref, m_ptrs, v_ptrs, ma_ptrs, v
     keep = offs < limit
     bkeep = blk * QB < limit
     acc_t = sums_ptr.dtype.element_ty
-    inv = 1.0
-    if HAS_SCALE:
-        inv = tl.load(inv_scale_ptr)
+    inv = unscale_factor(inv_scale_ptr, HAS_SCALE)
     m, v = _moments8(j, g_ptrs, g_ref, m_ptrs, v_ptrs, ma_ptrs, va_ptrs, offs, mask, blk, bmask, hyper_ptr, inv,
                      map_s_ptr, map_u_ptr, acc_t, ALIGNED)
     step = _load_step(step_ptrs, j)
