@@ -66,9 +66,10 @@ def _dense(params: list, grads: list) -> tuple[list, list]:
     or channels_last param, a strided grad): the states are always contiguous, so the kernels step the
     stand-ins and `_write_back` copies them into the params. Contiguous tensors pass through (no copy). A grad
     in another dtype than its param comes as a copy in the param's dtype: the kernels read a bucket's params
-    and grads through one element type (the optimizers cast such grads before; this covers direct calls)."""
+    and grads through one element type (the optimizers cast such grads before; this covers direct calls).
+    (`g.to(dtype, memory_format=torch.contiguous_format)` would hand back a transposed grad as it is.)"""
     return ([p if p.is_contiguous() else p.contiguous() for p in params],
-            [g if g.is_contiguous() and g.dtype == p.dtype else g.to(p.dtype, memory_format=torch.contiguous_format)
+            [g if g.is_contiguous() and g.dtype == p.dtype else g.to(p.dtype).contiguous()
              for p, g in zip(params, grads)])
 
 
