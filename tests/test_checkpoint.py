@@ -300,12 +300,14 @@ def _full_case(rank, world, case):
         sd = torch.load(buf, weights_only=True) if rank == 0 else {"model": {}, "optim": {}}
         set_model_state_dict(model, sd["model"], options=load)
         set_optimizer_state_dict(model, opt, sd["optim"], options=load)
-        loaded = _flat_states(full_states(model, opt))
+        loaded, want = _flat_states(full_states(model, opt)), _flat_states(saved)
         train(model, opt, range(HALF, STEPS))
+        same_keys = sorted(loaded) == sorted(want)
         out[target] = dict(
-            loaded_exact=all(torch.equal(a, b) for a, b in zip(loaded.values(), _flat_states(saved).values())),
-            loaded_moved=max(float((a - b).abs().max() / b.abs().max().clamp(min=1e-300))
-                             for a, b in zip(loaded.values(), _flat_states(saved).values())),
+            keys_equal=same_keys,
+            loaded_exact=same_keys and all(torch.equal(loaded[k], want[k]) for k in want),
+            loaded_moved=max(float((loaded[k] - want[k]).abs().max() / want[k].abs().max().clamp(min=1e-300))
+                             for k in want) if same_keys else float("inf"),
             param_err=rel_err(full_params(model), final, mid), noise=noise)
     return out
 
@@ -320,6 +322,7 @@ def test_full_state_dict_on_rank0_resumes(pool, case):
         assert res["rank0_full"] if rank == 0 else res["others_empty"], (case, rank)
         for target in ("fsdp_tp", "fsdp"):
             r, where = res[target], f"{case}, rank {rank}, loaded under {target}"
+            assert r["keys_equal"], f"{where}: the loaded state has other keys than the saved one"
             if target == "fsdp_tp" or case not in EIGHT_BIT:
                 assert r["loaded_exact"], f"{where}: the loaded state differs from the saved one"
             if target == "fsdp_tp":
