@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 
 import torch
 
@@ -40,6 +41,30 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def _major_minor(version: str) -> tuple[int, int]:
+    m = re.match(r"(\d+)\.(\d+)", version)
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+def interpreter_clash(triton_version: str, numpy_version: str) -> str | None:
+    """Why Triton `triton_version`'s interpreter cannot run fastopt's kernels beside NumPy `numpy_version`, or
+    None. Before 3.7 the interpreter reads a loop bound loaded from memory (`range(0, C, BLOCK)`) through int()
+    of a one-element array, which NumPy 2.4 refuses: every kernel would fail inside with "only 0-dimensional
+    arrays can be converted to Python scalars" (torch 2.10 and 2.11 pin Triton 3.5 and 3.6)."""
+    if _major_minor(triton_version) < (3, 7) and _major_minor(numpy_version) >= (2, 4):
+        return (f"Triton {triton_version}'s interpreter (TRITON_INTERPRET=1) cannot run fastopt's kernels with "
+                f"NumPy {numpy_version}: install numpy<2.4 or triton>=3.7, or use FASTOPT_BACKEND=torch")
+    return None
+
+
+def _interpreter_clash_here() -> str | None:
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):  # not interpreting() (compile_check replaces it)
+        return None
+    import numpy
+    import triton
+    return interpreter_clash(triton.__version__, numpy.__version__)
+
+
 def use_triton(t: torch.Tensor) -> bool:
     """Whether the Triton kernels handle tensors on `t`'s device under the current FASTOPT_BACKEND."""
     b = backend()
@@ -52,6 +77,9 @@ def use_triton(t: torch.Tensor) -> bool:
     if t.device.type == "cuda":
         return True
     if t.device.type == "cpu" and interpreting():
+        clash = _interpreter_clash_here()
+        if clash:
+            raise RuntimeError(clash)
         return True
     if t.device.type == "cpu":
         raise RuntimeError("FASTOPT_BACKEND=triton cannot run on cpu tensors without Triton's interpreter: set "

@@ -31,6 +31,9 @@ ALL_DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device")
     config.addinivalue_line("markers", "dist: spawns several gloo processes")
+    clash = ops._interpreter_clash_here() if ops.triton_available() else None
+    if clash:  # one line here, where every interpreted test would fail with it
+        raise pytest.UsageError(clash)
 
 
 COMPILE_TEST = "test_compile.py::test_every_kernel_compiles_for_sm90_without_spills_and_streams_in_vectors"

@@ -805,3 +805,42 @@ def test_fused_ops_take_grads_in_another_dtype_as_the_param_dtype(case, backend,
         opt.step()
         ref.step()
     assert_same(opt, ref)
+
+
+@pytest.mark.skipif(not fastopt.ops.triton_available(), reason="needs Triton")
+@pytest.mark.parametrize("case", ["adafactor", "came8", "lamb32", "galore32"])
+def test_a_back_end_that_cannot_step_is_named_before_anything_changes(case, monkeypatch):
+    """The Triton seam's refusals come before any param, state or step counter changes: FASTOPT_BACKEND unknown,
+    `triton` on CPU tensors without the interpreter, and an interpreter that cannot run the kernels: Triton before
+    3.7 beside NumPy 2.4 (it takes int() of one-element arrays; torch 2.11 pins Triton 3.6), which failed inside
+    each kernel with "only 0-dimensional arrays can be converted to Python scalars". Two steps on the torch
+    reference first, so that there is state to keep; the same step runs after."""
+    import numpy
+    import triton
+    clash = fastopt.ops.interpreter_clash
+    assert clash("3.6.0", "2.4.6") and clash("3.5.1", "2.4.0") and clash("3.6.0+git1a2b", "2.5.0rc1")
+    assert clash("3.7.0", "2.4.6") is None and clash("3.6.0", "2.3.5") is None and clash("3.10.0", "2.4.0") is None
+    ps = make_params("cpu")
+    opt = make(case, ps)
+    monkeypatch.setenv("FASTOPT_BACKEND", "torch")
+    for t in range(2):
+        set_grads(ps, t)
+        opt.step()
+    set_grads(ps, 2)
+    before = snapshot(opt)
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    monkeypatch.setattr(numpy, "__version__", "2.4.6")
+    refusals = [("cuda", "0", ValueError, "FASTOPT_BACKEND='cuda' must be one of auto, torch, triton"),
+                ("triton", "0", RuntimeError, "FASTOPT_BACKEND=triton cannot run on cpu tensors without Triton's "
+                                              "interpreter: set TRITON_INTERPRET=1"),
+                ("triton", "1", RuntimeError, "Triton 3.6.0's interpreter (TRITON_INTERPRET=1) cannot run fastopt's "
+                                              "kernels with NumPy 2.4.6: install numpy<2.4 or triton>=3.7")]
+    for name, interpret, error, says in refusals:
+        monkeypatch.setenv("FASTOPT_BACKEND", name)
+        monkeypatch.setenv("TRITON_INTERPRET", interpret)
+        with pytest.raises(error, match=re.escape(says)):
+            opt.step()
+        assert_unchanged(opt, before)
+    monkeypatch.setenv("FASTOPT_BACKEND", "torch")
+    opt.step()
+    assert not torch.equal(ps[0], before[ps[0]][0])

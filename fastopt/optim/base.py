@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import checkpoint as ckpt
+from .. import ops
 from ..distributed import phases
 from ..distributed.layout import Layout, fsdp1_refusal, fsdp_grads, layout_of, local
 
@@ -433,6 +434,8 @@ class FastOptimizer(torch.optim.Optimizer):
     # Subclasses whose `_step_group` takes `layouts=` and `sharded=` are exact on sharded params (DTensor,
     # declared shards, flat ZeRO ranges).
     _supports_layouts = False
+    # Steps through fastopt.ops' Triton seam (`ops.use_triton`); AdamW8bit steps in the extension alone.
+    _triton_seam = True
 
     def _layout(self, p: Tensor):
         """p's Layout (fastopt.distributed.layout): set by `setup_distributed`, else `layout_of(p)`, which
@@ -603,6 +606,8 @@ class FastOptimizer(torch.optim.Optimizer):
                         raise NotImplementedError(f"{self._name} does not support sharded parameters yet")
                     layouts = [self._layout(p) for p in params]
                     self._check_declarations(group, params, layouts)
+                if self._triton_seam:
+                    ops.use_triton(params[0])  # a FASTOPT_BACKEND that cannot step these params raises here
                 buckets.append((group, device, group_key, params, layouts))
         scalers: dict = {}
         sharded = []  # the steps of the sharded buckets, run together: one collective per phase and groups
