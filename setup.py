@@ -7,7 +7,7 @@ from setuptools import setup
 TEST = [
     "pytest>=8",
     "numpy",
-    "triton>=3.0",
+    "triton>=3.6",
     "transformers>=4.40",
     "came-pytorch==0.1.3",
     "galore-torch==1.0",
@@ -33,12 +33,12 @@ setup(
     # csrc/ ships as data (fastopt/csrc/ once installed): fastopt.ext compiles it just in time.
     package_dir={"fastopt.kernels": "kernels", "fastopt.csrc": "csrc"},
     package_data={"fastopt": ["data/*"], "fastopt.csrc": ["*.h", "*.cuh", "*.cpp", "*.cu"]},
-    install_requires=["torch>=2.4", "numpy"],
+    install_requires=["torch>=2.10", "numpy"],
     extras_require={
-        "triton": ["triton>=3.0"],
+        "triton": ["triton>=3.6"],
         "ext": ["ninja"],
         "demo": ["tqdm", "matplotlib", "ninja"],
-        "bench": ["tqdm", "matplotlib", "ninja", "triton>=3.0"],
+        "bench": ["tqdm", "matplotlib", "ninja", "triton>=3.6"],
         "test": TEST,
     },
 )

@@ -41,7 +41,8 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def _major_minor(version: str) -> tuple[int, int]:
+def major_minor(version: str) -> tuple[int, int]:
+    """(2, 10) of "2.10.0+cu128"; (0, 0) where it cannot tell."""
     m = re.match(r"(\d+)\.(\d+)", version)
     return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
 
@@ -51,7 +52,7 @@ def interpreter_clash(triton_version: str, numpy_version: str) -> str | None:
     None. Before 3.7 the interpreter reads a loop bound loaded from memory (`range(0, C, BLOCK)`) through int()
     of a one-element array, which NumPy 2.4 refuses: every kernel would fail inside with "only 0-dimensional
     arrays can be converted to Python scalars" (torch 2.10 and 2.11 pin Triton 3.5 and 3.6)."""
-    if _major_minor(triton_version) < (3, 7) and _major_minor(numpy_version) >= (2, 4):
+    if major_minor(triton_version) < (3, 7) and major_minor(numpy_version) >= (2, 4):
         return (f"Triton {triton_version}'s interpreter (TRITON_INTERPRET=1) cannot run fastopt's kernels with "
                 f"NumPy {numpy_version}: install numpy<2.4 or triton>=3.7, or use FASTOPT_BACKEND=torch")
     return None
