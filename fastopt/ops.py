@@ -51,7 +51,7 @@ def interpreter_clash(triton_version: str, numpy_version: str) -> str | None:
     """Why Triton `triton_version`'s interpreter cannot run fastopt's kernels beside NumPy `numpy_version`, or
     None. Before 3.7 the interpreter reads a loop bound loaded from memory (`range(0, C, BLOCK)`) through int()
     of a one-element array, which NumPy 2.4 refuses: every kernel would fail inside with "only 0-dimensional
-    arrays can be converted to Python scalars" (torch 2.10 and 2.11 pin Triton 3.5 and 3.6)."""
+    arrays can be converted to Python scalars" (torch 2.10 and 2.11 pin Triton 3.6, torch 2.9 Triton 3.5)."""
     if major_minor(triton_version) < (3, 7) and major_minor(numpy_version) >= (2, 4):
         return (f"Triton {triton_version}'s interpreter (TRITON_INTERPRET=1) cannot run fastopt's kernels with "
                 f"NumPy {numpy_version}: install numpy<2.4 or triton>=3.7, or use FASTOPT_BACKEND=torch")
