@@ -279,9 +279,9 @@ def _dtensor_layout(p) -> Layout | None:
 def strided_shard_refusal(torch_version: str) -> str | None:
     """Why fastopt refuses `_StridedShard` placements (FSDP2 over tensor parallelism) under torch
     `torch_version`, or None. Under torch 2.8 and 2.9 the tests of those layouts failed against a single process
-    (relative errors 0.16 to 26, AdamW8bit's element-wise step among them: the pieces are not where the layout
-    read off the placements puts them); torch 2.7 refuses their uneven pieces itself. From torch 2.10 on the
-    whole suite passes."""
+    (relative errors 0.16 to 26, AdamW8bit's element-wise step among them, so the pieces themselves disagree
+    with the layout read off the placements; which placement, not pinned down); torch 2.7 refuses their uneven
+    pieces itself. From torch 2.10 on the whole suite passes."""
     from ..ops import major_minor
     if major_minor(torch_version) < (2, 10):
         return (f"fastopt needs torch >= 2.10 for _StridedShard placements (FSDP2 over tensor parallelism): under "
