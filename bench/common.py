@@ -412,20 +412,24 @@ def machine_info(args) -> dict:
     dirty = None if status is None else bool(status)
     return dict(device=str(device), device_name=name, torch=torch.__version__, triton=triton_v,
                 cuda=torch.version.cuda, python=platform.python_version(), commit=commit, dirty=dirty,
-                cpu_numbers=device.type != "cuda", date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), **extra)
+                cpu_numbers=device.type != "cuda", date=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+                fp32_matmul=torch.backends.cuda.matmul.fp32_precision, **extra)
 
 
 def device_tag(args) -> str:
+    """`cpu` or the GPU's name; `-tf32` after it for a --tf32 run, whose files then stand beside the default's."""
     device = torch.device(args.device)
+    tf32 = "-tf32" if getattr(args, "tf32", False) else ""
     if device.type != "cuda":
-        return "cpu"
+        return "cpu" + tf32
     name = torch.cuda.get_device_name(device).lower().replace("nvidia", "")
-    return re.sub(r"[^a-z0-9]+", "-", name).strip("-") or "cuda"
+    return (re.sub(r"[^a-z0-9]+", "-", name).strip("-") or "cuda") + tf32
 
 
 def machine_line(m: dict) -> str:
     commit = m["commit"][:12] + (" (uncommitted changes)" if m.get("dirty") else "")
-    return (f"{m['device_name']} · torch {m['torch']} · Triton {m['triton']} · commit {commit} · {m['date']}")
+    tf32 = " · fp32 matmuls in TF32" if m.get("fp32_matmul") == "tf32" else ""
+    return (f"{m['device_name']} · torch {m['torch']} · Triton {m['triton']}{tf32} · commit {commit} · {m['date']}")
 
 
 def add_speedups(results: list[dict]) -> None:
@@ -721,6 +725,9 @@ def parser(description: str = "fastopt benchmark") -> argparse.ArgumentParser:
     p.add_argument("--only", type=_csv, default=[], help="time only implementations whose name contains one of these")
     p.add_argument("--budget-s", type=number(float, 0, lo_open=True), default=None,
                    help="stop timing (rows become 'skipped') after this many seconds, > 0")
+    p.add_argument("--tf32", action="store_true",
+                   help="fp32 matmuls in TF32 for every implementation (torch.set_float32_matmul_precision('high'):"
+                        " galore-torch's products, and fastopt's GaLore follows it); default: torch's")
     p.add_argument("--out", default=None, help="output folder (default bench/results/)")
     return p
 
@@ -737,6 +744,9 @@ def finish_args(args) -> argparse.Namespace:
         if getattr(args, name) is None:
             setattr(args, name, gpu if cuda else cpu)
     args.deadline = None if args.budget_s is None else time.monotonic() + args.budget_s
+    if args.tf32:  # for the whole process, as a training script would set it; the JSON's machine.fp32_matmul.
+        # The legacy setter: code that reads the legacy flags (allow_tf32) fails after the new API's setter.
+        torch.set_float32_matmul_precision("high")
     return args
 
 

@@ -48,7 +48,10 @@ swap, nothing is copied), int64 offsets, an fp32 accumulator. The products are c
 flops per matrix and direction), so they run on tensor cores, at a precision chosen per param dtype
 (`FASTOPT_GALORE_DOT`, default `auto`):
 - fp32 params: `input_precision="tf32x3"` (each operand split into two tf32 parts, three tensor-core
-  products: about fp32's accuracy, where plain tf32 would keep 10 mantissa bits of the bases);
+  products: about fp32's accuracy, where plain tf32 would keep 10 mantissa bits of the bases); plain `tf32`
+  where torch itself multiplies fp32 matrices in TF32 (`torch.backends.cuda.matmul.fp32_precision == "tf32"`,
+  which `torch.set_float32_matmul_precision("high")` and `allow_tf32 = True` set too), as galore-torch's
+  products then are; read at every step;
 - bf16/fp16 params: both operands rounded to the param's dtype (the gradient already is), the precision
   galore-torch itself multiplies such params in (its bases and moments are kept in the param's dtype);
 - fp64 params multiply-and-sum the tile in fp64 (no fp64 `tl.dot` is assumed).
@@ -87,7 +90,12 @@ def dot_precision() -> tuple[str, bool]:
     want = os.environ.get("FASTOPT_GALORE_DOT", "auto").strip().lower() or "auto"
     if want not in DOT_PRECISIONS:
         raise ValueError(f"FASTOPT_GALORE_DOT={want!r}: expected one of {', '.join(DOT_PRECISIONS)}")
-    return ("tf32x3", True) if want == "auto" else (want, False)
+    if want != "auto":
+        return want, False
+    # torch's own setting for fp32 matmuls on CUDA: "tf32", "ieee" or "none" (the default, IEEE); the legacy
+    # setters write it as well; reading it raised in no mix of the two APIs tried (torch 2.10, 2.11, 2.13), where
+    # reading `allow_tf32` raises after the new API has been used
+    return ("tf32" if torch.backends.cuda.matmul.fp32_precision == "tf32" else "tf32x3"), True
 
 
 # Matmul tiles (BM, BN, BK, num_warps, num_stages) of the projections (R = P^T G, G Q^T and the rank-sized

@@ -23,6 +23,25 @@ def suite():
         importlib.import_module(run.__package__ + ".bench_adafactor")
 
 
+def test_tf32_flag_sets_torchs_fp32_matmuls_and_the_json_says_so(suite):
+    _, common, _ = suite
+    matmul = torch.backends.cuda.matmul
+    before = matmul.fp32_precision
+    assert before != "tf32"
+    try:
+        plain = common.finish_args(common.parser().parse_args(["--device", "cpu"]))
+        assert matmul.fp32_precision == before and common.machine_info(plain)["fp32_matmul"] == before
+        args = common.finish_args(common.parser().parse_args(["--device", "cpu", "--tf32"]))
+        assert matmul.fp32_precision == "tf32" and matmul.allow_tf32  # the legacy flags still read
+        m = common.machine_info(args)
+        assert m["fp32_matmul"] == "tf32" and "fp32 matmuls in TF32" in common.machine_line(m)
+        assert "TF32" not in common.machine_line({**m, "fp32_matmul": before})
+        assert (common.device_tag(plain), common.device_tag(args)) == ("cpu", "cpu-tf32")  # files side by side
+    finally:
+        torch.set_float32_matmul_precision("highest")
+        matmul.fp32_precision = before
+
+
 def test_suite_end_to_end_on_cpu(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("FASTOPT_BACKEND", "auto")
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # CPU mode then steps with one torch thread
@@ -45,7 +64,7 @@ def test_suite_end_to_end_on_cpu(tmp_path, monkeypatch, capsys):
     doc = json.loads((tmp_path / "suite-cpu.json").read_text())
     assert doc["cpu_numbers"] is True and "CPU numbers" in doc["note"]
     m = doc["machine"]
-    assert m["cpu_threads"] == 1
+    assert m["cpu_threads"] == 1 and m["fp32_matmul"] == torch.backends.cuda.matmul.fp32_precision != "tf32"
     assert m["torch"] == torch.__version__ and m["commit"] and m["device"] == "cpu" and "triton" in m
     assert doc["copy"]["gbps"] > 0 and doc["copy"]["bytes"] == 2 * 4 * 2**20
     rows = doc["results"]

@@ -771,6 +771,98 @@ def test_dot_operands_rounded_to_the_param_dtype(backend, device, dtype, mode, m
         k.dot_precision()
 
 
+class _Precisions:
+    """Stands in for _galore_matmul_kernel and logs the PRECISION of each launch, replayed ones too (a replay
+    calls the launcher its recording step took from here)."""
+
+    def __init__(self, fn, log: list):
+        self.fn, self.log = fn, log
+
+    def __getitem__(self, grid):
+        launcher = self.fn[grid]
+
+        def launch(*args, **kwargs):
+            self.log.append(kwargs["PRECISION"])
+            return launcher(*args, **kwargs)
+        return launch
+
+
+@pytest.fixture
+def cuda_matmul():
+    """torch.backends.cuda.matmul, its fp32_precision set back after the test (monkeypatch cannot: the attribute
+    lives behind the module's __getattr__, so monkeypatch would delete it)."""
+    matmul = torch.backends.cuda.matmul
+    before = matmul.fp32_precision
+    try:
+        yield matmul
+    finally:
+        torch.set_float32_matmul_precision("highest")  # a test may have used the legacy setter
+        matmul.fp32_precision = before
+
+
+def test_fp32_products_follow_torchs_tf32_setting(backend, device, cuda_matmul, monkeypatch):
+    """By default (`auto`) the products of fp32 params run in tf32x3, and in plain TF32 while torch's fp32
+    matmuls do (torch.backends.cuda.matmul.fp32_precision, also set by torch.set_float32_matmul_precision):
+    read at every step, so a replayed step follows a change too. FASTOPT_GALORE_DOT overrides it."""
+    if backend != "triton":
+        pytest.skip("the Triton matmul kernel")
+    from fastopt.kernels import galore as k
+    matmul = cuda_matmul
+    monkeypatch.delenv("FASTOPT_GALORE_DOT", raising=False)
+    matmul.fp32_precision = "none"
+    log = []
+    monkeypatch.setattr(k, "_galore_matmul_kernel", _Precisions(k._galore_matmul_kernel, log))
+    ps = [torch.randn(12, 10, device=device, requires_grad=True), torch.randn(10, device=device, requires_grad=True)]
+    opt = fastopt.GaLoreAdamW([{"params": ps[:1], "rank": 3, "update_proj_gap": 100}, {"params": ps[1:]}], lr=LR)
+
+    def precisions_of_two_steps():  # the second step replays the first's launches unless the setting changed
+        seen = []
+        for _ in range(2):
+            for p in ps:
+                p.grad = torch.randn_like(p)
+            log.clear()
+            opt.step()
+            assert len(log) == 2, log  # projection and back-projection
+            seen.append(set(log))
+        return seen
+
+    assert precisions_of_two_steps() == [{"tf32x3"}] * 2
+    matmul.fp32_precision = "tf32"
+    assert precisions_of_two_steps() == [{"tf32"}] * 2
+    matmul.fp32_precision = "ieee"
+    assert precisions_of_two_steps() == [{"tf32x3"}] * 2
+    assert k.dot_precision() == ("tf32x3", True)
+    torch.set_float32_matmul_precision("high")  # the legacy setter writes the same setting
+    assert k.dot_precision() == ("tf32", True)
+    for forced in ("tf32x3", "ieee"):
+        monkeypatch.setenv("FASTOPT_GALORE_DOT", forced)
+        assert k.dot_precision() == (forced, False)
+        assert precisions_of_two_steps() == [{forced}] * 2
+
+
+@pytest.mark.gpu
+def test_tf32_setting_shows_in_the_fp32_products(cuda_matmul, monkeypatch):
+    """On the GPU: with torch's fp32 matmuls in TF32, the projection products of fp32 operands carry TF32's
+    error (10 mantissa bits kept of each operand), far above tf32x3's, and within it."""
+    from fastopt.kernels import galore as k
+    monkeypatch.delenv("FASTOPT_GALORE_DOT", raising=False)
+    gen = torch.Generator().manual_seed(5)
+    a = torch.randn(2, 61, 53, generator=gen, dtype=torch.float64)
+    b = torch.randn(2, 53, 29, generator=gen, dtype=torch.float64)
+    want, size = a.float().double() @ b.float().double(), a.float().double().abs() @ b.float().double().abs()
+    dummy = torch.empty(1, device="cuda")
+    errs = {}
+    for setting in ("none", "tf32"):
+        cuda_matmul.fp32_precision = setting
+        precision, _ = k.dot_precision()
+        c = torch.empty(2, 61, 29, device="cuda")
+        k._Launch(None, None, None, None, 0.0, False, dummy, None, precision).matmul(a.float().cuda(), b.float().cuda(), c)
+        errs[precision] = ((c.double().cpu() - want).abs() / size).max().item()
+    assert set(errs) == {"tf32x3", "tf32"}
+    assert errs["tf32x3"] <= 53 * 2.0 ** -24, errs
+    assert 2.0 ** -16 <= errs["tf32"] <= 2.0 ** -8, errs
+
+
 @pytest.mark.gpu
 def test_step_does_not_sync_with_the_host():
     """Steps without an SVD (the refresh is at step 1 only here) run without a host sync, under GradScaler."""
