@@ -7,6 +7,7 @@ Triton kernels (`fastopt.kernels`) and CPU tensors to the plain-torch reference 
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
@@ -90,6 +91,35 @@ def use_triton(t: torch.Tensor) -> bool:
                        f"which step them with the torch reference")
 
 
+def on_device(device: torch.device):
+    """The context a bucket's step runs in: its GPU made the current device, because Triton launches a kernel
+    on the current device and its current stream whatever device the tensors are on (params spread over
+    several GPUs of one process, as under `device_map="auto"`, would be stepped by the wrong GPU); nothing for
+    other devices."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _resumed_on(gen, device: torch.device):
+    """`gen`, each of its resumptions run on_device(device), the previous device current again before it
+    yields: the steps of several buckets advance in turns (fastopt.distributed.phases), so no guard may stay
+    entered across a yield."""
+    while True:
+        with on_device(device):
+            try:
+                req = next(gen)
+            except StopIteration:
+                return
+        yield req
+
+
+def _on_params_device(phases_fn):
+    """A `*_phases` op whose every resumption runs on its bucket's device (`on_device`)."""
+    @functools.wraps(phases_fn)
+    def phases(params, *args, **kwargs):
+        return _resumed_on(phases_fn(params, *args, **kwargs), params[0].device)
+    return phases
+
+
 def _dense(params: list, grads: list) -> tuple[list, list]:
     """Contiguous stand-ins for the params and grads the Triton kernels index as row-major memory (a transposed
     or channels_last param, a strided grad): the states are always contiguous, so the kernels step the
@@ -108,6 +138,7 @@ def _write_back(params: list, work: list) -> None:
             p.copy_(w)
 
 
+@_on_params_device
 def adafactor_phases(params, grads, states, *, inv_scale=None, found_inf=None, sharded=False, cache=None,
                      layouts=None, **hyper):
     """One Adafactor step over a bucket (same device and dtype) of local tensors, as a generator
@@ -135,6 +166,7 @@ def adafactor_step(params, grads, states, *, reduce=None, **kw):
     drive(adafactor_phases(params, grads, states, sharded=reduce is not None, **kw), reduce)
 
 
+@_on_params_device
 def lamb_phases(params, grads, states, *, inv_scale=None, found_inf=None, sharded=False, cache=None, layouts=None,
                 **hyper):
     """One LAMB step over a bucket (same device and dtype), as a generator (see `adafactor_phases`): with
@@ -163,6 +195,7 @@ def lamb_step(params, grads, states, *, reduce=None, **kw):
     drive(lamb_phases(params, grads, states, sharded=reduce is not None, **kw), reduce)
 
 
+@_on_params_device
 def came_phases(params, grads, states, *, inv_scale=None, found_inf=None, sharded=False, cache=None, layouts=None,
                 **hyper):
     """One CAME step over a bucket (same device and dtype), as a generator (see `adafactor_phases`): with
@@ -337,6 +370,7 @@ def galore_refresh(grads, states, refresh, *, rank, inv_scale=None, found_inf=No
     r.refresh_bases(grads, states, refresh, rank=rank, inv_scale=inv_scale, found_inf=found_inf, layouts=layouts)
 
 
+@_on_params_device
 def galore_phases(params, grads, states, *, inv_scale=None, found_inf=None, cache=None, layouts=None,
                   sharded=False, **hyper):
     """One GaLore-AdamW step over a bucket (same device and dtype) with bases already refreshed: projection,

@@ -18,6 +18,7 @@ Float64 params (unless a test is about dtypes) and fresh random gradients at eve
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import pickle
@@ -844,3 +845,93 @@ def test_a_back_end_that_cannot_step_is_named_before_anything_changes(case, monk
     monkeypatch.setenv("FASTOPT_BACKEND", "torch")
     opt.step()
     assert not torch.equal(ps[0], before[ps[0]][0])
+
+
+# ---- several GPUs in one process ----------------------------------------------------------------------------
+TRITON_CASES = [c for c in CASES if c != "adamw8bit"]  # AdamW8bit runs in the extension, which guards its device
+
+
+@pytest.mark.parametrize("case", TRITON_CASES)
+def test_every_launch_runs_with_its_bucket_device_current(case, backend, device, monkeypatch):
+    """Triton launches a kernel on the current device, whatever device its tensors are on, so each bucket's step
+    runs inside `ops.on_device(its device)`; a step of several buckets advances them in turns, so the guard is
+    entered per resumption and never left open: at every launch exactly the bucket's device is entered."""
+    if backend != "triton":
+        pytest.skip("counts Triton launches")
+    from fastopt import ops
+    from fastopt.kernels import adafactor
+    entered, launches = [], []
+    real_on_device = ops.on_device
+
+    @contextlib.contextmanager
+    def on_device(dev):
+        with real_on_device(dev):
+            entered.append(dev)
+            try:
+                yield
+            finally:
+                entered.pop()
+
+    kernel_type = type(adafactor._apply_kernel)  # the interpreter's or compiled Triton's
+    real_run = kernel_type.run
+
+    def run_kernel(self, *args, **kwargs):
+        launches.append(list(entered))
+        return real_run(self, *args, **kwargs)
+
+    monkeypatch.setattr(ops, "on_device", on_device)
+    monkeypatch.setattr(kernel_type, "run", run_kernel)
+    ps = make_params(device)
+    opt = make(case, ps)
+    run(opt, ps, range(3))  # GaLore's later steps replay the first's launches
+    assert len(launches) >= 3 * 2 and all(e == [ps[0].device] for e in launches), launches
+    assert not entered
+
+
+def test_resumed_steps_leave_no_device_guard_open(monkeypatch):
+    """Two buckets' steps on two GPUs, advanced in turns as fastopt.distributed.phases advances them: each runs
+    every resumption with its own device current, and the device current before is current again after each."""
+    from fastopt import ops
+    current = [0]
+
+    @contextlib.contextmanager
+    def on_device(dev):  # as torch.cuda.device: make dev current, then restore the one before
+        before, current[0] = current[0], dev.index
+        try:
+            yield
+        finally:
+            current[0] = before
+
+    monkeypatch.setattr(ops, "on_device", on_device)
+    seen = []
+
+    def bucket(name):
+        for phase in range(3):
+            seen.append((name, phase, current[0]))
+            yield phase
+
+    a = ops._resumed_on(bucket("a"), torch.device("cuda", 1))
+    b = ops._resumed_on(bucket("b"), torch.device("cuda", 2))
+    for _ in range(3):
+        assert next(a) == next(b) and current[0] == 0
+    assert list(a) == list(b) == [] and current[0] == 0
+    assert seen == [(n, k, d) for k in range(3) for n, d in (("a", 1), ("b", 2))]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("case", list(CASES))
+def test_params_on_another_gpu_step_as_on_the_current_one(case):
+    """Params on cuda:1 while cuda:0 is current (a model spread over the GPUs of one process) step bit for bit as
+    the same params on cuda:0, and cuda:0 stays current."""
+    torch.cuda.set_device(0)
+    runs = []
+    for dev in ("cuda:0", "cuda:1"):
+        ps = make_params(dev, F32)
+        opt = make(case, ps)
+        run(opt, ps, range(4))
+        torch.cuda.synchronize(dev)
+        assert torch.cuda.current_device() == 0
+        runs.append([p.detach().cpu() for p in ps])
+    for p, q in zip(*runs):
+        assert torch.equal(p, q)
