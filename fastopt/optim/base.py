@@ -612,17 +612,21 @@ class FastOptimizer(torch.optim.Optimizer):
         scalers: dict = {}
         sharded = []  # the steps of the sharded buckets, run together: one collective per phase and groups
         for group, device, group_key, params, layouts in buckets:
-            grads = [_local_grad(p) for p in params]
-            states = [ckpt.local_state(self._init_state(p, group), p) for p in params]
-            scaler = self._scaler_args(device, scalers)
-            self._advance_steps([s["step"] for s in states], scaler)
-            if group_key is None:
-                steps = self._step_group(group, [local(p) for p in params], grads, states, scaler)
-                if steps is not None:
-                    phases.drive(steps, None)
-            else:
-                sharded.append((self._step_group(group, [local(p) for p in params], grads, states, scaler,
-                                                 layouts=layouts, sharded=True), group_key, layouts[0].reduce))
+            # The bucket's GPU current (params may be spread over the GPUs of one process): Triton launches on
+            # the current device, and so do events and streams taken without one. The ops' generators enter it
+            # again at each resumption, as the sharded ones resume in phases.run.
+            with ops.on_device(device):
+                grads = [_local_grad(p) for p in params]
+                states = [ckpt.local_state(self._init_state(p, group), p) for p in params]
+                scaler = self._scaler_args(device, scalers)
+                self._advance_steps([s["step"] for s in states], scaler)
+                if group_key is None:
+                    steps = self._step_group(group, [local(p) for p in params], grads, states, scaler)
+                    if steps is not None:
+                        phases.drive(steps, None)
+                else:
+                    sharded.append((self._step_group(group, [local(p) for p in params], grads, states, scaler,
+                                                     layouts=layouts, sharded=True), group_key, layouts[0].reduce))
         phases.run(sharded)
         return loss
 

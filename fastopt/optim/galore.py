@@ -334,7 +334,7 @@ class GaLoreAdamW(FastOptimizer):
                 buf = torch.empty((), dtype=found_inf.dtype, pin_memory=True)
                 buf.copy_(found_inf, non_blocking=True)
                 event = torch.cuda.Event()
-                event.record()
+                event.record(torch.cuda.current_stream(found_inf.device))  # the stream of the copy
             else:
                 buf, event = found_inf.clone(), None
             self._pending.append((buf, event, entries))
