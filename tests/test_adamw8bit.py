@@ -57,7 +57,7 @@ def _run(make, init, grads, dtype):
     opt = make(params)
     for gs in grads:
         for p, g in zip(params, gs):
-            p.grad = g.to(dtype)
+            p.grad = None if g is None else g.to(dtype)  # None: the param sits this step out
         opt.step()
     return params, opt
 
@@ -109,6 +109,28 @@ def test_tracks_torch_adamw_no_worse_than_bitsandbytes(impl, dtype):
             assert err <= NOISE * err_b + 1e-6, f"param {i} {tk}: error {err:.4g} vs bitsandbytes' {err_b:.4g}"
 
 
+def test_params_at_different_step_counts_track_torch_adamw(impl):
+    """One fused call over params whose step counts differ: an 8-bit param and an fp32-state one get no gradient
+    for the first 6 of 40 steps (torch's AdamW and bitsandbytes' skip them, their steps start later). Each param
+    takes its own bias corrections: 8-bit params no worse than bitsandbytes' AdamW8bit on the same run, fp32-state
+    ones within TOL[float32] of float64 torch AdamW."""
+    bnb = pytest.importorskip("bitsandbytes")
+    init, grads = _problem(seed=7, steps=40)
+    late = [1, 3]
+    for gs in grads[:6]:
+        for i in late:
+            gs[i] = None
+    truth, _ = _run(_torch_adamw, init, grads, torch.float64)
+    ours, opt = _run(_ours, init, grads, torch.float32)
+    theirs, _ = _run(lambda ps: bnb.optim.AdamW8bit(ps, **HYPER), init, grads, torch.float32)
+    assert [float(opt.state[p]["step"]) for p in ours] == [40.0, 34.0, 40.0, 34.0]
+    e_ours = rel_update_error(_pick(ours, EIGHT), _pick(truth, EIGHT), _pick(init, EIGHT))
+    e_bnb = rel_update_error(_pick(theirs, EIGHT), _pick(truth, EIGHT), _pick(init, EIGHT))
+    assert e_ours <= NOISE * e_bnb, f"8-bit params: error {e_ours:.5g} vs bitsandbytes' {e_bnb:.5g}"
+    e_small = rel_update_error(_pick(ours, SMALL), _pick(truth, SMALL), _pick(init, SMALL))
+    assert e_small <= TOL[torch.float32], f"fp32-state params: error {e_small:.3g}"
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float64])
 def test_other_param_dtypes_track(impl, dtype):
     """fp16 params (fp32 math): no worse than bitsandbytes' AdamW8bit on fp16 params. fp64 params (fp64 math,
@@ -156,9 +178,12 @@ def test_state_layout_and_memory(impl):
     n = 1 << 18
     p = torch.nn.Parameter(torch.randn(512, n // 512))
     q = torch.nn.Parameter(torch.randn(4095))
-    opt = fastopt.AdamW8bit([p, q])
-    p.grad, q.grad = torch.randn_like(p), torch.randn_like(q)
+    r = torch.nn.Parameter(torch.randn(64, 64))  # exactly min_8bit_size: 8-bit (bitsandbytes: numel < min is 32-bit)
+    opt = fastopt.AdamW8bit([p, q, r])
+    p.grad, q.grad, r.grad = torch.randn_like(p), torch.randn_like(q), torch.randn_like(r)
     opt.step()
+    assert set(opt.state[r]) == {"step", "state1", "state2", "absmax1", "absmax2"}
+    assert opt.state[r]["state1"].dtype == torch.uint8 and opt.state[r]["absmax1"].shape == (16,)
     s = opt.state[p]
     assert set(s) == {"step", "state1", "state2", "absmax1", "absmax2"}
     assert s["state1"].dtype == s["state2"].dtype == torch.uint8 and s["state1"].shape == p.shape

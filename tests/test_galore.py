@@ -170,6 +170,25 @@ def test_matches_galore_torch(backend, device, proj_type, monkeypatch):
     assert all(float(s["step"]) == STEPS and s["step"].dtype == torch.float32 for s in opt.state.values())
 
 
+@pytest.mark.parametrize("proj_type", ["std", "reverse_std"])
+def test_square_matrices_match_galore_torch(backend, device, proj_type):
+    """A square matrix is where std and reverse_std decide on the tie m == n: galore-torch projects it on the right
+    with std (m >= n) and on the left with reverse_std. Params and bases against galore-torch after 9 steps with
+    refreshes at steps 1, 4, 7 (MATS has no square matrix)."""
+    init, grads = make_problem([(16, 16), (13, 13), (7,)])
+    ref, ref_opt, plist = galore_torch_run(init, grads, proj_type, 2, device=device)
+    params = [p.to(device=device, dtype=torch.float64, copy=True).requires_grad_() for p in init]
+    opt = fastopt.GaLoreAdamW([{"params": params[:2], "proj_type": proj_type, **GROUP}, {"params": params[2:]}],
+                              lr=LR, weight_decay=WD)
+    step(opt, params, grads)
+    for i, (a, b, c) in enumerate(zip(params, ref, init)):
+        assert rel_update_error([a.detach().cpu()], [b], [c]) <= TOL[torch.float64], f"param {i} {tuple(c.shape)}"
+    key = "proj_right" if proj_type == "std" else "proj_left"
+    for p, q in zip(params[:2], plist[:2]):
+        assert set(opt.state[p]) == {"step", "exp_avg", "exp_avg_sq", key}, sorted(opt.state[p])
+        assert torch.equal(opt.state[p][key].cpu(), galore_state(ref_opt, q, key).to(torch.float64))
+
+
 @pytest.mark.parametrize("proj_type", ["std", "full"])
 def test_correct_bias_false_matches_galore_torch(backend, device, proj_type):
     """galore-torch's correct_bias=False (step size lr, no bias corrections), in both groups: params and states

@@ -364,7 +364,7 @@ STEPS_8BIT = 30
 
 
 def lamb8_reference(init, grads, lr, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0, max_trust_ratio=None,
-                    block_size=64, min_8bit_size=64):
+                    block_size=64, min_8bit_size=64, bias_correction=True):
     """LAMB as issue 4 states it, in float64, with m and v stored in the 8-bit block-wise format of issue 5
     (quantized after each step from the exact m_t, v_t, which the update uses). Returns (params, codes)."""
     beta1, beta2 = betas
@@ -373,7 +373,7 @@ def lamb8_reference(init, grads, lr, betas=(0.9, 0.999), eps=1e-6, weight_decay=
     vs = [torch.zeros_like(x) for x in ps]
     codes = [None] * len(ps)
     for t, step_grads in enumerate(grads, start=1):
-        eta = lr * math.sqrt(1 - beta2 ** t) / (1 - beta1 ** t)
+        eta = lr * math.sqrt(1 - beta2 ** t) / (1 - beta1 ** t) if bias_correction else lr
         for i, g in enumerate(step_grads):
             m = beta1 * ms[i] + (1 - beta1) * g
             v = beta2 * vs[i] + (1 - beta2) * g * g
@@ -389,16 +389,20 @@ def lamb8_reference(init, grads, lr, betas=(0.9, 0.999), eps=1e-6, weight_decay=
     return ps, codes
 
 
-def test_8bit_matches_quantized_reference(backend, device):
+@pytest.mark.parametrize("bias_correction", [True, False])
+def test_8bit_matches_quantized_reference(backend, device, bias_correction):
     """fp64 params (fp64 math, the same fp32 quantization): the 8-bit step is the float64 LAMB with its
-    moments stored in the 8-bit format, to the last code."""
-    kw = dict(lr=LR, weight_decay=0.01, max_trust_ratio=2.0)
+    moments stored in the 8-bit format, to the last code. min_8bit_size=200: the (200,) param has exactly that
+    many elements, which makes it 8-bit ("fewer elements keep 32-bit state", bitsandbytes' numel < min rule)."""
+    kw = dict(lr=LR, weight_decay=0.01, max_trust_ratio=2.0, min_8bit_size=200, bias_correction=bias_correction)
     init, grads = make_problem(shapes=SHAPES_8BIT, scales=[1.0, 3.0, 0.1, 1.0, 1.0], steps=STEPS_8BIT)
-    ours, opt = run(init, grads, torch.float64, device, nbits=8, block_size=64, min_8bit_size=64, **kw)
+    ours, opt = run(init, grads, torch.float64, device, nbits=8, block_size=64, **kw)
     ref, ref_codes = lamb8_reference(init, grads, **kw)
+    assert [c is not None for c in ref_codes] == [True] * 3 + [False] * 2
     for i, (p, r, x, c) in enumerate(zip(ours, ref, init, ref_codes)):
         st = opt.state[p]
         assert rel_update_error([p.detach().cpu()], [r], [x]) <= TOL[torch.float64], f"param {i}"
+        assert (st["exp_avg"].dtype == torch.uint8) == (c is not None), f"param {i}: {st['exp_avg'].dtype}"
         if c is None:
             assert st["exp_avg"].dtype == torch.float64 and set(st) == {"step", "exp_avg", "exp_avg_sq"}
         else:
