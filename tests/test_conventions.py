@@ -941,3 +941,30 @@ def test_params_on_another_gpu_step_as_on_the_current_one(case):
         runs.append([p.detach().cpu() for p in ps])
     for p, q in zip(*runs):
         assert torch.equal(p, q)
+
+
+# ---- params at different step counts in one bucket ----------------------------------------------------------
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_param_that_sat_steps_out_steps_as_if_it_had_not(case, backend, device):
+    """A param without a gradient at the first steps (skipped, its state made later) shares the fused launches
+    of its bucket with params steps ahead of it: it takes its own step count (bias corrections, relative steps,
+    GaLore's refresh schedule), bit for bit as the same param in a twin whose params all start together and get
+    the same gradients at its steps."""
+    late, skipped, steps = 2, 3, 8  # the last param: a kernel reading the first param's step would miss it
+    ps, tw = make_params(device), make_params(device)
+    opt, twin = make(case, ps), make(case, tw)
+    for t in range(steps):
+        set_grads(ps, t)
+        if t < skipped:
+            ps[late].grad = None
+        opt.step()
+    for t in range(skipped, steps):
+        set_grads(tw, t)  # the late param's gradients at its own steps; the others' do not matter here
+        twin.step()
+    assert float(opt.state[ps[late]]["step"]) == steps - skipped
+    assert float(opt.state[ps[1]]["step"]) == steps
+    assert torch.equal(ps[late], tw[late])
+    sa, sb = opt.state[ps[late]], twin.state[tw[late]]
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert torch.equal(sa[k], sb[k]), k
