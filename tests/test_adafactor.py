@@ -69,6 +69,51 @@ def test_matches_transformers_float64(backend, device, option):
     assert all(float(opt.state[p]["step"]) == STEPS for p in ours)
 
 
+@pytest.mark.parametrize("option", ["default", "warmup", "beta1"])
+def test_relative_step_after_ten_thousand_steps_matches_transformers(backend, device, option):
+    """Past t = 10^4 the relative step is 1/sqrt(t): min(1e-2, 1/sqrt(t)) and min(1e-6 t, 1/sqrt(t)) (warm-up)
+    both take that branch, which 10 steps never reach. Three steps, then both optimizers' step counters are set
+    to 20000 (as after a long run), then six more steps track transformers' in float64: params (measured from
+    where the counters were set) and states."""
+    kw = OPTIONS[option]
+    init, grads = make_problem(steps=9)
+    ours, opt = run(fastopt.Adafactor, init, grads[:3], torch.float64, device, **kw)
+    ref, ref_opt = run(HFAdafactor, init, grads[:3], torch.float64, **kw)
+    for p, q in zip(ours, ref):
+        opt.state[p]["step"].fill_(20000)
+        ref_opt.state[q]["step"] = 20000
+    mid = [q.detach().clone() for q in ref]
+    for step_grads in grads[3:]:
+        for p, q, gr in zip(ours, ref, step_grads):
+            p.grad, q.grad = gr.to(device), gr.clone()
+        opt.step()
+        ref_opt.step()
+    assert_tracks([p.detach().cpu() for p in ours], [q.detach() for q in ref], mid, torch.float64)
+    for key in ("exp_avg_sq_row", "exp_avg_sq_col", "exp_avg_sq", "exp_avg"):
+        a, b = state_tensors(opt, ours, key), state_tensors(ref_opt, ref, key)
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            torch.testing.assert_close(x.cpu(), y, rtol=TOL[torch.float64], atol=0)
+    assert all(float(opt.state[p]["step"]) == 20006 for p in ours)
+
+
+def test_tall_matrices_match_transformers_float64(backend, device):
+    """Matrices taller than one row block of the factored kernels (16 rows under the interpreter, up to 64
+    compiled), the last block partial: the column sums add the partials of several row blocks; and one taller
+    than the factor kernel's block (256 rows under the interpreter, 1024 compiled): the row factors are formed
+    and normalized over several. SHAPES above all fit in one of each."""
+    kw = dict(beta1=0.9, weight_decay=0.01)
+    init, grads = make_problem(shapes=[(67, 12), (2, 70, 9), (1030, 3), (5,)])
+    ours, opt = run(fastopt.Adafactor, init, grads, torch.float64, device, **kw)
+    ref, ref_opt = run(HFAdafactor, init, grads, torch.float64, **kw)
+    assert_tracks([p.detach().cpu() for p in ours], ref, init, torch.float64)
+    for key in ("exp_avg_sq_row", "exp_avg_sq_col", "exp_avg_sq", "exp_avg"):
+        a, b = state_tensors(opt, ours, key), state_tensors(ref_opt, ref, key)
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            torch.testing.assert_close(x.cpu(), y, rtol=TOL[torch.float64], atol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_low_precision_tracks_reference(backend, device, dtype):
     kw = dict(beta1=0.9, weight_decay=0.01)
@@ -91,6 +136,25 @@ def test_bf16_stochastic_rounding_tracks_float64(backend, device):
     nearest, _ = run(fastopt.Adafactor, init, grads, torch.bfloat16, device, **kw)
     sr, _ = run(fastopt.Adafactor, init, grads, torch.bfloat16, device, bf16_stochastic_round=True, **kw)
     assert_sr_beats_nearest(sr, nearest, truth, init, len(grads))
+
+
+def test_bf16_ties_round_to_even_as_transformers(backend, device):
+    """bf16 params are stored rounded to nearest, ties to even, as transformers' bf16 run stores them (torch's
+    cast). Every update here is exactly half a bf16 ulp, so every element lands on a tie at every step:
+    decay_rate=-1e-30 makes beta2_t = 0 (V_t = G^2), gradients of magnitude 2^k give U = +-1 exactly (RMS 1: no
+    clip), and lr = 2^-8 is half the ulp of params in [1, 2). Both compute the same fp32 values before the
+    cast, so the params must agree bit for bit (ties away from zero would drift one way)."""
+    g = torch.Generator().manual_seed(5)
+    shapes = [(64,), (49,), ()]
+    init = [(1.25 + 0.5 * torch.rand(s, generator=g, dtype=torch.float64)).to(torch.bfloat16).double() for s in shapes]
+    grads = [[torch.ldexp(torch.randint(0, 2, s, generator=g).double() * 2 - 1,
+                          torch.randint(-2, 3, s, generator=g)) for s in shapes] for _ in range(6)]
+    kw = dict(lr=2.0 ** -8, relative_step=False, scale_parameter=False, decay_rate=-1e-30)
+    ref, _ = run(HFAdafactor, init, grads, torch.bfloat16, **kw)
+    ours, _ = run(fastopt.Adafactor, init, grads, torch.bfloat16, device, **kw)
+    for k, (x, y, x0) in enumerate(zip(ours, ref, init)):
+        assert not torch.equal(y.detach().double(), x0), k  # the ties were rounded away from the start
+        assert torch.equal(x.detach().cpu(), y.detach()), f"param {k}: {int((x.detach().cpu() != y).sum())} differ"
 
 
 def test_bf16_stochastic_rounding_noise_varies(backend, device):

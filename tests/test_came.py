@@ -78,6 +78,19 @@ def test_matches_came_pytorch_float64(backend, device, option):
     assert all(t.dtype == torch.float64 for p in ours for k, t in opt.state[p].items() if k != "step")
 
 
+def test_tall_matrices_match_came_pytorch_float64(backend, device):
+    """Matrices taller than one row block of the factored kernels (16 rows under the interpreter, up to 64
+    compiled), the last block partial: the column sums of G^2 and of the instability add the partials of several
+    row blocks; and one taller than the factor kernel's block (256 rows under the interpreter, 1024 compiled).
+    SHAPES above all fit in one of each."""
+    kw = dict(lr=1e-3, weight_decay=0.01)
+    init, grads = make_problem(shapes=[(67, 12), (2, 70, 9), (1030, 3), (5,)])
+    ours, opt = run(fastopt.CAME, init, grads, torch.float64, device, **kw)
+    ref, ref_opt = run(RefCAME, init, grads, torch.float64, **kw)
+    assert_tracks([p.cpu() for p in ours], ref, init, torch.float64)
+    assert_states_match(opt, ours, ref_opt, ref, TOL[torch.float64])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_low_precision_tracks_reference(backend, device, dtype):
     kw = dict(lr=1e-3, weight_decay=0.01)
