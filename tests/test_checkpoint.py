@@ -26,7 +26,7 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import DIST_WORLD
+from conftest import DIST_WORLD, TOL
 
 import fastopt
 from fastopt import checkpoint as ckpt
@@ -409,6 +409,68 @@ def test_dcp_corrupted_or_mismatched_checkpoint_fails_and_changes_nothing(pool, 
         assert all(res.values()), (rank, res)
 
 
+def _other_placements_case(rank, world, case):
+    """Two matrices sharded [Shard(0), Shard(1)] on a 2x2 mesh take HALF steps; their state_dict loads straight
+    (no DCP) into the same matrices sharded [Shard(1), Shard(0)] on that mesh, where every rank's piece has the
+    same shape and, on ranks 1 and 2, other elements. The other HALF steps, with fresh gradients, must equal
+    the single process's uninterrupted run, params and states."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    os.environ["FASTOPT_BACKEND"] = "torch"
+    mesh = init_device_mesh("cpu", (2, 2))
+    g = torch.Generator().manual_seed(0)
+    shapes = {"a": (8, 6), "b": (4, 10)}
+    init = {n: torch.randn(s, generator=g, dtype=DT) * 0.5 for n, s in shapes.items()}
+
+    def module(values, placements=None):
+        m = torch.nn.Module()
+        for n, v in values.items():
+            t = v.clone() if placements is None else distribute_tensor(v.clone(), mesh, placements, src_data_rank=None)
+            m.register_parameter(n, torch.nn.Parameter(t))
+        return m
+
+    def run(m, opt, steps):
+        for step in steps:
+            gen = torch.Generator().manual_seed(1000 + step)
+            for n, p in m.named_parameters():
+                gr = torch.randn(shapes[n], generator=gen, dtype=DT)
+                p.grad = distribute_tensor(gr, p.device_mesh, p.placements, src_data_rank=None) \
+                    if ckpt.is_dtensor(p) else gr
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    ref = module(init)
+    ref_opt = make_opt(case, ref)
+    run(ref, ref_opt, range(HALF))
+    mid = full_params(ref)
+    run(ref, ref_opt, range(HALF, STEPS))
+    first = module(init, [Shard(0), Shard(1)])
+    first_opt = make_opt(case, first)
+    run(first, first_opt, range(HALF))
+    sd = copy.deepcopy(first_opt.state_dict())
+    other = module(full_params(first), [Shard(1), Shard(0)])
+    opt = make_opt(case, other)
+    opt.load_state_dict(sd)
+    run(other, opt, range(HALF, STEPS))
+    states = {f"{n}.{k}": full(v) for n, p in other.named_parameters() for k, v in opt.state[p].items()
+              if k != "step"}
+    ref_states = {f"{n}.{k}": v for n, q in ref.named_parameters() for k, v in ref_opt.state[q].items() if k != "step"}
+    return dict(param_err=rel_err(full_params(other), full_params(ref), mid),
+                state_err=rel_err(states, ref_states), local=[tuple(p.to_local().shape) for p in other.parameters()],
+                first_local=[tuple(p.to_local().shape) for p in first.parameters()])
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("case", ["adafactor_momentum", "lamb"])
+def test_state_dict_of_other_placements_on_the_mesh_loads(pool, case):
+    """load_state_dict redistributes DTensor states saved under other placements on the params' mesh (pieces of
+    the same local shape, holding other elements: a load without it would not notice)."""
+    for rank, res in enumerate(pool.run(_other_placements_case, case)):
+        assert res["local"] == res["first_local"], res  # same local shapes: only the values tell
+        assert res["param_err"] <= TOL[DT], (case, rank, res["param_err"])
+        assert res["state_err"] <= TOL[DT], (case, rank, res["state_err"])
+
+
 # ---- ZeRO: sharded and consolidated state_dicts, every optimizer -------------------------------------------
 @pytest.mark.dist
 @pytest.mark.parametrize("name", [n for n in fastopt.__all__ if isinstance(getattr(fastopt, n), type) and issubclass(
@@ -576,6 +638,10 @@ def _bad_state_dicts(case, good):
     sd = copy.deepcopy(good)
     sd["state"][pid]["step"] = "seven"
     yield "step", sd, "'step'"
+    for bad in (-1.0, float("inf")):  # a step count no run reaches: the bias corrections would be garbage
+        sd = copy.deepcopy(good)
+        sd["state"][pid]["step"] = torch.tensor(bad)
+        yield f"step {bad}", sd, r"\['step'\]=.* must be a finite number >= 0"
     sd = copy.deepcopy(good)
     sd["state"][max(sd["state"]) + 10] = copy.deepcopy(sd["state"][pid])
     yield "unknown param", sd, "unknown param id"

@@ -275,6 +275,8 @@ PARTIAL_MODES = {  # partition_grad, overlap, micro-batches per step, zero_grad
     "zero2-accum": (True, False, 2, "none"),
     "zero2-overlap-zeros": (True, True, 1, "zeros"),
     "zero2-overlap-accum-skip": (True, True, 2, "skip"),
+    # cleared through the model (transformers' Trainer), not the wrapper: `odd` then gets a gradient on no rank
+    "zero2-model-zero-grad": (True, False, 1, "model"),
 }
 
 
@@ -284,11 +286,17 @@ def _partial(rank, world, mode):
     ref_has, has = [], []
     for step in range(STEPS):
         x, y = batch(step, world)
-        _zero_grads(ref_opt, how, step)
+        if how == "model":
+            ref_model.zero_grad()
+        else:
+            _zero_grads(ref_opt, how, step)
         (ref_model.loss(x, y, step) + ref_model.first_term(x) / world).backward()
         ref_opt.step()
         ref_has.append([p.grad is not None for p in ref_model.parameters()])
-        _zero_grads(opt, how, step)
+        if how == "model":
+            model.zero_grad()
+        else:
+            _zero_grads(opt, how, step)
         xs = x[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH]
         ys = y[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH]
         for m, (xm, ym) in enumerate(zip(xs.chunk(accum), ys.chunk(accum))):
@@ -514,6 +522,9 @@ SPLIT_FACTORIES = {  # the 8-bit variants of CAME and Lamb (the others are in FA
                                                 lr=1e-2, nbits=8),
     "Lamb8bit": lambda mats, vecs: fastopt.Lamb([{"params": mats, "weight_decay": 0.01}, {"params": vecs}],
                                                 lr=1e-2, nbits=8, block_size=64, min_8bit_size=0),
+    # Blocks of 256: the big param's 32896 elements end in half a block, which the last rank's piece holds.
+    "AdamW8bit256": lambda mats, vecs: fastopt.AdamW8bit(
+        [{"params": mats}, {"params": vecs, "weight_decay": 0.0}], lr=1e-2, block_size=256, min_8bit_size=0),
 }
 
 # (optimizer, mode): every optimizer once, the modes spread over them (ZeRO-1 and 2, overlap or not, accumulation,
@@ -906,6 +917,42 @@ def test_lr_scheduler_and_clip_grad_norm(pool, partition_grad, overlap):
         assert [a for a, _ in res["lrs"][-1]] == res["ref_lrs"]
 
 
+def _clip_norm_type(rank, world, partition_grad, norm_type):
+    """clip_grad_norm_ of another order than 2 (Wide: its big param split, each rank measuring its own range)
+    over several steps of fresh batches, against torch's on the whole batch in one process."""
+    os.environ["FASTOPT_BACKEND"] = "torch"
+    ref_model = Wide()
+    model = copy.deepcopy(ref_model)
+    init = [p.detach().clone() for p in ref_model.parameters()]
+    ref_opt, inner = make_opt("AdamW", ref_model), make_opt("AdamW", model)
+    opt = ZeroRedundancyOptimizer(inner, partition_grad=partition_grad, bucket_size_mb=BUCKET_MB)
+    norms = []
+    for step in range(SPLIT_STEPS):
+        x, y = batch(step, world, n_in=Wide.N_IN)
+        ref_opt.zero_grad()
+        loss_fn(ref_model, x, y).backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 0.01, norm_type=norm_type)
+        ref_opt.step()
+        opt.zero_grad()
+        _local_backward(model, x, y, rank, 1, False)
+        norms.append((float(opt.clip_grad_norm_(0.01, norm_type=norm_type)), float(ref_norm)))
+        opt.step()
+    return dict(err=rel_update_error(list(model.parameters()), list(ref_model.parameters()), init), norms=norms,
+                split=sorted(opt._split), params=[p.detach().clone() for p in model.parameters()])
+
+
+@pytest.mark.parametrize("partition_grad,norm_type", [(False, float("inf")), (True, float("inf")), (True, 3.0)])
+def test_clip_grad_norm_of_other_orders(pool, partition_grad, norm_type):
+    """The inf-norm is the largest of the ranks' maxima (a MAX all-reduce, not a sum), a p-norm the p-th root of
+    the summed p-th powers; clipping engages at every step and the run stays with one process."""
+    results = pool.run(_clip_norm_type, partition_grad, norm_type)
+    for r, res in enumerate(results):
+        assert res["split"] == [0], "the big param was not split: the test would prove less"
+        assert all(abs(a - b) <= 1e-12 * b and b > 0.01 for a, b in res["norms"]), (r, res["norms"])
+        assert res["err"] <= TOL[DT], f"rank {r}: relative update error {res['err']:.3g}"
+    _check_equal_across_ranks(results)
+
+
 def _clip_idle_rank(rank, world, partition_grad):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1, bias=False)).double()
@@ -939,6 +986,18 @@ def test_frozen_params_do_not_count_in_the_balance():
     opt._assign([emb] + layers)
     owners = [opt._owner[opt._gidx[id(p)]] for p in layers]
     assert sorted(owners.count(r) for r in range(4)) == [2, 2, 2, 2], owners
+
+
+@pytest.mark.parametrize("n,world", [(30000, 4), (32896, 4), (8192 * 3 + 2500, 3), (40000, 2), (70001, 8)])
+def test_split_boundaries_are_the_nearest_multiples_of_4096(n, world):
+    """Boundary r of a split param is r * n / world rounded to the nearest multiple of 4096 (not down: 30000
+    elements over 4 ranks are cut at 8192, 16384, 20480, not at 4096, 12288, 20480); every range is non-empty
+    and within 4096 elements of an even share. None of these targets is a tie."""
+    bounds = zero_module._split_bounds(n, world)
+    want = [0] + [round(r * n / world / 4096) * 4096 for r in range(1, world)] + [n]
+    assert all(abs(r * n / world / 4096 % 1 - 0.5) > 1e-6 for r in range(1, world))
+    assert list(bounds) == want, (n, world, bounds, want)
+    assert all(0 < b - a and abs(b - a - n / world) <= 4096 for a, b in zip(bounds, bounds[1:])), bounds
 
 
 # ---- state_dict ------------------------------------------------------------------------------------------
@@ -1075,7 +1134,7 @@ def test_state_dict_roundtrip(pool, name, partition_grad):
 
 
 @pytest.mark.parametrize("name,partition_grad", [("AdamW", True), ("Adafactor", False), ("AdamW8bit", True),
-                                                  ("GaLoreAdamW8bit", False)])
+                                                  ("GaLoreAdamW8bit", False), ("AdamW8bit256", False)])
 def test_state_dict_roundtrip_split(pool, name, partition_grad):
     """As above with a split param: the consolidated state cuts back into the pieces (8-bit codes and absmax
     at the ranges' block boundaries), the shard reloads on the same partition, the unwrapped optimizer's
