@@ -968,3 +968,27 @@ def test_a_param_that_sat_steps_out_steps_as_if_it_had_not(case, backend, device
     assert sa.keys() == sb.keys()
     for k in sa:
         assert torch.equal(sa[k], sb[k]), k
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_params_of_two_dtypes_in_one_group_step_as_in_groups_of_one_dtype(case, backend, device):
+    """One param group of fp32 and fp64 params (a model partly kept in fp64, or fp32 norms beside low-precision
+    matrices): each dtype is a bucket of its own, so every param steps as in a group of its dtype alone, over
+    several steps of fresh gradients (a bucket keyed without the dtype steps the fp64 params in the fp32 ones'
+    launches or arithmetic)."""
+    dtypes = [F32, F64, F64]  # the fp32 param first: a bucket of both would take its dtype
+    mixed = [p.to(dtype=d).detach().requires_grad_() for p, d in zip(make_params(device, F64), dtypes)]
+    init = [p.detach().clone() for p in mixed]
+    uniform = {d: make_params(device, d) for d in (F32, F64)}
+    opt = make(case, mixed)
+    refs = {d: make(case, ps) for d, ps in uniform.items()}
+    for t in range(5):
+        run(opt, mixed, [t])
+        for d, ps in uniform.items():
+            run(refs[d], ps, [t])
+    for i, (p, d) in enumerate(zip(mixed, dtypes)):
+        ref = uniform[d][i]
+        assert p.dtype == ref.dtype == d
+        err = rel_update_error([p], [ref], [init[i]])
+        assert err <= TOL[d], (case, i, d, err)
+        assert float(opt.state[p]["step"]) == float(refs[d].state[ref]["step"]) == 5

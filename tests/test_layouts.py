@@ -515,6 +515,60 @@ def test_dtensor_placements_match_single_process(pool, name):
     pool.run(_placements_case, name)
 
 
+AMP_CASES = ["tp_rows_uneven", "vector", "dp_x_tp_rows", "fsdp_rows_tp_cols"]
+AMP_INF_STEP = 3
+
+
+def _grad_scaler_case(rank, world, name):
+    """DTensor params stepped through torch.amp.GradScaler, which hands step() its grad_scale and found_inf
+    (`_step_supports_amp_scaling`: a DTensor's found_inf is agreed over its mesh): the grads, scaled by 2^12, are
+    unscaled in the sharded step, and the step whose grads hold an inf (every element of every grad, so on every
+    rank) changes nothing, its step counters neither; against the single process stepping the unscaled grads and
+    leaving that step out."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+    cases = [CASES[c] for c in AMP_CASES]
+    init, grads = _problem([c[0] for c in cases], seed=5)
+    ref = [p.clone() for p in init]
+    ref_opt = _make_opt(name, ref)
+    for t, gs in enumerate(grads):
+        if t == AMP_INF_STEP:
+            continue
+        for p, g in zip(ref, gs):
+            p.grad = g.clone()
+        ref_opt.step()
+    meshes, plc = {}, []
+    for _, mesh_shape, pls in cases:
+        if mesh_shape not in meshes:
+            names = ("dp", "tp") if len(mesh_shape) == 2 else ("tp",)
+            meshes[mesh_shape] = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+        plc.append((meshes[mesh_shape], [placement(s) for s in pls]))
+    params = [torch.nn.Parameter(distribute_tensor(p0.clone(), m, pl, src_data_rank=None))
+              for p0, (m, pl) in zip(init, plc)]
+    opt = _make_opt(name, params)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
+    for t, gs in enumerate(grads):
+        scale = float(scaler.scale(torch.ones(())))
+        for p, g, (m, pl) in zip(params, gs, plc):
+            g = torch.full_like(g, float("inf")) if t == AMP_INF_STEP else g * scale
+            p.grad = distribute_tensor(g, m, pl, src_data_rank=None)
+        scaler.step(opt)
+        scaler.update()
+    assert scaler.get_scale() == 2.0 ** 11  # the inf was seen: the scale halved once
+    full = [p.detach().full_tensor() for p in params]
+    num = sum((a - b).square().sum() for a, b in zip(full, ref)) ** 0.5
+    den = sum((b - c).square().sum() for b, c in zip(ref, init)) ** 0.5
+    err = float(num / den)
+    assert err <= TOL_REL, (name, err)
+    assert all(float(opt.state[p]["step"]) == STEPS - 1 for p in params), name
+    return err
+
+
+@pytest.mark.parametrize("name", ["adafactor", "lamb", "galore"])
+def test_grad_scaler_on_dtensor_params_matches_single_process(pool, name):
+    pool.run(_grad_scaler_case, name)
+
+
 @pytest.mark.parametrize("name", ["adafactor", "came", "lamb", "galore"])
 def test_param_groups_share_collectives_and_match_single_process(pool, name):
     """Params over three param groups with their own lr: their buckets' collectives are batched together
@@ -1319,11 +1373,13 @@ def _on(device, init, grads):
 def test_flat_range_with_padding_takes_the_plain_step(backend, device, name, monkeypatch):
     """A flat layout holding the whole tensor plus 3 padding elements (NaN gradients there, which would poison
     every norm if read) takes exactly the plain step, leaves the padding as it was, and reduces exactly the
-    buffers that `reduction_sizes` (the benchmark's count) says, one per phase for the whole bucket."""
+    buffers that `reduction_sizes` (the benchmark's count) says, one per phase for the whole bucket. The (13, 21)
+    matrix has 273 real elements: 8-bit states of several blocks, the last one partial (64 and CAME's 256), whose
+    scales must be cut to the blocks of the real elements, the partial one kept."""
     from fastopt.distributed import declare_shard
     from fastopt.distributed.layout import Layout
     from fastopt.reference import adafactor, came, lamb
-    shapes = [(5, 7), (3,), (2, 3, 4), (1, 9)]
+    shapes = [(5, 7), (3,), (2, 3, 4), (1, 9), (13, 21)]
     init, grads = _on(device, *_problem(shapes))
     sizes = []
     monkeypatch.setattr(Layout, "reduce", lambda self, buf: sizes.append((buf.numel(), buf.dtype)))
@@ -1558,6 +1614,50 @@ def _flat_ranges_case(rank, world, name):
             assert _rel(v, v_ref) <= TOL_STATE, (name, k, _rel(v, v_ref))
             checked += 1
     assert checked > 0
+
+
+def _state_dict_after_declaration_case(rank, world, name):
+    """ColossalAI's order: state_dict() before setup_distributed (zero state made for the pieces as whole 1-D
+    tensors), then the declaration; a state_dict saved then, before any step, holds the zero state of the
+    declared layout (factors of the global matrix, not a state of the 1-D piece), loads into a fresh declared
+    optimizer, which then steps as the single process does over several steps of fresh gradients."""
+    from fastopt.distributed import full_tensor
+    shapes = [(7, 5), (6,), (2, 3, 4)]
+    init, grads = _problem(shapes, seed=7)
+    ref = [p.clone() for p in init]
+    ref_opt = _make_opt(name, ref)
+    for gs in grads:
+        for p, g in zip(ref, gs):
+            p.grad = g.clone()
+        ref_opt.step()
+    pieces = [_flat_piece(p0, dist.group.WORLD)[0].clone().requires_grad_() for p0 in init]
+    works = {id(q): p0.clone() for q, p0 in zip(pieces, init)}
+
+    def declared(opt):
+        opt.setup_distributed(dp_group=dist.group.WORLD, shard_to_working_param=works, is_zero=True)
+        return opt
+
+    opt = _make_opt(name, pieces, shapes)
+    opt.state_dict()
+    sd = copy.deepcopy(declared(opt).state_dict())
+    opt = declared(_make_opt(name, pieces, shapes))
+    opt.load_state_dict(sd)
+    for gs in grads:
+        for p, g in zip(pieces, gs):
+            p.grad = _flat_piece(g, dist.group.WORLD)[0].clone()
+        opt.step()
+    full = [full_tensor(p, opt._layout(p)).view(s) for p, s in zip(pieces, shapes)]
+    num = sum((a - b).square().sum() for a, b in zip(full, ref)) ** 0.5
+    den = sum((b - c).square().sum() for b, c in zip(ref, init)) ** 0.5
+    err = float(num / den)
+    assert err <= TOL_REL, (name, err)
+    assert all(float(opt.state[p]["step"]) == STEPS for p in pieces), name
+    return err
+
+
+@pytest.mark.parametrize("name", ["adafactor", "came", "lamb"])
+def test_state_dict_saved_between_declaration_and_first_step_resumes(pool, name):
+    pool.run(_state_dict_after_declaration_case, name)
 
 
 @needs_interpreter
