@@ -27,6 +27,10 @@ TOL = {
 
 ALL_DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
 
+# Rows of a matrix just taller than one block of kernels/factored.py's factor kernel (256 rows interpreted, 1024
+# compiled), so that its row factors are formed and normalized over two blocks, the last one partial.
+TALL_ROWS = 260 if ops.interpreting() else 1030
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device")

@@ -5,7 +5,7 @@ import io
 
 import pytest
 import torch
-from conftest import (TOL, assert_tracks, rel_update_error, step_with_inf_at, launches_per_step,
+from conftest import (TALL_ROWS, TOL, assert_tracks, rel_update_error, step_with_inf_at, launches_per_step,
                       check_bad_group_refused, check_refuses_sparse_and_complex, check_skips_params_without_grad)
 from transformers.optimization import Adafactor as HFAdafactor
 
@@ -103,7 +103,7 @@ def test_tall_matrices_match_transformers_float64(backend, device):
     than the factor kernel's block (256 rows under the interpreter, 1024 compiled): the row factors are formed
     and normalized over several. SHAPES above all fit in one of each."""
     kw = dict(beta1=0.9, weight_decay=0.01)
-    init, grads = make_problem(shapes=[(67, 12), (2, 70, 9), (1030, 3), (5,)])
+    init, grads = make_problem(shapes=[(67, 12), (2, 70, 9), (TALL_ROWS, 3), (5,)])
     ours, opt = run(fastopt.Adafactor, init, grads, torch.float64, device, **kw)
     ref, ref_opt = run(HFAdafactor, init, grads, torch.float64, **kw)
     assert_tracks([p.detach().cpu() for p in ours], ref, init, torch.float64)

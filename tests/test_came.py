@@ -6,7 +6,7 @@ import io
 import pytest
 import torch
 from came_pytorch import CAME as RefCAME
-from conftest import (TOL, assert_tracks, rel_update_error, step_with_inf_at, launches_per_step,
+from conftest import (TALL_ROWS, TOL, assert_tracks, rel_update_error, step_with_inf_at, launches_per_step,
                       check_bad_group_refused, check_refuses_sparse_and_complex, check_skips_params_without_grad)
 
 import fastopt
@@ -84,7 +84,7 @@ def test_tall_matrices_match_came_pytorch_float64(backend, device):
     row blocks; and one taller than the factor kernel's block (256 rows under the interpreter, 1024 compiled).
     SHAPES above all fit in one of each."""
     kw = dict(lr=1e-3, weight_decay=0.01)
-    init, grads = make_problem(shapes=[(67, 12), (2, 70, 9), (1030, 3), (5,)])
+    init, grads = make_problem(shapes=[(67, 12), (2, 70, 9), (TALL_ROWS, 3), (5,)])
     ours, opt = run(fastopt.CAME, init, grads, torch.float64, device, **kw)
     ref, ref_opt = run(RefCAME, init, grads, torch.float64, **kw)
     assert_tracks([p.cpu() for p in ours], ref, init, torch.float64)
