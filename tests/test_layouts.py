@@ -460,9 +460,21 @@ def _problem(shapes, seed=0):
     return init, grads
 
 
+def _meshes_and_placements(cases) -> list:
+    """(device mesh, placements) of each (shape, mesh shape, placement specs) case: one mesh per mesh shape,
+    ("dp", "tp") or ("tp",)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    meshes, plc = {}, []
+    for _, mesh_shape, pls in cases:
+        if mesh_shape not in meshes:
+            names = ("dp", "tp") if len(mesh_shape) == 2 else ("tp",)
+            meshes[mesh_shape] = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+        plc.append((meshes[mesh_shape], [placement(s) for s in pls]))
+    return plc
+
+
 def _placements_case(rank, world, name, groups=1):
     """`groups`: the params split over that many param groups (`_make_split`), the single process alike."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import distribute_tensor
     shapes = [c[0] for c in CASES.values()]
     init, grads = _problem(shapes)
@@ -472,12 +484,7 @@ def _placements_case(rank, world, name, groups=1):
         for p, g in zip(ref, gs):
             p.grad = g.clone()
         ref_opt.step()
-    meshes, plc = {}, []
-    for _, mesh_shape, pls in CASES.values():
-        if mesh_shape not in meshes:
-            names = ("dp", "tp") if len(mesh_shape) == 2 else ("tp",)
-            meshes[mesh_shape] = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
-        plc.append((meshes[mesh_shape], [placement(s) for s in pls]))
+    plc = _meshes_and_placements(CASES.values())
     params = [torch.nn.Parameter(distribute_tensor(p0.clone(), m, pl, src_data_rank=None))
               for p0, (m, pl) in zip(init, plc)]
     opt = _make_split(name, params, groups)
@@ -525,7 +532,6 @@ def _grad_scaler_case(rank, world, name):
     unscaled in the sharded step, and the step whose grads hold an inf (every element of every grad, so on every
     rank) changes nothing, its step counters neither; against the single process stepping the unscaled grads and
     leaving that step out."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import distribute_tensor
     cases = [CASES[c] for c in AMP_CASES]
     init, grads = _problem([c[0] for c in cases], seed=5)
@@ -537,12 +543,7 @@ def _grad_scaler_case(rank, world, name):
         for p, g in zip(ref, gs):
             p.grad = g.clone()
         ref_opt.step()
-    meshes, plc = {}, []
-    for _, mesh_shape, pls in cases:
-        if mesh_shape not in meshes:
-            names = ("dp", "tp") if len(mesh_shape) == 2 else ("tp",)
-            meshes[mesh_shape] = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
-        plc.append((meshes[mesh_shape], [placement(s) for s in pls]))
+    plc = _meshes_and_placements(cases)
     params = [torch.nn.Parameter(distribute_tensor(p0.clone(), m, pl, src_data_rank=None))
               for p0, (m, pl) in zip(init, plc)]
     opt = _make_opt(name, params)
