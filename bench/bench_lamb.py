@@ -22,7 +22,8 @@ Bytes per step for a param of N elements of s bytes, with fp32 m and v (a = 4 by
   known, so a kernel that cannot keep the whole parameter on chip reads it twice. Storing a instead
   (write a, read a) moves the same bytes as re-reading m and v. With fp32 params that caps % copy at
   (3*4 + 4*4) / (4*4 + 6*4) = 70% of what the kernels actually achieve (`kernel_gbps`).
-- nbits=8 (m and v as 1-byte codes plus one fp32 absmax per block of B): the algorithm moves 3 s N + 4 N
+- nbits=8 (m and v as 1-byte codes plus one fp32 absmax per block of B, for params of min_8bit_size elements
+  or more; smaller ones keep fp32 m and v and take the 32-bit kernels): the algorithm moves 3 s N + 4 N
   (+ 16 N / B for the absmax); fastopt's 8-bit kernels read g and p in both passes (pass 1 stores nothing,
   so that pass 3 can rebuild the exact m_t, v_t) and the codes twice: 5 s N + 6 N (+ 24 N / B), plus the
   partial sums.
@@ -54,13 +55,20 @@ def min_bytes(pset, dtype) -> int:
     return common.min_bytes(pset, dtype, reads=2, writes=1, state_elem=4.0 * _state_bytes(dtype))
 
 
-def min_bytes8(pset, dtype, block_size=256) -> int:
-    return int(common.min_bytes(pset, dtype, reads=2, writes=1, state_elem=4.0 + 16.0 / block_size))
+def min_bytes8(pset, dtype, block_size=256, min_8bit_size=4096) -> int:
+    """nbits=8: codes and block absmax for params of min_8bit_size elements or more; the smaller ones keep
+    full-precision m and v, as fastopt.Lamb(nbits=8) does (the 1b set's norm weights)."""
+    s, total = common.elem_bytes(dtype), 0
+    for _, shape in pset.shapes:
+        n = math.prod(shape)
+        state = 4 * n + 16 * math.ceil(n / block_size) if n >= min_8bit_size else 4 * _state_bytes(dtype) * n
+        total += 3 * s * n + state
+    return int(total)
 
 
-def kernel_bytes(pset, dtype, nbits=32, block_size=256) -> int | None:
-    """Bytes fastopt's Triton kernels move for one step over `pset` (see the module docstring); nbits=8
-    assumes every param is above min_8bit_size."""
+def kernel_bytes(pset, dtype, nbits=32, block_size=256, min_8bit_size=4096) -> int | None:
+    """Bytes fastopt's Triton kernels move for one step over `pset` (see the module docstring); with nbits=8,
+    params under min_8bit_size take the 32-bit kernels."""
     try:
         from fastopt.kernels.lamb import BLOCK, TILE8
     except ImportError:  # no Triton: no kernels to count
@@ -69,7 +77,7 @@ def kernel_bytes(pset, dtype, nbits=32, block_size=256) -> int | None:
     total = 0
     for _, shape in pset.shapes:
         n = math.prod(shape)
-        if nbits == 8:
+        if nbits == 8 and n >= min_8bit_size:
             progs = math.ceil(n / max(TILE8, block_size))
             total += (5 * s + 6) * n + 24 * math.ceil(n / block_size) + 2 * 2 * a * progs
         else:

@@ -5,6 +5,7 @@ import importlib
 import json
 import math
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -193,6 +194,49 @@ def test_byte_counts(suite):
     assert galore._bytes(ps, torch.float32, 2, nbits=8, block_size=8, min_8bit=20) == (mb8, mb8 + rn)
 
 
+def test_byte_counts_of_came_lamb_adamw8bit_and_galore_8bit(suite):
+    """The other benches' minimal bytes, counted here from the shapes and dtypes (g, p read and p written in the
+    param dtype; states read and written; 8-bit codes 1 byte, one fp32 absmax per block), element-count
+    boundaries (min_8bit_size) included."""
+    run, common, _ = suite
+    came, lamb, a8, galore = (importlib.import_module(f"{run.__package__}.bench_{s}")
+                              for s in ("came", "lamb", "adamw8bit", "galore"))
+    # CAME, w 16 x 32 (512), b (256,): momentum r+w (fp32 8 B, 8-bit 2 B + 2 absmax of 4 B per 256); w's two
+    # row/column pairs r+w 2 x 2 x 4 x (16 + 32); b's full second moment r+w 8 B
+    ps = common.ParamSet("c", "c", (("w", (16, 32)), ("b", (256,))))
+    assert came.min_bytes(ps, torch.float32) == (12 * 512 + 8 * 512 + 768) + (12 * 256 + 8 * 256 + 8 * 256)
+    assert came.min_bytes(ps, torch.bfloat16) == (6 * 512 + 8 * 512 + 768) + (6 * 256 + 8 * 256 + 8 * 256)
+    assert came.min_bytes(ps, torch.float32, 8) == (12 * 512 + 2 * 512 + 2 * 4 * 2 + 768) + \
+        (12 * 256 + 2 * 256 + 2 * 4 + 8 * 256)
+    # Lamb, 4096 + 8192 elements (all 8-bit with nbits=8): fp32 m, v r+w 16 B whatever the param dtype;
+    # 8-bit: codes r+w 4 B, absmax of m and v r+w per 256 elements 16 B (48 blocks)
+    ps = common.ParamSet("l", "l", (("w", (64, 64)), ("u", (16, 512))))
+    assert lamb.min_bytes(ps, torch.float32) == 28 * 12288 and lamb.min_bytes(ps, torch.bfloat16) == 22 * 12288
+    assert lamb.min_bytes8(ps, torch.float32) == 16 * 12288 + 16 * 48
+    assert lamb.min_bytes8(ps, torch.bfloat16) == 10 * 12288 + 16 * 48
+    # ... and a norm weight of 100 elements, under min_8bit_size: fp32 m, v r+w (16 B) beside its 8-bit peers,
+    # which the 8-bit row's kernels step with the 32-bit ones
+    small = common.ParamSet("n", "n", (("norm", (100,)),))
+    with_small = common.ParamSet("ln", "ln", ps.shapes + small.shapes)
+    assert lamb.min_bytes8(with_small, torch.float32) == 16 * 12288 + 16 * 48 + (12 + 16) * 100
+    assert lamb.min_bytes8(with_small, torch.bfloat16) == 10 * 12288 + 16 * 48 + (6 + 16) * 100
+    if lamb.kernel_bytes(ps, torch.float32) is not None:  # Triton installed
+        assert lamb.kernel_bytes(with_small, torch.float32, nbits=8) == \
+            lamb.kernel_bytes(ps, torch.float32, nbits=8) + lamb.kernel_bytes(small, torch.float32)
+    # AdamW8bit, w 64 x 64: exactly min_8bit_size, 8-bit (codes 4 B, 16 blocks x 16 B); b (100,): fp32 m, v
+    # (16 B). torch's AdamW: m, v in the param dtype (4 s). Quantize: s in, 1 out, 4 per block.
+    ps = common.ParamSet("a", "a", (("w", (64, 64)), ("b", (100,))))
+    assert a8.min_bytes_8bit(ps, torch.float32) == (12 + 4) * 4096 + 16 * 16 + (12 + 16) * 100
+    assert a8.min_bytes_8bit(ps, torch.bfloat16) == (6 + 4) * 4096 + 16 * 16 + (6 + 16) * 100
+    assert a8.min_bytes_32bit(ps, torch.float32) == 28 * 4196 and a8.min_bytes_32bit(ps, torch.bfloat16) == 14 * 4196
+    assert a8.quant_bytes(ps, torch.bfloat16) == 3 * 4196 + 4 * (16 + 1)
+    # GaLore 8-bit at the min_8bit_size boundary (16, blocks of 4): q_proj's 16 projected elements and the
+    # norm's 16 both 8-bit (codes r+w 4 B, 4 blocks x 16 B); basis 4 x 2 x 4
+    ps = common.ParamSet("g", "g", (("layers.0.q_proj", (8, 4)), ("norm", (16,))))
+    mb = (12 * 32 + 32 + 4 * 16 + 16 * 4) + (12 * 16 + 4 * 16 + 16 * 4)
+    assert galore._bytes(ps, torch.float32, 2, nbits=8, block_size=4, min_8bit=16) == (mb, mb + 16 * 16)
+
+
 def test_failing_competitors_are_recorded(suite, tmp_path):
     _, common, _ = suite
     args = common.finish_args(common.parser().parse_args(TINY + ["--out", str(tmp_path)]))
@@ -221,6 +265,26 @@ def test_failing_competitors_are_recorded(suite, tmp_path):
 def test_bench_dir_override(monkeypatch, tmp_path):
     monkeypatch.setenv("FASTOPT_BENCH_DIR", str(tmp_path))  # not a bench folder: falls back to the repo's
     assert (fbench.bench_dir() / "run.py").is_file()
+
+
+def test_load_suite_loads_the_folder_it_is_given(tmp_path):
+    """`load_suite(path)` loads run.py from `path`, not the suite an earlier call cached from another folder."""
+    import shutil
+    import sys
+    first = fbench.load_suite()
+    other = tmp_path / "bench"
+    other.mkdir()
+    for f in fbench.bench_dir().glob("*.py"):
+        shutil.copy(f, other / f.name)
+    mine = [fbench._PKG, fbench._PKG + "."]
+    saved = {k: v for k, v in sys.modules.items() if k == mine[0] or k.startswith(mine[1])}
+    try:
+        assert Path(fbench.load_suite(other).__file__).resolve() == (other / "run.py").resolve()
+    finally:  # the modules other tests' fixtures hold come back
+        for k in [k for k in sys.modules if k == mine[0] or k.startswith(mine[1])]:
+            del sys.modules[k]
+        sys.modules.update(saved)
+    assert fbench.load_suite() is first
 
 
 def test_layouts_bench_counts_collectives_and_bytes(tmp_path, monkeypatch):
@@ -514,6 +578,95 @@ def test_targets_judge_each_issue_target(suite):
     assert got[("speed", "adafactor", "fastopt.Adafactor")]["met"] is None
     md = "\n".join(common.targets_table(common.targets(rows), cpu_numbers=False))
     assert "6 of 13 met (3 did not run)" in md and "| **no** |" in md
+
+
+def test_speedup_is_the_fastest_other_ok_rows_median_over_ours(suite):
+    """`add_speedups`: the fastest other implementation that ran, in the same (bench, set, dtype); our other
+    rows, failed rows and other cases are not baselines."""
+    _, common, _ = suite
+
+    def row(impl, ms, ours=False, status="ok", **kw):
+        return dict(dict(bench="x", set="7b", dtype="fp32"), impl=impl, ms_median=ms, ours=ours, status=status, **kw)
+
+    rows = [row("ours", 2.0, ours=True), row("slow", 8.0), row("fast", 3.0), row("broken", None, status="error"),
+            row("ours too", 0.5, ours=True), row("other dtype", 1.0, dtype="bf16"), row("other set", 1.0, set="1b"),
+            row("other bench", 1.0, bench="y")]
+    common.add_speedups(rows)
+    assert (rows[0]["speedup"], rows[0]["baseline"]) == (pytest.approx(3.0 / 2.0), "fast")
+    assert (rows[4]["speedup"], rows[4]["baseline"]) == (pytest.approx(3.0 / 0.5), "fast")
+    assert not any("speedup" in r for r in rows[1:4] + rows[5:])
+
+
+def test_cuda_timing_returns_p20_median_p80(suite, monkeypatch):
+    """On CUDA `time_fn` asks do_bench for its quantiles (faked here) and returns them as [p20, p50, p80]."""
+    _, common, _ = suite
+    testing = pytest.importorskip("triton.testing")
+    asked = []
+
+    def do_bench(fn, warmup, rep, quantiles):
+        asked.append(list(quantiles))
+        return [10.0 * q for q in quantiles]
+
+    monkeypatch.setattr(testing, "do_bench", do_bench)
+    monkeypatch.setattr(common, "_sync", lambda device: None)
+    q, _ = common.time_fn(lambda: None, torch.device("cuda"), 1.0, 5.0)
+    assert q == pytest.approx([2.0, 5.0, 8.0]) and asked == [[0.2, 0.5, 0.8]]
+
+
+def test_machine_info_names_the_checked_out_commit(suite):
+    import subprocess
+    _, common, _ = suite
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=common.REPO_DIR, capture_output=True, text=True,
+                          check=True).stdout.strip()
+    m = common.machine_info(common.finish_args(common.parser().parse_args(["--device", "cpu"])))
+    assert m["commit"] == head and f"commit {head[:12]}" in common.machine_line(m)
+
+
+def test_state_bytes_count_each_state_tensor_once_at_its_element_size(suite):
+    _, common, _ = suite
+    shared = torch.zeros(10, dtype=torch.float32)
+
+    class Opt:
+        state = {0: {"step": 3, "codes": torch.zeros(100, dtype=torch.uint8), "absmax": shared},
+                 1: {"exp_avg": torch.zeros(7, dtype=torch.bfloat16), "absmax": shared}}
+    assert common.state_bytes(Opt) == 100 * 1 + 10 * 4 + 7 * 2
+
+
+def test_benches_time_the_implementations_their_rows_name(suite, monkeypatch):
+    """Each row's label names what it times (the speed targets pick baselines by label), with its own bytes."""
+    run, common, _ = suite
+    came, lamb, a8 = (importlib.import_module(f"{run.__package__}.bench_{s}") for s in ("came", "lamb", "adamw8bit"))
+    import fastopt
+    calls = {}
+
+    def measure(args, bench, impl, pset, dtype, make_opt, *, min_bytes, **kw):
+        calls[bench, impl] = (make_opt, min_bytes, pset, dtype)
+        return {}
+
+    monkeypatch.setattr(common, "measure", measure)
+    args = common.finish_args(common.parser().parse_args(TINY + ["--sets", "1b", "--dtypes", "bf16"]))
+    for mod in (came, lamb, a8):
+        mod.run(args)
+
+    def built(bench, impl):
+        return calls[bench, impl][0]([torch.nn.Parameter(torch.zeros(4, 4))])
+
+    def mb(bench, impl):
+        return calls[bench, impl][1]
+    ps, dt = calls["came", "fastopt.CAME"][2:]
+    assert type(built("adamw8bit", "fastopt.AdamW8bit")) is fastopt.AdamW8bit
+    fused, foreach = built("adamw8bit", "torch.optim.AdamW(fused)"), built("adamw8bit", "torch.optim.AdamW(foreach)")
+    assert type(fused) is type(foreach) is torch.optim.AdamW
+    assert fused.defaults["fused"] is True and not fused.defaults["foreach"] and foreach.defaults["foreach"] is True
+    assert mb("adamw8bit", "fastopt.AdamW8bit") == a8.min_bytes_8bit(ps, dt)
+    assert mb("adamw8bit", "torch.optim.AdamW(fused)") == mb("adamw8bit", "torch.optim.AdamW(foreach)") == \
+        a8.min_bytes_32bit(ps, dt)
+    assert type(built("lamb", "eager LAMB (per-param loop)")) is lamb.EagerLamb
+    assert type(built("lamb", "foreach LAMB (torch._foreach_*)")) is lamb.ForeachLamb
+    for impl, bits, count in (("fastopt.Lamb", 32, lamb.min_bytes), ("fastopt.Lamb(nbits=8)", 8, lamb.min_bytes8)):
+        assert built("lamb", impl).defaults["nbits"] == bits and mb("lamb", impl) == count(ps, dt)
+    for impl, bits in (("fastopt.CAME", 32), ("fastopt.CAME(nbits=8)", 8)):
+        assert built("came", impl).defaults["nbits"] == bits and mb("came", impl) == came.min_bytes(ps, dt, bits)
 
 
 def test_galore_refresh_bench_runs_last_with_its_few_steps(suite, tmp_path, monkeypatch):
