@@ -616,8 +616,10 @@ def test_cuda_timing_returns_p20_median_p80(suite, monkeypatch):
 def test_machine_info_names_the_checked_out_commit(suite):
     import subprocess
     _, common, _ = suite
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=common.REPO_DIR, capture_output=True, text=True,
-                          check=True).stdout.strip()
+    got = subprocess.run(["git", "rev-parse", "HEAD"], cwd=common.REPO_DIR, capture_output=True, text=True)
+    if got.returncode != 0:
+        pytest.skip("not a git checkout (the lent GPU gets the working tree without .git)")
+    head = got.stdout.strip()
     m = common.machine_info(common.finish_args(common.parser().parse_args(["--device", "cpu"])))
     assert m["commit"] == head and f"commit {head[:12]}" in common.machine_line(m)
 
