@@ -398,6 +398,38 @@ def test_grad_scaler_and_skipped_overflow(backend, device, nbits, inf_step):
                 assert torch.equal(ours[k].double(), galore_state(ref_opt, q, key))
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter on the inf step
+def test_grad_scaler_verdicts_are_resolved_once_per_step_before_its_buckets(backend, device, monkeypatch):
+    """Under GradScaler the host learns whether a step was skipped from a copy of found_inf, which the next
+    step reads (after a CUDA event). With two projected groups (two buckets), that read happens once, at the
+    start of the next step, for both: a read per bucket would make a step's second bucket wait on the first
+    one's copy of the same step, a host sync inside the step. The refresh schedule still skips the bad step:
+    galore-torch's without it, two groups of their own gaps."""
+    init, grads = make_problem(MATS + PLAIN)
+    inf_step = 3
+    kept = grads[:inf_step] + grads[inf_step + 1:]
+    params = [p.to(device=device, dtype=torch.float32, copy=True).requires_grad_() for p in init]
+    groups = [{"params": params[:1], **GROUP}, {"params": params[1:len(MATS)], **GROUP, "update_proj_gap": 2},
+              {"params": params[len(MATS):]}]
+    opt = fastopt.GaLoreAdamW(groups, lr=LR, weight_decay=WD)
+    resolved, real = [], opt._resolve_pending
+    monkeypatch.setattr(opt, "_resolve_pending", lambda: resolved.append(len(opt._pending)) or real())
+    step_with_inf_at(opt, params, grads, inf_step, device)
+    assert resolved == [0] + [2] * (len(grads) - 1), resolved  # each step: the step before's two buckets
+    assert all(float(s["step"]) == len(grads) - 1 for s in opt.state.values())
+    # the refreshes: group 0 at its (kept) steps 1, 4, 7 and group 1 at 1, 3, 5, 7, as galore-torch without it
+    ref_params = [p.clone().requires_grad_() for p in init]
+    ref_opt = fastopt.GaLoreAdamW([{"params": ref_params[:1], **GROUP},
+                                   {"params": ref_params[1:len(MATS)], **GROUP, "update_proj_gap": 2},
+                                   {"params": ref_params[len(MATS):]}], lr=LR, weight_decay=WD)
+    monkeypatch.setenv("FASTOPT_BACKEND", "torch")
+    step(ref_opt, ref_params, kept)
+    for p, q in zip(params[:len(MATS)], ref_params[:len(MATS)]):
+        for k, v in ref_opt.state[q].items():
+            if k.startswith("proj"):
+                assert torch.allclose(opt.state[p][k].cpu().double(), v, rtol=1e-4, atol=1e-5), k
+
+
 # ---- groups, inputs -------------------------------------------------------------------------------------
 def test_get_galore_param_groups():
     torch.manual_seed(0)

@@ -182,7 +182,11 @@ class GaLoreAdamW(FastOptimizer):
             self._check_projected(group, f"param_groups[{gi}]")
 
     def _check_grads(self) -> None:
-        """The base class's checks, then (`_check_refresh_grads`) the gradients the SVDs of this step will read."""
+        """The base class's checks, then (`_check_refresh_grads`) the gradients the SVDs of this step will read.
+        First, once per step, the earlier steps' GradScaler verdicts (`_resolve_pending`): resolved per bucket,
+        a step's second projected bucket would wait on the event of its first one's found_inf copy, a host sync
+        inside the step."""
+        self._resolve_pending()
         super()._check_grads()
         self._check_refresh_grads()
 
@@ -194,7 +198,6 @@ class GaLoreAdamW(FastOptimizer):
         buckets ran): a rank's own piece cannot tell the others without a collective."""
         if getattr(self, "found_inf", None) is not None:
             return
-        self._resolve_pending()
         due, states, mirror = [], self.state, self._host_steps
         for gi, group in enumerate(self.param_groups):
             if "rank" not in group:
@@ -325,7 +328,6 @@ class GaLoreAdamW(FastOptimizer):
         return e
 
     def _refresh_flags(self, states: list[dict], gap: int, found_inf: Tensor | None) -> list[bool]:
-        self._resolve_pending()
         entries = [self._host_step(s, found_inf) for s in states]
         for e in entries:
             e[1] += 1  # provisional: undone by _resolve_pending if GradScaler skips this step
