@@ -403,8 +403,8 @@ def test_grad_scaler_verdicts_are_resolved_once_per_step_before_its_buckets(back
     """Under GradScaler the host learns whether a step was skipped from a copy of found_inf, which the next
     step reads (after a CUDA event). With two projected groups (two buckets), that read happens once, at the
     start of the next step, for both: a read per bucket would make a step's second bucket wait on the first
-    one's copy of the same step, a host sync inside the step. The refresh schedule still skips the bad step:
-    galore-torch's without it, two groups of their own gaps."""
+    one's copy of the same step, a host sync inside the step. The refresh schedule still skips the bad step: the
+    bases are those of the same groups (their own gaps) stepped without it."""
     init, grads = make_problem(MATS + PLAIN)
     inf_step = 3
     kept = grads[:inf_step] + grads[inf_step + 1:]
