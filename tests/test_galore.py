@@ -1215,3 +1215,210 @@ def test_failed_svd_raises_on_every_rank(pool):
     msgs = pool.run(_svd_failure)
     assert all("rank(s) [1]" in m for m in msgs), msgs
     assert "converge" in msgs[1] or "non-finite" in msgs[1], msgs[1]
+
+
+DIST_INF_STEP = 3  # t = 4: a refresh step (GAP = 3)
+
+
+def _dtensor_skipped_refresh(rank, world, backend, init, grads):
+    """Child: the DIST_CASES params as DTensors stepped through torch.amp.GradScaler (grads scaled by 2^12), every
+    element of every gradient inf at step DIST_INF_STEP; returns the whole params and states after each step."""
+    import os
+
+    from dist_utils import placement
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    meshes = {(4,): init_device_mesh("cpu", (4,), mesh_dim_names=("tp",)),
+              (2, 2): init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))}
+    plc = [(meshes[m], [placement(s) for s in pls]) for _, m, pls in DIST_CASES]
+    os.environ["FASTOPT_BACKEND"] = backend
+    history = []
+    try:
+        params = [torch.nn.Parameter(distribute_tensor(x.clone(), m, pl, src_data_rank=None))
+                  for x, (m, pl) in zip(init, plc)]
+        opt = fastopt.GaLoreAdamW([{"params": params[:DIST_PROJ], **GROUP}, {"params": params[DIST_PROJ:]}],
+                                  lr=LR, weight_decay=WD)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
+        for t, step_grads in enumerate(grads):
+            scale = float(scaler.scale(torch.ones(())))
+            for p, g, (m, pl) in zip(params, step_grads, plc):
+                g = torch.full_like(g, float("inf")) if t == DIST_INF_STEP else g * scale
+                p.grad = distribute_tensor(g, m, pl, src_data_rank=None)
+            scaler.step(opt)
+            scaler.update()
+            # copies: the full_tensor() of a replicated DTensor may be its local tensor, which later steps change
+            history.append(([p.detach().full_tensor().clone() for p in params],
+                            [{k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone()
+                              for k, v in opt.state[p].items()} for p in params]))
+    finally:
+        os.environ["FASTOPT_BACKEND"] = "torch"
+    return history
+
+
+@pytest.mark.dist
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter on the inf step
+def test_grad_scaler_skipped_refresh_leaves_sharded_bases_unchanged(pool):
+    """4 gloo ranks, the DIST_CASES params as DTensors under GradScaler, an all-inf gradient on a refresh step
+    (t = 4): that step changes nothing, the bases included (their SVD, of the zeroed gradient, is discarded on
+    every rank that shares it), and after every step params and states are those of one process in float64 that
+    never saw the bad step (its refresh comes at the next step instead). The bases are checked right after the
+    skipped step: the refresh of the next step would write over bases the skipped step changed."""
+    from fastopt import ops
+    backends = ["torch"] + (["triton"] if ops.triton_available() and ops.interpreting() else [])
+    init, grads = make_problem([c[0] for c in DIST_CASES], steps=DIST_STEPS, seed=3)
+    ref = [x.clone().requires_grad_() for x in init]
+    ref_opt = fastopt.GaLoreAdamW([{"params": ref[:DIST_PROJ], **GROUP}, {"params": ref[DIST_PROJ:]}], lr=LR,
+                                  weight_decay=WD)
+    want = []  # after each step of ours: the single process after the same good steps
+    for t, step_grads in enumerate(grads):
+        if t != DIST_INF_STEP:
+            step(ref_opt, ref, [step_grads])
+        want.append(([p.detach().clone() for p in ref],
+                     [{k: v.clone() for k, v in ref_opt.state[p].items()} for p in ref]))
+    for backend in backends:
+        for r, history in enumerate(pool.run(_dtensor_skipped_refresh, backend, init, grads)):
+            for t, ((full, states), (ref_full, ref_states)) in enumerate(zip(history, want)):
+                if t == DIST_INF_STEP:  # bit for bit what the step before left
+                    before_full, before_states = history[t - 1]
+                    assert all(torch.equal(a, b) for a, b in zip(full, before_full)), (backend, r, t)
+                    for i, (s, s0) in enumerate(zip(states, before_states)):
+                        changed = [k for k in s0 if not torch.equal(s[k], s0[k])]
+                        assert not changed, (backend, r, t, i, changed)
+                for i, (a, b, x) in enumerate(zip(full, ref_full, init)):
+                    err = rel_update_error([a], [b], [x])
+                    assert err <= TOL[torch.float64], (backend, r, t, i, err)
+                    for k, v in ref_states[i].items():
+                        if k.startswith("proj"):  # the same fp32 SVD of the same (unscaled) gradient
+                            assert torch.equal(states[i][k], v), (backend, r, t, i, k)
+                        elif k != "step":
+                            e = ((states[i][k] - v).norm() / v.norm()).item()
+                            assert e <= TOL[torch.float64], (backend, r, t, i, k, e)
+                        else:
+                            assert float(states[i][k]) == float(v), (backend, r, t, i, float(states[i][k]), float(v))
+
+
+STRIDED = [(22, 6), (20, 24)]  # a tall (projected on the right) and a wide (on the left) matrix; uneven cuts
+
+
+def _strided_galore(rank, world, backend, init, grads, proj_type):
+    """Child: the STRIDED matrices as DTensors _StridedShard(0, split_factor=2) on a 1-D mesh of the 4 ranks (FSDP2's
+    cut of a TP piece, alone: each rank holds two runs of rows, not one); returns the whole params and states."""
+    import os
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from fastopt.distributed import layout_of
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    pl = [_StridedShard(0, split_factor=2)]
+    os.environ["FASTOPT_BACKEND"] = backend
+    try:
+        params = [torch.nn.Parameter(distribute_tensor(x.clone(), mesh, pl, src_data_rank=None)) for x in init]
+        opt = fastopt.GaLoreAdamW([{"params": params, "proj_type": proj_type, **GROUP}], lr=LR, weight_decay=WD)
+        for step_grads in grads:
+            for p, g in zip(params, step_grads):
+                p.grad = distribute_tensor(g.clone(), mesh, pl, src_data_rank=None)
+            opt.step()
+    finally:
+        os.environ["FASTOPT_BACKEND"] = "torch"
+    held = [layout_of(p).dim_index(0, "cpu").tolist() for p in params]  # the global rows of each local piece
+    return ([p.detach().full_tensor() for p in params],
+            [{k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone() for k, v in opt.state[p].items()}
+             for p in params], held)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("proj_type", ["std", "full"])
+def test_strided_shard_rows_in_two_runs_match_single_process(pool, proj_type):
+    """4 gloo ranks, _StridedShard(0, split_factor=2) alone: every rank's piece is two runs of rows, so its
+    rectangle's rows are not a slice (Rect.spans is None) and its part of R, and its rows of P, go through the
+    gathered and scattered indices (Rect.pick / Rect.place) instead of views. Params and states against
+    galore-torch in one process, in float64, over 8 steps with refreshes at 1, 4 and 7."""
+    from fastopt import ops
+    backends = ["torch"] + (["triton"] if ops.triton_available() and ops.interpreting() else [])
+    init, grads = make_problem(STRIDED, steps=DIST_STEPS, seed=4)
+    ref, ref_opt, plist = galore_torch_run(init, grads, proj_type, len(STRIDED))
+    for backend in backends:
+        for r, (full, states, held) in enumerate(pool.run(_strided_galore, backend, init, grads, proj_type)):
+            assert all(rows != list(range(rows[0], rows[0] + len(rows))) for rows in held), (r, held)  # two runs
+            for i, (a, b, x) in enumerate(zip(full, ref, init)):
+                err = rel_update_error([a], [b], [x])
+                assert err <= TOL[torch.float64], (backend, r, i, err)
+                for key, v in states[i].items():
+                    if key == "step":
+                        continue
+                    w = galore_state(ref_opt, plist[i], key)
+                    if key.startswith("proj"):  # the same fp32 SVD of the whole gradient
+                        assert torch.equal(v, w), (backend, r, i, key)
+                    else:
+                        e = ((v - w).norm() / w.norm()).item()
+                        assert e <= TOL[torch.float64], (backend, r, i, key, e)
+
+
+MIXED = [(9, 5), (5, 7), (7, 10), (6, 9)]  # DTensors (even index) and flat ranges declared by hand (odd), interleaved
+
+
+def _mixed_bucket(rank, world, backend, init, grads):
+    """Child: one bucket over the world group of two kinds, listed alternately: DTensors [Shard(0), Shard(1)] on a
+    2 x 2 mesh (sharded moments: R reduce-scattered, N all-gathered) and flat ranges declared over the world (whole
+    moments: R all-reduced), each flat range cut mid-row, the last one padded; returns the whole params and states."""
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from fastopt.distributed import declare_shard, full_tensor, layout_of
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+
+    def piece(x, i):
+        if i % 2 == 0:
+            return distribute_tensor(x.clone(), mesh, [Shard(0), Shard(1)], src_data_rank=None)
+        chunk = -(-x.numel() // world)  # ZeRO's equal ranges, zero padding at the tail
+        flat = torch.cat([x.reshape(-1), x.new_zeros(chunk * world - x.numel())])
+        return flat[rank * chunk:(rank + 1) * chunk].clone()
+
+    os.environ["FASTOPT_BACKEND"] = backend
+    try:
+        params = [torch.nn.Parameter(piece(x, i)) if i % 2 == 0 else
+                  declare_shard(torch.nn.Parameter(piece(x, i)), x.shape, dist.group.WORLD,
+                                flat_offset=rank * piece(x, i).numel()) for i, x in enumerate(init)]
+        opt = fastopt.GaLoreAdamW([{"params": params, **GROUP}], lr=LR, weight_decay=WD)
+        for step_grads in grads:
+            for i, (p, g) in enumerate(zip(params, step_grads)):
+                p.grad = piece(g, i)
+            opt.step()
+    finally:
+        os.environ["FASTOPT_BACKEND"] = "torch"
+    full = [p.detach().full_tensor() if i % 2 == 0 else full_tensor(p.detach(), layout_of(p)).view(x.shape)
+            for i, (p, x) in enumerate(zip(params, init))]
+    return full, [{k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone() for k, v in opt.state[p].items()}
+                  for p in params]
+
+
+@pytest.mark.dist
+def test_dtensors_and_flat_ranges_in_one_bucket_match_single_process(pool):
+    """4 gloo ranks, one bucket whose projected params have sharded moments (DTensors) and whole ones (declared
+    flat ranges), the DTensors listed first: the flat ranges' R, a prefix of the bucket's buffer, is all-reduced and
+    the DTensors' reduce-scattered (BucketPlan orders them so); params and states against galore-torch in one
+    process, in float64, over 8 steps with refreshes at 1, 4 and 7."""
+    from fastopt import ops
+    backends = ["torch"] + (["triton"] if ops.triton_available() and ops.interpreting() else [])
+    init, grads = make_problem(MIXED, steps=DIST_STEPS, seed=6)
+    ref, ref_opt, plist = galore_torch_run(init, grads, "std", len(MIXED))
+    for backend in backends:
+        for r, (full, states) in enumerate(pool.run(_mixed_bucket, backend, init, grads)):
+            for i, (a, b, x) in enumerate(zip(full, ref, init)):
+                err = rel_update_error([a], [b], [x])
+                assert err <= TOL[torch.float64], (backend, r, i, err)
+                for key, v in states[i].items():
+                    if key == "step":
+                        continue
+                    w = galore_state(ref_opt, plist[i], key)
+                    if key.startswith("proj"):  # the same fp32 SVD of the whole gradient
+                        assert torch.equal(v, w), (backend, r, i, key)
+                    else:
+                        e = ((v - w).norm() / w.norm()).item()
+                        assert e <= TOL[torch.float64], (backend, r, i, key, e)
