@@ -1298,6 +1298,23 @@ def test_grad_scaler_skipped_refresh_leaves_sharded_bases_unchanged(pool):
                             assert float(states[i][k]) == float(v), (backend, r, t, i, float(states[i][k]), float(v))
 
 
+def _assert_as_galore_torch(full, states, init, ref, ref_opt, plist, where) -> None:
+    """One rank's whole params and states against galore-torch's single process (`galore_torch_run`): params
+    within TOL of the update, bases equal (the same fp32 SVD of the whole gradient), moments within TOL."""
+    for i, (a, b, x) in enumerate(zip(full, ref, init)):
+        err = rel_update_error([a], [b], [x])
+        assert err <= TOL[torch.float64], (*where, i, err)
+        for key, v in states[i].items():
+            if key == "step":
+                continue
+            w = galore_state(ref_opt, plist[i], key)
+            if key.startswith("proj"):
+                assert torch.equal(v, w), (*where, i, key)
+            else:
+                e = ((v - w).norm() / w.norm()).item()
+                assert e <= TOL[torch.float64], (*where, i, key, e)
+
+
 STRIDED = [(22, 6), (20, 24)]  # a tall (projected on the right) and a wide (on the left) matrix; uneven cuts
 
 
@@ -1343,18 +1360,7 @@ def test_strided_shard_rows_in_two_runs_match_single_process(pool, proj_type):
     for backend in backends:
         for r, (full, states, held) in enumerate(pool.run(_strided_galore, backend, init, grads, proj_type)):
             assert all(rows != list(range(rows[0], rows[0] + len(rows))) for rows in held), (r, held)  # two runs
-            for i, (a, b, x) in enumerate(zip(full, ref, init)):
-                err = rel_update_error([a], [b], [x])
-                assert err <= TOL[torch.float64], (backend, r, i, err)
-                for key, v in states[i].items():
-                    if key == "step":
-                        continue
-                    w = galore_state(ref_opt, plist[i], key)
-                    if key.startswith("proj"):  # the same fp32 SVD of the whole gradient
-                        assert torch.equal(v, w), (backend, r, i, key)
-                    else:
-                        e = ((v - w).norm() / w.norm()).item()
-                        assert e <= TOL[torch.float64], (backend, r, i, key, e)
+            _assert_as_galore_torch(full, states, init, ref, ref_opt, plist, (backend, r))
 
 
 MIXED = [(9, 5), (5, 7), (7, 10), (6, 9)]  # DTensors (even index) and flat ranges declared by hand (odd), interleaved
@@ -1410,15 +1416,4 @@ def test_dtensors_and_flat_ranges_in_one_bucket_match_single_process(pool):
     ref, ref_opt, plist = galore_torch_run(init, grads, "std", len(MIXED))
     for backend in backends:
         for r, (full, states) in enumerate(pool.run(_mixed_bucket, backend, init, grads)):
-            for i, (a, b, x) in enumerate(zip(full, ref, init)):
-                err = rel_update_error([a], [b], [x])
-                assert err <= TOL[torch.float64], (backend, r, i, err)
-                for key, v in states[i].items():
-                    if key == "step":
-                        continue
-                    w = galore_state(ref_opt, plist[i], key)
-                    if key.startswith("proj"):  # the same fp32 SVD of the whole gradient
-                        assert torch.equal(v, w), (backend, r, i, key)
-                    else:
-                        e = ((v - w).norm() / w.norm()).item()
-                        assert e <= TOL[torch.float64], (backend, r, i, key, e)
+            _assert_as_galore_torch(full, states, init, ref, ref_opt, plist, (backend, r))
