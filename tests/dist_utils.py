@@ -170,3 +170,17 @@ def placement(spec):
     if spec[0] == "S":
         return Shard(spec[1])
     return _StridedShard(spec[1], split_factor=spec[2])
+
+
+def scaled_dtensor_step(scaler, opt, params, grads, plc, all_inf: bool) -> None:
+    """One `scaler.step(opt)` of torch.amp.GradScaler over DTensor params: each whole gradient of `grads`
+    multiplied by the current scale (or, with `all_inf`, every element inf, so on every rank) and distributed
+    with its param's (mesh, placements) of `plc`; then `scaler.update()`."""
+    import torch
+    from torch.distributed.tensor import distribute_tensor
+    scale = float(scaler.scale(torch.ones(())))
+    for p, g, (m, pl) in zip(params, grads, plc):
+        g = torch.full_like(g, float("inf")) if all_inf else g * scale
+        p.grad = distribute_tensor(g, m, pl, src_data_rank=None)
+    scaler.step(opt)
+    scaler.update()

@@ -1225,7 +1225,7 @@ def _dtensor_skipped_refresh(rank, world, backend, init, grads):
     element of every gradient inf at step DIST_INF_STEP; returns the whole params and states after each step."""
     import os
 
-    from dist_utils import placement
+    from dist_utils import placement, scaled_dtensor_step
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import distribute_tensor
 
@@ -1241,12 +1241,7 @@ def _dtensor_skipped_refresh(rank, world, backend, init, grads):
                                   lr=LR, weight_decay=WD)
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
         for t, step_grads in enumerate(grads):
-            scale = float(scaler.scale(torch.ones(())))
-            for p, g, (m, pl) in zip(params, step_grads, plc):
-                g = torch.full_like(g, float("inf")) if t == DIST_INF_STEP else g * scale
-                p.grad = distribute_tensor(g, m, pl, src_data_rank=None)
-            scaler.step(opt)
-            scaler.update()
+            scaled_dtensor_step(scaler, opt, params, step_grads, plc, t == DIST_INF_STEP)
             # copies: the full_tensor() of a replicated DTensor may be its local tensor, which later steps change
             history.append(([p.detach().full_tensor().clone() for p in params],
                             [{k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone()

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import DIST_WORLD
-from dist_utils import placement
+from dist_utils import placement, scaled_dtensor_step
 
 import fastopt
 
@@ -549,12 +549,7 @@ def _grad_scaler_case(rank, world, name):
     opt = _make_opt(name, params)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
     for t, gs in enumerate(grads):
-        scale = float(scaler.scale(torch.ones(())))
-        for p, g, (m, pl) in zip(params, gs, plc):
-            g = torch.full_like(g, float("inf")) if t == AMP_INF_STEP else g * scale
-            p.grad = distribute_tensor(g, m, pl, src_data_rank=None)
-        scaler.step(opt)
-        scaler.update()
+        scaled_dtensor_step(scaler, opt, params, gs, plc, t == AMP_INF_STEP)
     assert scaler.get_scale() == 2.0 ** 11  # the inf was seen: the scale halved once
     full = [p.detach().full_tensor() for p in params]
     num = sum((a - b).square().sum() for a, b in zip(full, ref)) ** 0.5
