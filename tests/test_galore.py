@@ -13,6 +13,7 @@ from conftest import (TOL, Counting, assert_tracks, rel_update_error, step_with_
                       check_no_host_sync, snapshot, assert_unchanged)
 
 import fastopt
+from fastopt import ops
 
 galore_torch = pytest.importorskip("galore_torch")
 from galore_torch.galore_projector import GaLoreProjector  # noqa: E402
@@ -209,6 +210,8 @@ def test_state_dict_without_correct_bias_loads_as_corrected(backend):
     """A state_dict saved before `correct_bias` was a group key (bias corrections always on) loads with
     correct_bias=True into an optimizer built with False, and the next steps are those of the run it came from,
     bit for bit; a pickled optimizer whose groups lack it steps the same way."""
+    if backend == "triton" and not ops.interpreting():
+        pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")  # bit for bit: CPU only
     init, grads = make_problem(MATS + PLAIN, seed=6)
     params, opt = run(init, grads[:4], torch.float64)
     sd = opt.state_dict()
@@ -417,8 +420,10 @@ def test_grad_scaler_verdicts_are_resolved_once_per_step_before_its_buckets(back
     step_with_inf_at(opt, params, grads, inf_step, device)
     assert resolved == [0] + [2] * (len(grads) - 1), resolved  # each step: the step before's two buckets
     assert all(float(s["step"]) == len(grads) - 1 for s in opt.state.values())
-    # the refreshes: group 0 at its (kept) steps 1, 4, 7 and group 1 at 1, 3, 5, 7, as galore-torch without it
-    ref_params = [p.clone().requires_grad_() for p in init]
+    # the refreshes: group 0 at its (kept) steps 1, 4, 7 and group 1 at 1, 3, 5, 7, as without the bad step. The
+    # same device and dtype: each refresh's SVD then gets the same gradient (the scaler's power-of-two scale and
+    # unscale are exact), where a float64 SVD differs from CUDA's float32 one by 1e-4 (near singular values)
+    ref_params = [p.to(device=device, dtype=torch.float32, copy=True).requires_grad_() for p in init]
     ref_opt = fastopt.GaLoreAdamW([{"params": ref_params[:1], **GROUP},
                                    {"params": ref_params[1:len(MATS)], **GROUP, "update_proj_gap": 2},
                                    {"params": ref_params[len(MATS):]}], lr=LR, weight_decay=WD)
@@ -427,7 +432,7 @@ def test_grad_scaler_verdicts_are_resolved_once_per_step_before_its_buckets(back
     for p, q in zip(params[:len(MATS)], ref_params[:len(MATS)]):
         for k, v in ref_opt.state[q].items():
             if k.startswith("proj"):
-                assert torch.allclose(opt.state[p][k].cpu().double(), v, rtol=1e-4, atol=1e-5), k
+                assert torch.allclose(opt.state[p][k], v, rtol=1e-5, atol=1e-6), k
 
 
 # ---- groups, inputs -------------------------------------------------------------------------------------
