@@ -45,9 +45,9 @@ import triton.language as tl
 
 from fastopt.reference.came import QBLOCK as QBLOCK_
 from . import common
-from .common import (INTERPRET, GradTable, aligned, keep_limit, load_ptr, multiples, nearest_code, param_of_program,
-                     program_table, ptr_table, round_to, search_table, segment_sum, stochastic_round_bf16, to_device,
-                     unscale_factor)
+from .common import (INTERPRET, GradTable, aligned, keep_limit, load_ptr, map_values, multiples, nearest_code,
+                     param_of_program, program_table, ptr_table, round_to, search_table, segment_sum,
+                     stochastic_round_bf16, to_device, unscale_factor)
 from .factored import (FactoredPlan, col_map, global_numel, in_piece, launch_col_reduce, launch_factors,
                        launch_sq_stats, launch_usq, load_meta, matrix_view, row_block, row_map)
 
@@ -97,7 +97,7 @@ def _dequant8(code_ptr, absmax_ptr, qmap_ptr, offs, mask):
     """map[code] * absmax of the element's block, in fp32 (fastopt.reference.quant.dequantize_blockwise)."""
     code = tl.load(code_ptr + offs, mask=mask, other=0).to(tl.int32)
     absmax = tl.load(absmax_ptr + offs // QBLOCK, mask=mask, other=0.0)
-    return tl.load(qmap_ptr + code, mask=mask, other=0.0) * absmax
+    return tl.where(mask, map_values(code, qmap_ptr), 0.0) * absmax
 
 
 @triton.jit

@@ -259,15 +259,27 @@ def search_table(signed: bool, device: torch.device) -> torch.Tensor:
 
 
 @triton.jit
+def map_values(codes, table_ptr):
+    """table_ptr[codes] for int32 codes in [0, 256), any shape: a search_table()'s map, or its thresholds at
+    table_ptr + 256. The 256 values are read once per program into shared memory and gathered from there
+    (tl.gather over a 1-D source lowers to shared-memory loads), where `tl.load(table_ptr + codes)` is a
+    gather from global memory per element: codes spread over the table's 1 KB cost a warp several L1
+    wavefronts each, and the 8-bit paths take 2 to 8 such lookups per element."""
+    table = tl.load(table_ptr + tl.arange(0, 256))
+    return tl.reshape(tl.gather(table, tl.reshape(codes, (codes.numel,)), 0), codes.shape)
+
+
+@triton.jit
 def nearest_code(x, table_ptr):
     """Code (int32) of the nearest map value for each fp32 x in [-1, 1] (x / absmax of its block), ties to the
-    lower code; NaN gives 0. `table_ptr`: a search_table()."""
+    lower code; NaN gives 0. `table_ptr`: a search_table(). The bucket's start comes from global memory (a
+    6 KB table of bytes), its one threshold from shared memory (map_values)."""
     bits = x.to(tl.int32, bitcast=True)
     a = bits & 0x7FFFFFFF
     b = tl.where(a < _Q_LO, 0, tl.where(a >= _Q_HI, _Q_BUCKETS - 1, 1 + ((a - _Q_LO) >> _Q_SHIFT)))
     b = tl.where(bits < 0, b + _Q_BUCKETS, b)
     start = tl.load(table_ptr.to(tl.pointer_type(tl.uint8)) + _Q_START_BYTE + b).to(tl.int32)
-    code = start + (tl.load(table_ptr + 256 + start) <= x).to(tl.int32)
+    code = start + (map_values(start, table_ptr + 256) <= x).to(tl.int32)
     return tl.where(x == x, code, 0)
 
 

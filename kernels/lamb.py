@@ -22,7 +22,8 @@ deterministic, so a resumed run is bit-identical to an uninterrupted one.
 The 8-bit format is fastopt/reference/quant.py's (bitsandbytes' block-wise format): each program holds
 whole quantization blocks, takes their absmax, and finds each element's nearest map value with
 common.nearest_code (a bucket table and one threshold compare; ties to the lower index, as the reference and
-csrc/ do).
+csrc/ do). Map values and thresholds are read from shared memory (common.map_values), one 1 KB copy per table
+per program, as csrc/ keeps its tables in shared memory.
 
 Hyperparameters travel as a small float64 tensor, not as kernel scalars: Triton passes Python floats as
 fp32, which is too coarse for fp64 params and for 1 - beta2 (0.999 in fp32 is off by 3e-5 of 1 - 0.999).
@@ -40,9 +41,9 @@ import triton
 import triton.language as tl
 
 from . import common
-from .common import (INTERPRET, GradTable, aligned, keep_limit, load_ptr, multiples, nearest_code, param_of_program,
-                     program_table, ptr_table, round_to, search_table, segment_sum, stochastic_round_bf16, to_device,
-                     unscale_factor)
+from .common import (INTERPRET, GradTable, aligned, keep_limit, load_ptr, map_values, multiples, nearest_code,
+                     param_of_program, program_table, ptr_table, round_to, search_table, segment_sum,
+                     stochastic_round_bf16, to_device, unscale_factor)
 
 # Elements per program. Small under the interpreter so that the tests' small params span several programs.
 BLOCK = 128 if INTERPRET else 2048
@@ -176,7 +177,7 @@ def _quantize_store(x, codes_ptr, absmax_ptr, offs, blk, keep, bkeep, map_ptr):
 def _dequantize(codes_ptr, absmax_ptr, offs, mask, blk, bmask, map_ptr):
     codes = tl.load(codes_ptr + offs, mask=mask, other=0).to(tl.int32)
     amax = tl.load(absmax_ptr + blk, mask=bmask, other=0.0)
-    return tl.load(map_ptr + codes) * amax[:, None]
+    return map_values(codes, map_ptr) * amax[:, None]
 
 
 @triton.jit
