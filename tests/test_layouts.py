@@ -588,6 +588,22 @@ _COLLECTIVES = tuple(c for c in (
     "barrier") if hasattr(dist, c))
 
 
+@contextlib.contextmanager
+def _counting_collectives():
+    """The names of the torch.distributed collectives called inside, in order, `*_into_tensor`, `*_single` and
+    `*_tensor` dropped (all_gather_into_tensor is all_gather)."""
+    calls = []
+    saved = {c: getattr(dist, c) for c in _COLLECTIVES}
+    for c, real in saved.items():
+        setattr(dist, c, lambda *a, _c=c, _real=real, **k: calls.append(
+            _c.replace("_into_tensor", "").replace("_single", "").replace("_tensor", "")) or _real(*a, **k))
+    try:
+        yield calls
+    finally:
+        for c, real in saved.items():
+            setattr(dist, c, real)
+
+
 def _count_case(rank, world, name):
     """One step() over a mix of layouts on a 2 x 2 mesh: sharded over the world, over tp only, over dp only
     (as FSDP2 + TP gives), and flat ranges declared over the world: three process groups, whatever the size;
@@ -610,18 +626,10 @@ def _count_case(rank, world, name):
         for p in params:
             p.grad = torch.randn_like(p)
         opt.step()
-        calls = []
-        saved = {c: getattr(dist, c) for c in _COLLECTIVES}
-        for c, real in saved.items():
-            setattr(dist, c, lambda *a, _c=c, _real=real, **k: calls.append(_c) or _real(*a, **k))
-        try:
+        with _counting_collectives() as calls:
             opt.step()
-        finally:
-            for c, real in saved.items():
-                setattr(dist, c, real)
         counts.append(len(calls))
-        seen = {c.replace("_into_tensor", "").replace("_single", "").replace("_tensor", "") for c in calls}
-        assert seen <= ALLOWED.get(name, {"all_reduce"}), calls
+        assert set(calls) <= ALLOWED.get(name, {"all_reduce"}), calls
     return counts
 
 
@@ -654,6 +662,67 @@ def test_phases_batch_a_round_by_kind_groups_dtype_and_device():
                      (6, torch.float64, "cpu"), (7, torch.float64, "cpu")], calls
     assert torch.equal(seen[0], torch.arange(3, **f64) * 2) and torch.equal(seen[1], (torch.arange(4, **f64) + 10) * 2)
     assert torch.equal(seen[-1], torch.full((7,), 6.0, **f64)) and torch.equal(b32, torch.full((2,), 2.0))
+
+
+def _exchange_case(rank, world):
+    """phases.run over 5 buckets whose first round has 3 reduce-scatters (one in float32) and 2 all-gathers over the
+    world and whose second has an all-gather, a sum and two reduce-scatters, over the world and over half of the
+    ranks."""
+    from fastopt.distributed import phases
+    from fastopt.distributed.phases import Exchange
+    halves = [list(range(world // 2)), list(range(world // 2, world))]
+    subs = [dist.new_group(h) for h in halves]  # every rank creates both
+    half = halves[rank >= world // 2]
+    sub = subs[rank >= world // 2]
+    W = dist.group.WORLD
+
+    def inputs(k, tag, n, dtype=torch.float64):  # rank k's input of request `tag`: every rank can make it
+        return torch.randn(n, generator=torch.Generator().manual_seed(1000 * k + tag), dtype=torch.float64).to(dtype)
+
+    def scatter(tag, c, ranks, dtype=torch.float64):  # (out, inp, expected) of a reduce-scatter of c per rank
+        me = ranks.index(rank)
+        want = sum(inputs(k, tag, len(ranks) * c, dtype)[me * c:(me + 1) * c] for k in ranks)
+        return torch.full((c,), float("nan"), dtype=dtype), inputs(rank, tag, len(ranks) * c, dtype), want
+
+    def gather(tag, c):
+        return (torch.full((world * c,), float("nan"), dtype=torch.float64), inputs(rank, tag, c),
+                torch.cat([inputs(k, tag, c) for k in range(world)]))
+
+    everyone = list(range(world))
+    a1, a2, b1, c1, c2, d1, d2, e1 = (scatter(1, 3, everyone), gather(2, 2), scatter(3, 5, everyone), gather(4, 4),
+                                      scatter(5, 6, half), scatter(6, 7, everyone, torch.float32),
+                                      scatter(8, 2, everyone), gather(9, 3))
+    b2 = inputs(rank, 7, 9)
+    want_b2 = sum(inputs(k, 7, 9) for k in everyone)
+
+    def steps(*reqs):
+        for r in reqs:
+            yield r
+
+    ex = lambda kind, r, g=W: Exchange(kind, r[0], r[1], g)  # noqa: E731
+    with _counting_collectives() as calls:
+        phases.run([(steps(ex("reduce_scatter", a1), ex("all_gather", a2)), "w", None),
+                    (steps(ex("reduce_scatter", b1), b2), "w", lambda buf: dist.all_reduce(buf)),
+                    (steps(ex("all_gather", c1), ex("reduce_scatter", c2, sub)), "w", None),
+                    (steps(ex("reduce_scatter", d1), ex("reduce_scatter", d2)), "w", None),
+                    (steps(ex("all_gather", e1)), "w", None)])
+    for out, _inp, want in (a1, a2, b1, c1, c2, d1, d2, e1):
+        assert torch.allclose(out, want, rtol=1e-6 if out.dtype == torch.float32 else 1e-12, atol=0), (out, want)
+    assert torch.allclose(b2, want_b2, rtol=1e-12, atol=0)
+    return calls
+
+
+def test_phases_batch_exchanges_by_kind_group_and_dtype(pool):
+    """fastopt.distributed.phases.run on 4 gloo ranks: the reduce-scatters of a round that share a group and a dtype
+    are one collective (each rank's parts of every request side by side), as are its all-gathers; one of another
+    dtype or group goes apart, a sum goes beside them, and a bucket's second request waits for the next round. Each
+    request gets what it would alone (its inputs are made on every rank from seeds, the sums taken locally)."""
+    calls = pool.run(_exchange_case)
+    assert all(c == calls[0] for c in calls), calls
+    # round 1: reduce-scatter (a1 + b1, float64), all-gather (c1 + e1), reduce-scatter (d1, float32);
+    # round 2: all-gather (a2), the sum of b2, reduce-scatters (c2 over half of the ranks, d2 over the world)
+    assert sorted(calls[0][:3]) == ["all_gather", "reduce_scatter", "reduce_scatter"], calls[0]
+    assert sorted(calls[0][3:]) == ["all_gather", "all_reduce", "reduce_scatter", "reduce_scatter"], calls[0]
 
 
 @pytest.mark.parametrize("name", list(EXPECTED))
