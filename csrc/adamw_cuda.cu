@@ -16,8 +16,9 @@ __global__ void __launch_bounds__(kThreads, KMAX == 4 ? 4 : 2)
                      AdamWHyper h, const float* __restrict__ inv_scale, const float* __restrict__ found_inf) {
   using C = typename ComputeOf<T>::type;
   if (found_inf != nullptr && *found_inf != 0.0f) return;
-  __shared__ SearchTables tab1, tab2;
-  __shared__ float red[2 * kThreads / 32];
+  FASTOPT_SHARED(SearchTables, tab1);
+  FASTOPT_SHARED(SearchTables, tab2);
+  FASTOPT_SHARED_ARRAY(float, red, 2 * kThreads / 32);
   build_search_tables_block(tab1, map1);
   build_search_tables_block(tab2, map2);
   const int steps1 = tab1.steps, steps2 = tab2.steps;
@@ -130,7 +131,7 @@ template <typename T, int KMAX>
 cudaError_t launch8(const int64_t* ts, const AdamWEntry* e, int n, int64_t total, int B, const float* m1,
                     const float* m2, const AdamWHyper& h, const float* inv, const float* fi, cudaStream_t stream) {
   auto kernel = adamw8bit_kernel<T, KMAX>;
-  kernel<<<persistent_grid(kernel, total), kThreads, 0, stream>>>(ts, e, n, total, B, m1, m2, h, inv, fi);
+  FASTOPT_LAUNCH(kernel, persistent_grid(kernel, total), kThreads, stream, ts, e, n, total, B, m1, m2, h, inv, fi);
   return cudaGetLastError();
 }
 
@@ -151,7 +152,7 @@ template <typename T>
 cudaError_t launch32(const int64_t* ts, const AdamWEntry* e, int n, int64_t total, const AdamWHyper& h,
                      const float* inv, const float* fi, cudaStream_t stream) {
   auto kernel = adamw32_kernel<T>;
-  kernel<<<persistent_grid(kernel, total), kThreads, 0, stream>>>(ts, e, n, total, h, inv, fi);
+  FASTOPT_LAUNCH(kernel, persistent_grid(kernel, total), kThreads, stream, ts, e, n, total, h, inv, fi);
   return cudaGetLastError();
 }
 

@@ -7,6 +7,16 @@
 
 #include "fastopt_core.h"
 
+// FASTOPT_LAUNCH: kernel<<<grid, threads, 0, stream>>>(args...). The C++ unit tests' CUDA emulator
+// (csrc/tests/emu) defines it first, as a call: g++ does not parse <<<>>>.
+// Shared memory is declared with FASTOPT_SHARED (one T) and FASTOPT_SHARED_ARRAY (T name[n]), which the emulator
+// defines as statics that it fills with garbage before every block.
+#ifndef FASTOPT_LAUNCH
+#define FASTOPT_LAUNCH(kernel, grid, threads, stream, ...) kernel<<<grid, threads, 0, stream>>>(__VA_ARGS__)
+#define FASTOPT_SHARED(T, name) __shared__ T name
+#define FASTOPT_SHARED_ARRAY(T, name, n) __shared__ T name[n]
+#endif
+
 namespace fastopt {
 namespace cuda {
 

@@ -12,8 +12,8 @@ __global__ void __launch_bounds__(kThreads, KMAX == 4 ? 4 : 2)
     quantize_kernel(const int64_t* __restrict__ tile_start, const QuantEntry* __restrict__ entries, int n_tensors,
                     int64_t total_tiles, int B, const float* __restrict__ map, const float* __restrict__ found_inf) {
   if (found_inf != nullptr && *found_inf != 0.0f) return;
-  __shared__ SearchTables tab;
-  __shared__ float red[kThreads / 32];
+  FASTOPT_SHARED(SearchTables, tab);
+  FASTOPT_SHARED_ARRAY(float, red, kThreads / 32);
   build_search_tables_block(tab, map);
   const int steps = tab.steps;
   const QuantLayout<KMAX> L(B);
@@ -47,7 +47,7 @@ __global__ void __launch_bounds__(kThreads)
     dequantize_kernel(const int64_t* __restrict__ tile_start, const QuantEntry* __restrict__ entries,
                       int n_tensors, int64_t total_tiles, int B, const float* __restrict__ map) {
   using C = typename ComputeOf<T>::type;
-  __shared__ float keys[kCodeSize];
+  FASTOPT_SHARED_ARRAY(float, keys, kCodeSize);
   keys[threadIdx.x] = map[threadIdx.x];
   __syncthreads();
   const QuantLayout<KMAX> L(B);
@@ -75,7 +75,8 @@ template <typename T, int KMAX>
 cudaError_t launch_quantize(const int64_t* tile_start, const QuantEntry* entries, int n, int64_t total, int B,
                             const float* map, const float* found_inf, cudaStream_t stream) {
   auto kernel = quantize_kernel<T, KMAX>;
-  kernel<<<persistent_grid(kernel, total), kThreads, 0, stream>>>(tile_start, entries, n, total, B, map, found_inf);
+  FASTOPT_LAUNCH(kernel, persistent_grid(kernel, total), kThreads, stream, tile_start, entries, n, total, B, map,
+                 found_inf);
   return cudaGetLastError();
 }
 
@@ -83,7 +84,7 @@ template <typename T, int KMAX>
 cudaError_t launch_dequantize(const int64_t* tile_start, const QuantEntry* entries, int n, int64_t total, int B,
                               const float* map, cudaStream_t stream) {
   auto kernel = dequantize_kernel<T, KMAX>;
-  kernel<<<persistent_grid(kernel, total), kThreads, 0, stream>>>(tile_start, entries, n, total, B, map);
+  FASTOPT_LAUNCH(kernel, persistent_grid(kernel, total), kThreads, stream, tile_start, entries, n, total, B, map);
   return cudaGetLastError();
 }
 

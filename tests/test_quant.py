@@ -416,6 +416,47 @@ def test_cmake_builds_and_ctest_passes(tmp_path):
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
     assert "100% tests passed" in r.stdout
+    assert "cuda_emulated" in r.stdout, r.stdout  # the CUDA kernels ran, through the emulator
+
+
+def test_cuda_kernels_pass_their_unit_test_in_the_emulator(tmp_path):
+    """csrc/tests/test_cuda.cu on the CPU: the CUDA kernels (device code paths included) built by g++ against the
+    CUDA emulator of csrc/tests/emu, equal to the CPU kernels bit for bit, with misaligned vector accesses
+    trapped by UBSan. Each file is its own object, and no inline function of fastopt_core.h may be emitted out of
+    line in both a kernel object (compiled with __CUDA_ARCH__) and a host one: the linker would keep one copy for
+    both, and the CPU kernels could run the device variant or the reverse."""
+    gxx = shutil.which("g++")
+    if gxx is None:
+        pytest.skip("g++ not installed")
+    emu = CSRC / "tests" / "emu"
+    sanitize = ["-fsanitize=alignment,bounds", "-fno-sanitize-recover=all"]
+    sources = {"kernels": [emu / "quant_cuda_emu.cpp", emu / "adamw_cuda_emu.cpp"],
+               "host": [emu / "test_cuda_emu.cpp", CSRC / "cpu_kernels.cpp"]}
+    procs = {}
+    for side, files in sources.items():
+        for f in files:
+            obj = tmp_path / (f.stem + ".o")
+            cmd = [gxx, "-std=c++17", "-O2", "-Wall", "-Wno-unknown-pragmas", *sanitize, "-I", str(emu), "-I",
+                   str(CSRC), "-c", str(f), "-o", str(obj)]
+            procs[obj] = (side, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    for obj, (side, proc) in procs.items():
+        out = proc.communicate(timeout=600)[0]
+        assert proc.returncode == 0, f"{obj.name}:\n{out[-4000:]}"
+
+    def weak_fastopt(obj):
+        nm = subprocess.run(["nm", "-C", "--defined-only", str(obj)], capture_output=True, text=True, check=True)
+        return {line.split(" ", 2)[2] for line in nm.stdout.splitlines()
+                if line.split(" ")[1:2] in (["W"], ["V"], ["u"]) and " fastopt::" in " " + line.split(" ", 2)[2]}
+
+    if shutil.which("nm"):
+        kernel_side = set().union(*(weak_fastopt(o) for o, (side, _) in procs.items() if side == "kernels"))
+        host_side = set().union(*(weak_fastopt(o) for o, (side, _) in procs.items() if side == "host"))
+        assert not kernel_side & host_side, sorted(kernel_side & host_side)
+    exe = tmp_path / "test_cuda_emu"
+    r = subprocess.run([gxx, *sanitize[:1], *map(str, procs), "-o", str(exe)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "all CUDA tests passed" in r.stdout, f"{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
 
 
 def test_nvcc_compiles_every_cu_file(tmp_path):
