@@ -3,6 +3,10 @@
 // 8-bit, per element in one pass: dequantize m (signed map) and v (unsigned map) with the block's old absmax,
 // AdamW in fp32 (fp64 for fp64 params), write p; then the block's new absmax (a group max over the threads of
 // the block) and requantize m and v. The update uses the unquantized new m and v, as bitsandbytes does.
+// The tiles are software-pipelined (pipelined_tiles): the next tile's p, g, codes and old absmax wait in
+// registers while the current one computes, which takes 79 registers (sm_90, fp32/bf16/fp16 params) and so 3
+// blocks of 256 threads per SM for B <= 1024; at 4 blocks (64 registers) ptxas spilled 86 bytes a thread. B above
+// 1024 (16 values a thread) takes 235 registers, one block per SM.
 #include "cuda_common.cuh"
 #include "cuda_kernels.h"
 
@@ -10,7 +14,7 @@ namespace fastopt {
 namespace cuda {
 
 template <typename T, int KMAX>
-__global__ void __launch_bounds__(kThreads, KMAX == 4 ? 4 : 2)
+__global__ void __launch_bounds__(kThreads, KMAX == 4 ? 3 : 1)
     adamw8bit_kernel(const int64_t* __restrict__ tile_start, const AdamWEntry* __restrict__ entries, int n_tensors,
                      int64_t total_tiles, int B, const float* __restrict__ map1, const float* __restrict__ map2,
                      AdamWHyper h, const float* __restrict__ inv_scale, const float* __restrict__ found_inf) {
@@ -25,61 +29,72 @@ __global__ void __launch_bounds__(kThreads, KMAX == 4 ? 4 : 2)
   const C inv = inv_scale != nullptr ? (C)*inv_scale : (C)1;
   const QuantLayout<KMAX> L(B);
   const int grp = threadIdx.x / L.G, lane = threadIdx.x % L.G;
-  TensorCursor cur;
-  AdamWScalars<C> s{};
-  for (int64_t tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
-    const bool moved = cur.seek(tile_start, n_tensors, tile);
+  struct Stage {
+    int i;  // the tensor
+    int64_t qb;
+    int lim;  // offsets [0, lim) from the quantization block's start: 32-bit index arithmetic
+    bool vec, moved;
+    float old1, old2;  // the block's absmax before the step
+    C pv[KMAX], gv[KMAX];
+    Codes<KMAX> q1, q2;
+  };
+  // Only what the next tile's math needs waits in registers; work reloads the tensor's entry (an L1 hit).
+  auto load = [&](int64_t tile, const TensorCursor& cur, bool moved, Stage& st) {
     const AdamWEntry e = entries[cur.i];
-    if (moved) s = adamw_scalars<C>(h, *e.step);
-    const int64_t qb = (tile - cur.lo) * L.Q + grp;
-    const int64_t start = qb * B;
-    const int lim = block_limit(e.n, start, B);  // offsets [0, lim) from `start`: 32-bit index arithmetic
-    const bool active = lim > 0;
-    const bool vec = lim == B && quad_aligned<T>(e.p, e.g, e.s1, e.s2);  // see QuantLayout
+    st.i = cur.i;
+    st.qb = (tile - cur.lo) * L.Q + grp;
+    const int64_t start = st.qb * B;
+    st.lim = block_limit(e.n, start, B);
+    st.vec = st.lim == B && quad_aligned<T>(e.p, e.g, e.s1, e.s2);  // see QuantLayout
+    st.moved = moved;
+    st.old1 = st.lim > 0 ? e.a1[st.qb] : 0.0f;
+    st.old2 = st.lim > 0 ? e.a2[st.qb] : 0.0f;
+    load_tile(L, st.vec, lane, st.lim, static_cast<const T*>(e.p) + start, st.pv);
+    load_tile(L, st.vec, lane, st.lim, static_cast<const T*>(e.g) + start, st.gv);
+    load_codes(L, st.vec, lane, st.lim, static_cast<const uint8_t*>(e.s1) + start, st.q1);
+    load_codes(L, st.vec, lane, st.lim, static_cast<const uint8_t*>(e.s2) + start, st.q2);
+  };
+  AdamWScalars<C> s{};
+  auto work = [&](const Stage& st) {
+    const AdamWEntry e = entries[st.i];
+    if (st.moved) s = adamw_scalars<C>(h, *e.step);
+    const int64_t start = st.qb * B;
     T* p = static_cast<T*>(e.p) + start;
-    const T* g = static_cast<const T*>(e.g) + start;
     uint8_t* c1 = static_cast<uint8_t*>(e.s1) + start;
     uint8_t* c2 = static_cast<uint8_t*>(e.s2) + start;
-    const float old1 = active ? e.a1[qb] : 0.0f;
-    const float old2 = active ? e.a2[qb] : 0.0f;
-    // Every load of the tile first, then the math and the stores: a store to p between them would keep the
-    // compiler from issuing the next element's loads early (it cannot rule out aliasing).
-    C pv[KMAX], gv[KMAX];
-    uint8_t q1[KMAX], q2[KMAX];
-    load_tile(L, vec, lane, lim, p, pv);
-    load_tile(L, vec, lane, lim, g, gv);
-    load_tile(L, vec, lane, lim, c1, q1);
-    load_tile(L, vec, lane, lim, c2, q2);
+    C pv[KMAX];
     float mq[KMAX], vq[KMAX];
     float new1 = 0.0f, new2 = 0.0f;
 #pragma unroll
     for (int k = 0; k < KMAX; ++k) {
       mq[k] = 0.0f;
       vq[k] = 0.0f;
-      if (k < L.K && (vec || L.slot(false, lane, k) < lim)) {
-        C m = (C)(dequantize_code(tab1, q1[k]) * old1);
-        C v = (C)(dequantize_code(tab2, q2[k]) * old2);
-        pv[k] = adamw_element<C>(pv[k], gv[k] * inv, m, v, s);
+      pv[k] = st.pv[k];
+      if (k < L.K && (st.vec || L.slot(false, lane, k) < st.lim)) {
+        C m = (C)(dequantize_code(tab1, st.q1[k]) * st.old1);
+        C v = (C)(dequantize_code(tab2, st.q2[k]) * st.old2);
+        pv[k] = adamw_element<C>(st.pv[k], st.gv[k] * inv, m, v, s);
         mq[k] = (float)m;
         vq[k] = (float)v;
       }
       new1 = fmaxf(new1, fabsf(mq[k]));
       new2 = fmaxf(new2, fabsf(vq[k]));
     }
-    store_tile(L, vec, lane, lim, p, [&](int k) { return pv[k]; });
+    store_tile(L, st.vec, lane, st.lim, p, [&](int k) { return pv[k]; });
     // Every thread of the group has read the old absmax (its value feeds new1/new2) before lane 0 writes.
     float amax[2] = {new1, new2};
     group_max_n<2>(amax, L.G, red);
-    if (active) {
+    if (st.lim > 0) {
       if (lane == 0) {
-        e.a1[qb] = amax[0];
-        e.a2[qb] = amax[1];
+        e.a1[st.qb] = amax[0];
+        e.a2[st.qb] = amax[1];
       }
       const Normalizer norm1(amax[0]), norm2(amax[1]);
-      store_tile(L, vec, lane, lim, c1, [&](int k) { return quantize_nearest(tab1, norm1(mq[k]), steps1); });
-      store_tile(L, vec, lane, lim, c2, [&](int k) { return quantize_nearest(tab2, norm2(vq[k]), steps2); });
+      store_tile(L, st.vec, lane, st.lim, c1, [&](int k) { return quantize_nearest(tab1, norm1(mq[k]), steps1); });
+      store_tile(L, st.vec, lane, st.lim, c2, [&](int k) { return quantize_nearest(tab2, norm2(vq[k]), steps2); });
     }
-  }
+  };
+  pipelined_tiles<Stage>(tile_start, n_tensors, total_tiles, load, work);
 }
 
 // Full-precision state: tiles of kTile32 elements, kTile32 / kThreads per thread.

@@ -94,6 +94,31 @@ __device__ __forceinline__ void load_tile(const QuantLayout<KMAX>& L, bool vec, 
   }
 }
 
+// The thread's K codes of a quantization block (load_tile's slots), four to a 32-bit word, so that a tile's codes
+// waiting in registers (pipelined_tiles) take K / 4 of them.
+template <int KMAX>
+struct Codes {
+  uint32_t w[KMAX / 4];
+  __device__ __forceinline__ uint8_t operator[](int k) const { return (uint8_t)(w[k >> 2] >> (8 * (k & 3))); }
+};
+
+// load_tile for codes, into words: one 32-bit load per word when `vec`.
+template <int KMAX>
+__device__ __forceinline__ void load_codes(const QuantLayout<KMAX>& L, bool vec, int lane, int lim,
+                                           const uint8_t* p, Codes<KMAX>& out) {
+  if (vec) {
+#pragma unroll
+    for (int j = 0; j < KMAX / 4; ++j)
+      out.w[j] = 4 * j < L.K ? *reinterpret_cast<const uint32_t*>(p + L.slot(true, lane, 4 * j)) : 0u;
+  } else {
+    uint8_t q[KMAX];
+    load_tile(L, false, lane, lim, p, q);
+#pragma unroll
+    for (int j = 0; j < KMAX / 4; ++j)
+      out.w[j] = q[4 * j] | (uint32_t)q[4 * j + 1] << 8 | (uint32_t)q[4 * j + 2] << 16 | (uint32_t)q[4 * j + 3] << 24;
+  }
+}
+
 // Stores value(k) (rounded to T) into the slots load_tile reads, computing each just before its store.
 template <int KMAX, typename T, typename F>
 __device__ __forceinline__ void store_tile(const QuantLayout<KMAX>& L, bool vec, int lane, int lim, T* p,
@@ -152,7 +177,7 @@ __device__ __forceinline__ float group_max(float v, int G, float* red) {
   return one[0];
 }
 
-// The tensor a persistent block is working on. Its tiles only grow (grid-stride loop), so the binary search in
+// The tensor a persistent block is loading. Its tiles only grow (grid-stride loop), so the binary search in
 // tile_start runs only when a tile leaves the current tensor, and starts from it. (The entry itself is
 // reloaded per tile, an L1 hit, rather than held in registers across tiles.)
 struct TensorCursor {
@@ -168,6 +193,35 @@ struct TensorCursor {
     return true;
   }
 };
+
+// The grid-stride loop of a persistent block over its tiles, software-pipelined: the loads of the block's next
+// tile are issued before the current tile's math, barriers and stores, so that each thread keeps one tile's
+// reads in flight while it works instead of waiting out the memory latency once per tile (the kernels are
+// latency-bound at 4 blocks per SM otherwise: quantize took as long for bf16 input as for fp32).
+//   load(tile, cursor, moved, stage): reads what the tile needs from global memory into `stage` (registers);
+//     `moved`: the tile is the first of a new tensor for this block. Its results must not be used inside load:
+//     a use would wait for the loads there.
+//   work(stage): the tile's math and stores. Called in tile order, so per-tensor values it derives when
+//     stage.moved (AdamW's scalars) stay right.
+// Every thread of the block runs the same tiles, so barriers inside work are safe.
+template <typename Stage, typename Load, typename Work>
+__device__ __forceinline__ void pipelined_tiles(const int64_t* tile_start, int n_tensors, int64_t total_tiles,
+                                                Load&& load, Work&& work) {
+  TensorCursor cur;
+  int64_t tile = blockIdx.x;
+  if (tile >= total_tiles) return;
+  Stage now, ahead;
+  load(tile, cur, cur.seek(tile_start, n_tensors, tile), now);
+  for (;;) {
+    const int64_t next = tile + gridDim.x;
+    const bool more = next < total_tiles;
+    if (more) load(next, cur, cur.seek(tile_start, n_tensors, next), ahead);
+    work(now);
+    if (!more) return;
+    now = ahead;
+    tile = next;
+  }
+}
 
 // Blocks of a persistent grid: enough to fill every SM at the kernel's occupancy, at most one per tile.
 template <typename Kernel>
