@@ -9,8 +9,7 @@ namespace cuda {
 // arrays stay in registers. Whole blocks of aligned tensors take vector loads and stores (QuantLayout).
 // Quantize is software-pipelined (pipelined_tiles: the search and the group max are long enough to hide a
 // tile's loads behind): 56 registers on sm_90, 4 blocks per SM (at 5, ptxas spills 20 bytes a thread).
-// Dequantize is not: with next to no math per tile, a thread mostly waits on its loads anyway, and holding a
-// second tile would cost it full occupancy (32 registers; pipelined, it spilled there).
+// Dequantize is not (see it).
 template <typename T, int KMAX>
 __global__ void __launch_bounds__(kThreads, KMAX == 4 ? 4 : 2)
     quantize_kernel(const int64_t* __restrict__ tile_start, const QuantEntry* __restrict__ entries, int n_tensors,
@@ -55,30 +54,69 @@ __global__ void __launch_bounds__(kThreads, KMAX == 4 ? 4 : 2)
   pipelined_tiles<Stage>(tile_start, n_tensors, total_tiles, load, work);
 }
 
+// Dequantize has no reduction: a value needs only its block's absmax. So each thread takes 16 elements of one
+// tile (8 for B = 2048), as runs of 4 at offsets 4 (lane + j W) (one 32-bit load of codes and one vector store
+// each; a warp's loads and stores are contiguous), W threads a tile: for B <= 1024 (tiles of 1024 elements) four
+// tiles per block iteration, 64 threads each; above, one tile of B. Every run's codes and absmax are loaded before
+// any store, so a thread has 16 bytes of codes in flight (4 when a block spread one 1024 tile over 256 threads).
 template <typename T, int KMAX>
 __global__ void __launch_bounds__(kThreads)
     dequantize_kernel(const int64_t* __restrict__ tile_start, const QuantEntry* __restrict__ entries,
                       int n_tensors, int64_t total_tiles, int B, const float* __restrict__ map) {
   using C = typename ComputeOf<T>::type;
+  constexpr int kSub = KMAX == 4 ? 4 : 1, W = kThreads / kSub, kRuns = 4;
   FASTOPT_SHARED_ARRAY(float, keys, kCodeSize);
   keys[threadIdx.x] = map[threadIdx.x];
   __syncthreads();
-  const QuantLayout<KMAX> L(B);
-  const int grp = threadIdx.x / L.G, lane = threadIdx.x % L.G;
+  const int tile_elems = (int)quant_tile(B), runs = tile_elems / (4 * W), shift = __ffs(B) - 1;  // B = 2^shift
+  const int sub = threadIdx.x / W, lane = threadIdx.x % W;
   TensorCursor cur;
-  for (int64_t tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
+  for (int64_t base = (int64_t)blockIdx.x * kSub; base < total_tiles; base += (int64_t)gridDim.x * kSub) {
+    const int64_t tile = base + sub;
+    if (tile >= total_tiles) break;  // the loop has no barrier
     cur.seek(tile_start, n_tensors, tile);
     const QuantEntry e = entries[cur.i];
-    T* out = static_cast<T*>(e.out);
-    const int64_t qb = (tile - cur.lo) * L.Q + grp;
-    const int64_t start = qb * B;
-    const int lim = block_limit(e.n, start, B);
-    if (lim == 0) continue;
-    const float scale = e.absmax[qb];
-    const bool vec = lim == B && quad_aligned<T>(e.out, e.out, e.codes, e.codes);
-    uint8_t q[KMAX];  // the tile's codes first: a store to `out` in between would serialize the loads
-    load_tile(L, vec, lane, lim, e.codes + start, q);
-    store_tile(L, vec, lane, lim, out + start, [&](int k) { return (C)(keys[q[k]] * scale); });
+    const int64_t start = (tile - cur.lo) * tile_elems;
+    const int lim = e.n - start < tile_elems ? (int)(e.n - start) : tile_elems;  // >= 1: the tile exists
+    const uint8_t* codes = e.codes + start;
+    const float* absmax = e.absmax + (start >> shift);
+    T* out = static_cast<T*>(e.out) + start;
+    if (lim == tile_elems && quad_aligned<T>(e.out, e.out, e.codes, e.codes)) {
+      uint32_t w[kRuns];
+      float scale[kRuns];
+#pragma unroll
+      for (int j = 0; j < kRuns; ++j) {
+        const int o = 4 * (lane + j * W);
+        w[j] = j < runs ? *reinterpret_cast<const uint32_t*>(codes + o) : 0u;
+        scale[j] = j < runs ? absmax[o >> shift] : 0.0f;
+      }
+#pragma unroll
+      for (int j = 0; j < kRuns; ++j) {
+        if (j < runs) {
+          Quad<T> q;
+#pragma unroll
+          for (int t = 0; t < 4; ++t) st(q.v, t, (C)(keys[(w[j] >> (8 * t)) & 0xFF] * scale[j]));
+          st4(out, 4 * (lane + j * W), q);
+        }
+      }
+    } else {  // a partial tile or an unaligned tensor: element by element, four at a time
+#pragma unroll 1
+      for (int j = 0; j < 4 * runs; j += 4) {
+        uint8_t q[4];
+        float scale[4];
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+          const int o = lane + (j + t) * W;
+          q[t] = o < lim ? codes[o] : 0;
+          scale[t] = o < lim ? absmax[o >> shift] : 0.0f;
+        }
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+          const int o = lane + (j + t) * W;
+          if (o < lim) st(out, o, (C)(keys[q[t]] * scale[t]));
+        }
+      }
+    }
   }
 }
 
@@ -97,7 +135,9 @@ template <typename T, int KMAX>
 cudaError_t launch_dequantize(const int64_t* tile_start, const QuantEntry* entries, int n, int64_t total, int B,
                               const float* map, cudaStream_t stream) {
   auto kernel = dequantize_kernel<T, KMAX>;
-  FASTOPT_LAUNCH(kernel, persistent_grid(kernel, total), kThreads, stream, tile_start, entries, n, total, B, map);
+  const int64_t per_block = KMAX == 4 ? 4 : 1;  // tiles per block iteration
+  FASTOPT_LAUNCH(kernel, persistent_grid(kernel, ceil_div(total, per_block)), kThreads, stream, tile_start, entries,
+                 n, total, B, map);
   return cudaGetLastError();
 }
 

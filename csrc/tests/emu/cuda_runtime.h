@@ -65,6 +65,7 @@ inline float __uint_as_float(uint32_t u) {
   memcpy(&x, &u, 4);
   return x;
 }
+inline int __ffs(int x) { return __builtin_ffs(x); }
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fmaf_rn(float a, float b, float c) { return fmaf(a, b, c); }
 
