@@ -16,7 +16,7 @@
 #                                                                                   -> profile/ in results.tar.gz
 #   4c. (opt-in, stage `tiles`) bench/galore_tiles.py: GaLore's matmul tiles timed -> galore_tiles.json in the tarball
 #   5. the benchmark suite (bench/run.py) with the time that is left, the benches in BENCH_FIRST (default
-#      lamb,came,galore: the kernels changed since the last GPU run) first         -> $OUT/suite-<gpu>.{json,md,png}
+#      adamw8bit,lamb,came,galore: the kernels changed since the last GPU run) first         -> $OUT/suite-<gpu>.{json,md,png}
 # Everything printed goes to $OUT/gpu_check.log; the per-bench files go into $OUT/results.tar.gz (the
 # device returns at most 8 files). Unpack that into bench/results/ to commit it.
 # Wheels in .whl/ (carried) are installed to /tmp/site first: the image lacks some test dependencies (the
@@ -46,7 +46,7 @@ cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the folder that receives the results}"
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)  # absolute: the stages may run from another folder (install)
 PY=${PYTHON:-python3}
-BENCH_FIRST=${BENCH_FIRST-lamb,came,galore}  # set empty for the suite's own order
+BENCH_FIRST=${BENCH_FIRST-adamw8bit,lamb,came,galore}  # set empty for the suite's own order
 BUDGET=${GPU_CHECK_BUDGET_S:-560}
 T0=$(date +%s)
 unset TRITON_INTERPRET

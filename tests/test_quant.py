@@ -456,8 +456,11 @@ def test_cuda_kernels_pass_their_unit_test_in_the_emulator(tmp_path):
     exe = tmp_path / "test_cuda_emu"
     r = subprocess.run([gxx, *sanitize[:1], *map(str, procs), "-o", str(exe)], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-    r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and "all CUDA tests passed" in r.stdout, f"{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
+    for sms in ("1", "5"):  # one persistent block walking every tile, and more blocks than ctest's 3
+        r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=600,
+                           env=dict(os.environ, FASTOPT_EMU_SMS=sms))
+        assert r.returncode == 0 and "all CUDA tests passed" in r.stdout, \
+            f"FASTOPT_EMU_SMS={sms}\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
 
 
 def test_nvcc_compiles_every_cu_file(tmp_path):
