@@ -437,8 +437,8 @@ def test_cuda_kernels_pass_their_unit_test_in_the_emulator(tmp_path):
     for side, files in sources.items():
         for f in files:
             obj = tmp_path / (f.stem + ".o")
-            cmd = [gxx, "-std=c++17", "-O2", "-Wall", "-Wno-unknown-pragmas", *sanitize, "-I", str(emu), "-I",
-                   str(CSRC), "-c", str(f), "-o", str(obj)]
+            cmd = [gxx, "-std=c++17", "-O2", "-Wall", "-Wno-unknown-pragmas", "-ffp-contract=off", *sanitize, "-I",
+                   str(emu), "-I", str(CSRC), "-c", str(f), "-o", str(obj)]
             procs[obj] = (side, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     for obj, (side, proc) in procs.items():
         out = proc.communicate(timeout=600)[0]
