@@ -8,6 +8,7 @@
 """
 from __future__ import annotations
 
+import io
 import os
 import re
 
@@ -223,6 +224,27 @@ def assert_unchanged(opt, before: dict) -> None:
         assert torch.equal(p, p0) and st.keys() == s0.keys(), (sorted(st), sorted(s0))
         for k, v in s0.items():
             assert st[k].dtype == v.dtype and torch.equal(st[k], v), k
+
+
+def check_foreign_group_count_refused(ref_cls, ours_cls, **kw) -> None:
+    """Another library's state_dict of two groups (the second without state: its param had no grad), saved and
+    loaded with weights_only, into an optimizer of one group: refused, naming the counts, before anything
+    changes (not cut to the first group)."""
+    a, b = torch.randn(4, 5, requires_grad=True), torch.randn(6, requires_grad=True)
+    theirs = ref_cls([{"params": [a]}, {"params": [b]}], **kw)
+    a.grad = torch.randn_like(a)
+    theirs.step()
+    mine = a.detach().clone().requires_grad_()
+    ours = ours_cls([mine], **kw)
+    mine.grad = torch.randn_like(mine)
+    ours.step()
+    before = snapshot(ours)
+    buf = io.BytesIO()
+    torch.save(theirs.state_dict(), buf)
+    buf.seek(0)
+    with pytest.raises(ValueError, match="state_dict has 2 param groups, this optimizer has 1"):
+        ours.load_state_dict(torch.load(buf, weights_only=True))
+    assert_unchanged(ours, before)
 
 
 def check_bad_group_refused(cls, defaults: dict, bad: dict, key: str, how: str) -> None:

@@ -5,8 +5,9 @@ import io
 
 import pytest
 import torch
-from conftest import (TALL_ROWS, TOL, assert_tracks, rel_update_error, step_with_inf_at, launches_per_step,
-                      check_bad_group_refused, check_refuses_sparse_and_complex, check_skips_params_without_grad)
+from conftest import (TALL_ROWS, TOL, assert_tracks, rel_update_error, step_with_inf_at,
+                      launches_per_step, check_bad_group_refused, check_foreign_group_count_refused,
+                      check_refuses_sparse_and_complex, check_skips_params_without_grad)
 from transformers.optimization import Adafactor as HFAdafactor
 
 import fastopt
@@ -27,6 +28,10 @@ OPTIONS = {
     # next to g^2: both eps act.
     "eps_zero_init": dict(eps=(1e-2, 1e-2)),
     "eps1_zero_init": dict(eps=(0.5, 1e-3), beta1=0.9),
+    # The same with the default eps: the step size sits on the default eps2.
+    "zero_init": dict(),
+    # beta1=0 keeps an `exp_avg` (the last update), as transformers does for any beta1 that is not None.
+    "beta1_zero": dict(beta1=0.0),
 }
 STEPS = 10
 
@@ -46,6 +51,13 @@ def run(cls, init, grads, dtype, device="cpu", **kw):
             p.grad = gr.to(device=device, dtype=dtype)
         opt.step()
     return params, opt
+
+
+def save_load(state_dict):
+    buf = io.BytesIO()
+    torch.save(state_dict, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
 
 
 def state_tensors(opt, params, key):
@@ -273,6 +285,7 @@ def test_skips_params_without_grad_and_empty_params(backend, device):
     (dict(eps=1e-3), "eps"),
     (dict(clip_threshold=0.0), "clip_threshold"),
     (dict(decay_rate=0.5), "decay_rate"),
+    (dict(decay_rate=0.0), "decay_rate"),
     (dict(beta1=1.0), "beta1"),
     (dict(weight_decay=-0.1), "weight_decay"),
     (dict(warmup_init=True, relative_step=False, lr=1e-3), "warmup_init"),
@@ -294,6 +307,7 @@ BAD_GROUPS = [
     (dict(clip_threshold=0.0), "clip_threshold"),
     (dict(clip_threshold=float("inf")), "clip_threshold"),
     (dict(decay_rate=0.5), "decay_rate"),
+    (dict(decay_rate=0.0), "decay_rate"),
     (dict(beta1=1.5), "beta1"),
     (dict(weight_decay=-0.1), "weight_decay"),
     (dict(warmup_init=True, relative_step=False, lr=1e-2), "warmup_init"),
@@ -364,6 +378,124 @@ def test_adafactor_schedule_logs_the_lr_and_steps_like_transformers(backend, dev
         rel_step = 1e-6 * t
         assert b > 0 and abs(a - b) <= rel_step * b, (t, a, b)
     assert ours[-1] > 5 * ours[0]  # the warm-up shows
+
+
+@pytest.mark.parametrize("option", ["default", "warmup", "no_scale", "fixed_lr", "all", "zero_init"])
+def test_get_lr_is_transformers_get_lr_for_each_param(backend, device, option):
+    """`_get_lr` (what AdafactorSchedule logs) of each param's own state is transformers' `_get_lr` of the same
+    group at that param's step with that param's RMS (as it is now): params of different RMS in one group, before
+    the first step (without state, then with the zero state state_dict() makes, step 0: either way the step size
+    the first step takes, t = 1) and after each of 10 steps; zero params: the RMS is below eps2, the floor."""
+    kw = OPTIONS[option]
+    init, grads = make_problem(shapes=[(4, 6), (3, 5), (7,), ()])
+    init = [p * s for p, s in zip(init, (0.25, 1.0, 3.0, 8.0))]
+    if option.endswith("zero_init"):
+        init = [torch.zeros_like(p) for p in init]
+    params = [p.clone().to(device).requires_grad_() for p in init]
+    opt = fastopt.Adafactor(params, **kw)
+    group = opt.param_groups[0]
+
+    def check(t):
+        for k, p in enumerate(params):
+            theirs = HFAdafactor._get_lr(group, {"step": t, "RMS": HFAdafactor._rms(p.detach().cpu())})
+            assert opt._get_lr(group, opt.state[p]) == pytest.approx(float(theirs), rel=1e-12, abs=0), (t, k)
+
+    check(1)  # no state yet
+    opt.state_dict()
+    assert all(float(opt.state[p]["step"]) == 0 for p in params)
+    check(1)
+    for t, step_grads in enumerate(grads, start=1):
+        for p, gr in zip(params, step_grads):
+            p.grad = gr.to(device)
+        opt.step()
+        check(t)
+
+
+def test_state_dicts_interchange_with_transformers(backend, device):
+    """transformers' state_dict (int step, an `RMS` entry) loads here midway, each group keeping its own
+    fastopt-only `bf16_stochastic_round`, and the run goes on as transformers' own (the relative step size reads
+    the loaded step counter); and ours loads there."""
+    kw = dict(beta1=0.9, weight_decay=0.01)
+    init, grads = make_problem(shapes=[(4, 6), (2, 3, 5), (5,), ()])
+
+    def start(cls, params, flags=None):
+        groups = [{"params": params[:2]}, {"params": params[2:]}]
+        if flags is not None:
+            for g, flag in zip(groups, flags):
+                g["bf16_stochastic_round"] = flag
+        return cls(groups, **kw)
+
+    def feed(opt, params, grads):
+        for step_grads in grads:
+            for p, gr in zip(params, step_grads):
+                p.grad = gr.to(p.device)
+            opt.step()
+
+    truth = [p.clone().requires_grad_() for p in init]
+    feed(start(HFAdafactor, truth), truth, grads)
+    ref = [p.clone().requires_grad_() for p in init]
+    ref_opt = start(HFAdafactor, ref)
+    feed(ref_opt, ref, grads[:4])
+    params = [p.detach().clone().to(device).requires_grad_() for p in ref]
+    ours = start(fastopt.Adafactor, params, flags=(True, False))
+    ours.load_state_dict(save_load(ref_opt.state_dict()))
+    assert [g["bf16_stochastic_round"] for g in ours.param_groups] == [True, False]
+    assert all(float(ours.state[p]["step"]) == 4 and "RMS" not in ours.state[p] for p in params)
+    feed(ours, params, grads[4:])
+    assert all(float(ours.state[p]["step"]) == len(grads) for p in params)
+    assert_tracks([p.detach().cpu() for p in params], [p.detach() for p in truth], init, torch.float64)
+
+    mine = [p.clone().to(device).requires_grad_() for p in init]
+    our_opt = start(fastopt.Adafactor, mine)
+    feed(our_opt, mine, grads[:4])
+    sd = save_load(our_opt.state_dict())
+    for st in sd["state"].values():
+        for k, v in st.items():
+            st[k] = v.cpu()
+    params = [p.detach().cpu().clone().requires_grad_() for p in mine]
+    theirs = start(HFAdafactor, params)
+    theirs.load_state_dict(sd)
+    feed(theirs, params, grads[4:])
+    assert_tracks([p.detach() for p in params], [p.detach() for p in truth], init, torch.float64)
+
+
+def test_foreign_state_dict_of_another_group_count_is_refused():
+    check_foreign_group_count_refused(HFAdafactor, fastopt.Adafactor)
+
+
+def test_own_state_dict_loads_with_its_bf16_stochastic_round(backend, device):
+    """A state_dict of ours saved with bf16_stochastic_round=True loads with it into an optimizer made without
+    it (torch's load_state_dict takes the saved groups' settings; only transformers' state_dicts, which lack
+    it, take this optimizer's): the bf16 run goes on bit for bit as the uninterrupted one. Updates below half
+    a bf16 ulp: rounding to nearest would not move the params at all."""
+    kw = dict(lr=2e-4, relative_step=False, scale_parameter=False)
+    init, grads = sr_problem([(32, 64), (1000,)], 8)
+    straight, _ = run(fastopt.Adafactor, init, grads, torch.bfloat16, device, bf16_stochastic_round=True, **kw)
+    first, opt = run(fastopt.Adafactor, init, grads[:4], torch.bfloat16, device, bf16_stochastic_round=True, **kw)
+    params = [p.detach().clone().requires_grad_() for p in first]
+    opt2 = fastopt.Adafactor(params, **kw)
+    opt2.load_state_dict(save_load(opt.state_dict()))
+    assert opt2.param_groups[0]["bf16_stochastic_round"] is True
+    for step_grads in grads[4:]:
+        for p, gr in zip(params, step_grads):
+            p.grad = gr.to(device=device, dtype=torch.bfloat16)
+        opt2.step()
+    for a, b, p0 in zip(params, straight, first):
+        assert not torch.equal(b, p0)
+        assert torch.equal(a, b)
+
+
+def test_defaults_are_transformers():
+    """Every argument of transformers' Adafactor, in its order, with its default (eps and decay_rate too, which
+    only tiny gradients or params near zero would show); the fastopt-only option is off by default."""
+    import inspect
+    theirs = inspect.signature(HFAdafactor).parameters
+    ours = inspect.signature(fastopt.Adafactor).parameters
+    assert list(ours)[:len(theirs)] == list(theirs)
+    assert {k: ours[k].default for k in theirs} == {k: v.default for k, v in theirs.items()}
+    p = torch.zeros(2, 2, requires_grad=True)
+    ref = HFAdafactor([p]).defaults
+    assert fastopt.Adafactor([p]).defaults == {**ref, "bf16_stochastic_round": False}
 
 
 def test_sparse_and_complex_refused_before_any_change(backend, device):

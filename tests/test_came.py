@@ -6,8 +6,9 @@ import io
 import pytest
 import torch
 from came_pytorch import CAME as RefCAME
-from conftest import (TALL_ROWS, TOL, assert_tracks, rel_update_error, step_with_inf_at, launches_per_step,
-                      check_bad_group_refused, check_refuses_sparse_and_complex, check_skips_params_without_grad)
+from conftest import (TALL_ROWS, TOL, assert_tracks, rel_update_error, step_with_inf_at,
+                      launches_per_step, check_bad_group_refused, check_foreign_group_count_refused,
+                      check_refuses_sparse_and_complex, check_skips_params_without_grad)
 
 import fastopt
 from sr_checks import (assert_sr_beats_nearest, check_noise_varies, check_sr_deterministic,
@@ -193,7 +194,9 @@ def test_state_dicts_interchange_with_came_pytorch(backend, device):
     params = [p.detach().clone().to(device).requires_grad_() for p in ref_first]
     ours = fastopt.CAME(params, **kw)
     ours.load_state_dict(save_load(ref_opt.state_dict()))
+    assert all(float(ours.state[p]["step"]) == 4 for p in params)  # not used by the math: kept all the same
     feed(ours, params, grads[4:])
+    assert all(float(ours.state[p]["step"]) == len(grads) for p in params)
     assert_tracks([p.cpu() for p in params], truth, init, torch.float64)
 
     our_first, our_opt = run(fastopt.CAME, init, grads[:4], torch.float64, device, **kw)
@@ -206,6 +209,68 @@ def test_state_dicts_interchange_with_came_pytorch(backend, device):
     theirs.load_state_dict(sd)
     feed(theirs, params, grads[4:])
     assert_tracks(params, truth, init, torch.float64)
+
+
+def test_came_pytorch_state_loads_into_groups_with_their_own_fastopt_options(backend, device):
+    """came-pytorch's state_dict of two groups into ours, whose groups differ in the fastopt-only options (8-bit
+    momentum and stochastic rounding in the first): each group keeps its own, the first group's momentum is
+    requantized into 8-bit blocks, and the run goes on with came-pytorch's within the 8-bit noise."""
+    kw = dict(lr=1e-3, weight_decay=0.01)
+    init, grads = make_problem(shapes=[(16, 24), (3, 8, 40), (24,), ()], steps=10)
+
+    def groups(params, **first):
+        return [{"params": params[:2], **first}, {"params": params[2:]}]
+
+    truth = make_params(init, torch.float64)
+    feed(RefCAME(groups(truth), **kw), truth, grads)
+    ref = make_params(init, torch.float64)
+    ref_opt = RefCAME(groups(ref), **kw)
+    feed(ref_opt, ref, grads[:5])
+    params = [p.detach().clone().to(device).requires_grad_() for p in ref]
+    ours = fastopt.CAME(groups(params, nbits=8, bf16_stochastic_round=True), **kw)
+    ours.load_state_dict(save_load(ref_opt.state_dict()))
+    assert [(g["nbits"], g["bf16_stochastic_round"]) for g in ours.param_groups] == [(8, True), (32, False)]
+    assert [ours.state[p]["exp_avg"].dtype for p in params] == [torch.uint8] * 2 + [torch.float64] * 2
+    feed(ours, params, grads[5:])
+    mid = [p.detach() for p in ref]
+    err = rel_update_error([p.cpu() for p in params], [p.detach() for p in truth], mid)
+    assert 1e-4 < err <= TOL_8BIT, err
+
+
+def test_foreign_state_dict_of_another_group_count_is_refused():
+    check_foreign_group_count_refused(RefCAME, fastopt.CAME, lr=1e-3)
+
+
+def test_own_state_dict_loads_with_its_bf16_stochastic_round(backend, device):
+    """A state_dict of ours saved with bf16_stochastic_round=True loads with it into an optimizer made without
+    it (torch's load_state_dict takes the saved groups' settings; only came-pytorch's state_dicts, which lack
+    it, take this optimizer's): the bf16 run goes on bit for bit as the uninterrupted one. Updates below half
+    a bf16 ulp: rounding to nearest would not move the params at all."""
+    kw = dict(lr=7e-4, betas=(0.9, 0.999, 0.9))
+    init, grads = sr_problem([(32, 64), (1000,)], 8)
+    straight, _ = run(fastopt.CAME, init, grads, torch.bfloat16, device, bf16_stochastic_round=True, **kw)
+    first, opt = run(fastopt.CAME, init, grads[:4], torch.bfloat16, device, bf16_stochastic_round=True, **kw)
+    params = [p.detach().clone().requires_grad_() for p in first]
+    opt2 = fastopt.CAME(params, **kw)
+    opt2.load_state_dict(save_load(opt.state_dict()))
+    assert opt2.param_groups[0]["bf16_stochastic_round"] is True
+    feed(opt2, params, grads[4:])
+    for a, b, p0 in zip(params, straight, first):
+        assert not torch.equal(b, p0)
+        assert torch.equal(a, b)
+
+
+def test_defaults_are_came_pytorch():
+    """Every argument of came-pytorch's CAME, in its order, with its default (eps too, which only tiny gradients
+    or a vanishing instability would show); the fastopt-only options are off by default."""
+    import inspect
+    theirs = inspect.signature(RefCAME).parameters
+    ours = inspect.signature(fastopt.CAME).parameters
+    assert list(ours)[:len(theirs)] == list(theirs)
+    assert {k: ours[k].default for k in theirs} == {k: v.default for k, v in theirs.items()}
+    p = torch.zeros(2, 2, requires_grad=True)
+    ref = RefCAME([p], lr=1e-3).defaults
+    assert fastopt.CAME([p], lr=1e-3).defaults == {**ref, "bf16_stochastic_round": False, "nbits": 32}
 
 
 @pytest.mark.parametrize("nbits", [32, 8])

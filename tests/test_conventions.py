@@ -12,6 +12,7 @@ projected group, AdamW8bit) on both back ends:
 - a 0-dim CPU tensor lr, changed in place between steps, steps like the same float lrs; a CUDA (here: meta)
   tensor lr is refused;
 - a param twice in one group, or in two groups, is refused;
+- a state_dict that looks like another library's but is malformed is refused as fastopt's own would be;
 - the kernels' plans of groups replaced by load_state_dict are dropped;
 - torch.compile of a training step runs step() eagerly (a graph break), bit for bit the eager run.
 Float64 params (unless a test is about dtypes) and fresh random gradients at every step.
@@ -646,6 +647,41 @@ def test_state_dict_with_a_bad_hyperparameter_is_refused_unchanged(case, backend
     twin.load_state_dict({**copy.deepcopy(good), "version": 3})
     run(opt, ps, [2])
     run(twin, tw, [2])
+    assert_same(opt, twin)
+
+
+# The group keys only fastopt has: without them a group reads as another library's (transformers' Adafactor,
+# came-pytorch's CAME, bitsandbytes' AdamW8bit), which load_state_dict converts.
+FASTOPT_ONLY = {"adafactor": ("bf16_stochastic_round",), "came32": ("bf16_stochastic_round", "nbits"),
+                "adamw8bit": ("block_size", "min_8bit_size")}
+
+
+@pytest.mark.parametrize("form, message", [
+    ("no state", "expected a dict with keys 'state' and 'param_groups', got ['param_groups']"),
+    ("state list", "'state' must be a dict (param id -> state), got list"),
+    ("state entry int", "state[0] is a int, expected a dict of tensors")])
+@pytest.mark.parametrize("case", list(FASTOPT_ONLY))
+def test_foreign_state_dict_of_a_bad_shape_is_refused_unchanged(case, form, message, backend, device):
+    """A state_dict whose groups look like another library's but whose 'state' is missing, not a dict, or holds a
+    non-dict entry is refused with the ValueError fastopt's own would get, and nothing changes (before, a missing
+    'state' loaded as an empty one, wiping the step counts, and the others raised AttributeError)."""
+    ps = make_params(device)
+    opt = make(case, ps)
+    run(opt, ps, range(2))
+    sd = opt.state_dict()
+    groups = [{k: v for k, v in g.items() if k not in FASTOPT_ONLY[case]} for g in sd["param_groups"]]
+    bad = {"no state": {"param_groups": groups}, "state list": {"state": [], "param_groups": groups},
+           "state entry int": {"state": {**sd["state"], 0: 5}, "param_groups": groups}}[form]
+    before = snapshot(opt)
+    with pytest.raises(ValueError, match=re.escape(f"{_name(case)}.load_state_dict: {message}")):
+        opt.load_state_dict(bad)
+    assert_unchanged(opt, before)
+    opt.load_state_dict({"state": sd["state"], "param_groups": groups})  # the well-formed foreign form loads
+    twin_ps = make_params(device)
+    twin = make(case, twin_ps)
+    run(twin, twin_ps, range(2))
+    run(opt, ps, [2])
+    run(twin, twin_ps, [2])
     assert_same(opt, twin)
 
 

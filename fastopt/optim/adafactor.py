@@ -142,12 +142,12 @@ class Adafactor(FastOptimizer):
         `exp_avg_sq_col` or `exp_avg_sq`, `exp_avg` with beta1), their int `step` becomes a tensor, their
         `RMS` (recomputed there every step from the param, unused across steps) is dropped, and their groups
         get this optimizer's `bf16_stochastic_round`."""
-        groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
-        if isinstance(groups, list) and len(groups) == len(self.param_groups) and all(
-                isinstance(g, dict) and "bf16_stochastic_round" not in g and set(_TRANSFORMERS_KEYS) <= set(g)
-                for g in groups):
+        parts = self._foreign_parts(
+            state_dict, lambda g: "bf16_stochastic_round" not in g and set(_TRANSFORMERS_KEYS) <= set(g))
+        if parts is not None:
+            state, groups = parts
             state = {pid: ({k: v for k, v in st.items() if k != "RMS"} if isinstance(st, dict) else st)
-                     for pid, st in state_dict.get("state", {}).items()}
+                     for pid, st in state.items()}
             state_dict = {"state": state,
                           "param_groups": [{**g, "bf16_stochastic_round": ours["bf16_stochastic_round"]}
                                            for g, ours in zip(groups, self.param_groups)]}

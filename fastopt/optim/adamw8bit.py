@@ -86,11 +86,11 @@ class AdamW8bit(FastOptimizer):
         fastopt's fixed maps and dropped, its int `step` becomes a tensor, and its groups (lr, betas, eps,
         weight_decay; alpha, t_alpha, t_beta3 of its AdEMAMix variant are ignored) get this optimizer's
         `block_size` and `min_8bit_size`. `state1`/`state2` and `absmax1`/`absmax2` keep their names."""
-        groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
-        if isinstance(groups, list) and len(groups) == len(self.param_groups) and all(
-                isinstance(g, dict) and "block_size" not in g and {"lr", "betas", "eps", "weight_decay"} <= set(g)
-                for g in groups):
-            state_dict = {"state": {pid: _from_bnb(pid, st) for pid, st in state_dict.get("state", {}).items()},
+        parts = self._foreign_parts(
+            state_dict, lambda g: "block_size" not in g and {"lr", "betas", "eps", "weight_decay"} <= set(g))
+        if parts is not None:
+            state, groups = parts
+            state_dict = {"state": {pid: _from_bnb(pid, st) for pid, st in state.items()},
                           "param_groups": [{**{k: v for k, v in g.items() if k not in _BNB_ONLY},
                                             "block_size": ours["block_size"], "min_8bit_size": ours["min_8bit_size"]}
                                            for g, ours in zip(groups, self.param_groups)]}

@@ -709,6 +709,20 @@ class FastOptimizer(torch.optim.Optimizer):
         optimizer's form; this optimizer's own (and anything else) as it is."""
         return state_dict
 
+    def _foreign_parts(self, state_dict, is_foreign_group):
+        """(state, param_groups) of `state_dict` when it has torch's shape (a dict 'state', a list 'param_groups'
+        as long as this optimizer's) and is_foreign_group(g) holds for every group; else None, and _from_foreign
+        leaves it to _validate_state_dict, which names what is wrong (a missing 'state' must not load as an empty
+        one). The caller converts the entries of `state` that are dicts and passes the others through, for the
+        same reason."""
+        if not isinstance(state_dict, dict):
+            return None
+        state, groups = state_dict.get("state"), state_dict.get("param_groups")
+        if not (isinstance(state, dict) and isinstance(groups, list) and len(groups) == len(self.param_groups)
+                and all(isinstance(g, dict) and is_foreign_group(g) for g in groups)):
+            return None
+        return state, groups
+
     def _validate_state_dict(self, state_dict: dict) -> dict:
         """{param: the state to install}, built from `state_dict` without touching the optimizer; raises
         ValueError naming the first mismatch."""
@@ -717,6 +731,10 @@ class FastOptimizer(torch.optim.Optimizer):
         if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
             got = sorted(state_dict, key=str) if isinstance(state_dict, dict) else type(state_dict).__name__
             raise ValueError(f"{where}: expected a dict with keys 'state' and 'param_groups', got {got}")
+        saved_state = state_dict["state"]
+        if not isinstance(saved_state, dict):
+            raise ValueError(f"{where}: 'state' must be a dict (param id -> state), got "
+                             f"{type(saved_state).__name__}")
         saved_groups = state_dict["param_groups"]
         if not isinstance(saved_groups, list) or not all(isinstance(g, dict) and "params" in g
                                                          for g in saved_groups):
@@ -742,10 +760,6 @@ class FastOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"{where}: the state_dict's {str(e).removeprefix(name + ': ')}") from None
             for pid, p in zip(sg["params"], g["params"]):
                 id_map[pid] = (p, merged, g)
-        saved_state = state_dict["state"]
-        if not isinstance(saved_state, dict):
-            raise ValueError(f"{where}: 'state' must be a dict (param id -> state), got "
-                             f"{type(saved_state).__name__}")
         # The ranks that share a sharded param agree on the verdict (a non-finite value, or another shape, may be
         # in one rank's piece only): over the groups of the params' meshes and declarations, never the world.
         params = [p for g in self.param_groups for p in g["params"]]

@@ -99,14 +99,13 @@ class CAME(FastOptimizer):
         """load_state_dict also takes came-pytorch's state_dicts: their int `step` becomes a tensor, their `RMS`
         (recomputed there every step, unused by the math) is dropped, and the groups get this optimizer's
         fastopt-only options."""
-        if isinstance(state_dict, dict) and isinstance(state_dict.get("param_groups"), list) and all(
-                isinstance(g, dict) and set(_CAME_PYTORCH_KEYS) <= set(g) and "nbits" not in g
-                for g in state_dict["param_groups"]) and len(state_dict["param_groups"]) == len(self.param_groups):
+        parts = self._foreign_parts(state_dict, lambda g: set(_CAME_PYTORCH_KEYS) <= set(g) and "nbits" not in g)
+        if parts is not None:
+            state, groups = parts
             extra = ("bf16_stochastic_round", "nbits")
-            groups = [{**g, **{k: ours[k] for k in extra}} for g, ours in
-                      zip(state_dict["param_groups"], self.param_groups)]
-            state = {pid: {k: (torch.tensor(float(v)) if k == "step" and not isinstance(v, torch.Tensor) else v)
-                           for k, v in st.items() if k != "RMS"}
-                     for pid, st in state_dict.get("state", {}).items()}
+            groups = [{**g, **{k: ours[k] for k in extra}} for g, ours in zip(groups, self.param_groups)]
+            state = {pid: ({k: (torch.tensor(float(v)) if k == "step" and not isinstance(v, torch.Tensor) else v)
+                            for k, v in st.items() if k != "RMS"} if isinstance(st, dict) else st)
+                     for pid, st in state.items()}
             state_dict = {"state": state, "param_groups": groups}
         return state_dict
