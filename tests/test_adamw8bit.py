@@ -7,11 +7,12 @@ compiled extension's fused kernels, built once per session into the torch extens
 from __future__ import annotations
 
 import io
+import math
 import re
 
 import pytest
 import torch
-from conftest import TOL, check_bad_key_refused_after_a_step, group_key, rel_update_error
+from conftest import TOL, check_bad_key_refused_after_a_step, group_key, rel_update_error, through_8bit
 
 import fastopt
 from fastopt import ext
@@ -172,6 +173,135 @@ def test_extension_matches_reference(built, monkeypatch, dtype):
                 assert torch.equal(sa[k], sb[k]), k
             else:
                 assert torch.allclose(sa[k], sb[k], rtol=1e-5, atol=1e-9), k
+
+
+def _adamw8bit_reference(init, grads, lr, betas, eps, weight_decay, block_size, min_8bit_size, lrs=None):
+    """torch.optim.AdamW's update in float64, one param at a time, with m and v of the params of at least
+    `min_8bit_size` elements kept between steps in the 8-bit block-wise format (conftest.through_8bit: quantized
+    from the exact m_t, v_t that the update used, as bitsandbytes does). `lrs`: each step's lr (a schedule set
+    through the group). Returns (params, [(m codes, v codes) or None])."""
+    beta1, beta2 = betas
+    ps = [x.clone() for x in init]
+    ms = [torch.zeros_like(x) for x in ps]
+    vs = [torch.zeros_like(x) for x in ps]
+    codes = [None] * len(ps)
+    for t, step_grads in enumerate(grads, start=1):
+        step_lr = lr if lrs is None else lrs[t - 1]
+        for i, g in enumerate(step_grads):
+            m = beta1 * ms[i] + (1 - beta1) * g
+            v = beta2 * vs[i] + (1 - beta2) * g * g
+            denom = v.sqrt() / math.sqrt(1 - beta2 ** t) + eps
+            ps[i] = ps[i] * (1 - step_lr * weight_decay) - step_lr / (1 - beta1 ** t) * m / denom
+            if ps[i].numel() >= min_8bit_size:
+                m, v, codes[i] = through_8bit(m, v, block_size)
+            ms[i], vs[i] = m, v
+    return ps, codes
+
+
+def _assert_matches_reference(opt, ours, ref, codes, init, block_size):
+    """fp64 params: within TOL[float64] of the update's size, param by param; the 8-bit states to the last code,
+    with one absmax per block of `block_size`; the others in fp64."""
+    for i, (p, r, x, c) in enumerate(zip(ours, ref, init, codes)):
+        st = opt.state[p]
+        assert rel_update_error([p], [r], [x]) <= TOL[torch.float64], f"param {i}"
+        if c is None:
+            assert set(st) == {"step", "state1", "state2"} and st["state1"].dtype == torch.float64, f"param {i}"
+        else:
+            assert st["absmax1"].shape == st["absmax2"].shape == (math.ceil(p.numel() / block_size),), f"param {i}"
+            assert torch.equal(st["state1"], c[0]) and torch.equal(st["state2"], c[1]), f"param {i}"
+
+
+def test_defaults_are_torch_adamws_with_bitsandbytes_8bit_layout(impl):
+    """No argument but the params: torch.optim.AdamW's hyperparameters (lr, betas, eps, weight_decay, read from a
+    torch.optim.AdamW made here) and bitsandbytes' 8-bit layout (blocks of 256; 8-bit state from
+    min_8bit_size=4096 elements on). fp64 params, 30 steps: exactly 4096 elements (8-bit), 4099 (8-bit, a partial
+    last block), 4095 and 231 (fp64 state) track the float64 reference; the fp64-state ones also track
+    torch.optim.AdamW() itself."""
+    shapes = [(64, 64), (4099,), (4095,), (33, 7)]
+    init, grads = _problem(seed=8, steps=30, shapes=shapes)
+    ours, opt = _run(fastopt.AdamW8bit, init, grads, torch.float64)
+    truth, t_opt = _run(torch.optim.AdamW, init, grads, torch.float64)
+    torch_defaults = {k: t_opt.defaults[k] for k in ("lr", "betas", "eps", "weight_decay")}
+    ref, codes = _adamw8bit_reference(init, grads, **torch_defaults, block_size=256, min_8bit_size=4096)
+    assert [c is not None for c in codes] == [True, True, False, False]
+    _assert_matches_reference(opt, ours, ref, codes, init, 256)
+    assert rel_update_error(ours[2:], truth[2:], init[2:]) <= TOL[torch.float64]
+
+
+def test_values_at_the_ends_of_the_rules_are_taken(impl):
+    """The ends of the argument rules, given to the constructor: lr=0 (a warm-up from 0: the group's lr is raised
+    after 3 steps, as a scheduler would), eps=0, weight_decay=0, block_size=4096 and min_8bit_size=0 (every param
+    8-bit, the single element too). The steps at lr=0 leave the params as they are; over 30 steps (fp64 params)
+    the run is the float64 reference's, its codes to the last one."""
+    shapes = [(2, 4100), (33, 7), (1,)]  # 3 blocks of 4096, the last one partial; one partial block; one element
+    init, grads = _problem(seed=9, steps=30, shapes=shapes)
+    lrs = [0.0] * 3 + [1e-2] * 27
+    params = [torch.nn.Parameter(x.clone()) for x in init]
+    opt = fastopt.AdamW8bit(params, lr=0.0, eps=0.0, weight_decay=0.0, block_size=4096, min_8bit_size=0)
+    for t, gs in enumerate(grads):
+        opt.param_groups[0]["lr"] = lrs[t]
+        for p, g in zip(params, gs):
+            p.grad = g.clone()
+        opt.step()
+        if t == 2:
+            assert all(torch.equal(p, x) for p, x in zip(params, init))
+    ref, codes = _adamw8bit_reference(init, grads, lr=None, betas=(0.9, 0.999), eps=0.0, weight_decay=0.0,
+                                      block_size=4096, min_8bit_size=0, lrs=lrs)
+    assert all(c is not None for c in codes)
+    _assert_matches_reference(opt, params, ref, codes, init, 4096)
+
+
+def test_declared_pieces_are_8bit_by_the_whole_tensor_and_step_their_real_elements(impl, monkeypatch):
+    """Params sharded by hand (fastopt.distributed.declare_shard; one process: AdamW8bit's step is element-wise,
+    no collective), in a group with its own block_size=64 and min_8bit_size=300 (the constructor's at their
+    defaults). A piece of 100 elements of a (8, 64) tensor keeps 8-bit state: the whole tensor's size decides, not
+    the piece's. A flat range holding a whole (16, 20) tensor plus 3 padding elements (NaN gradients there, which
+    would poison any block that read them) has 6 blocks of 64, the last one padding alone. Over 20 steps (fp64
+    params) the real elements step as the float64 reference does (blocks of 64 cut from the piece), codes to the
+    last one, and the padding stays as it was."""
+    from fastopt.distributed import declare_shard
+    from fastopt.distributed.layout import Layout
+    monkeypatch.setattr(Layout, "reduce", lambda self, buf: None)
+    init, grads = _problem(seed=10, steps=20, shapes=[(16, 20), (100,)])
+    padded = declare_shard(torch.nn.Parameter(torch.cat([init[0].reshape(-1), init[0].new_full((3,), 7.0)])),
+                           (16, 20), "group", flat_offset=0)
+    piece = declare_shard(torch.nn.Parameter(init[1].clone()), (8, 64), "group", flat_offset=0)
+    opt = fastopt.AdamW8bit([{"params": [padded, piece], "block_size": 64, "min_8bit_size": 300}], **HYPER)
+    for gs in grads:
+        padded.grad = torch.cat([gs[0].reshape(-1), gs[0].new_full((3,), float("nan"))])
+        piece.grad = gs[1].clone()
+        opt.step()
+    ref, codes = _adamw8bit_reference(init, grads, **HYPER, block_size=64, min_8bit_size=0)
+    assert torch.equal(padded[-3:], padded.new_full((3,), 7.0))
+    ours = [padded[:-3].view(16, 20), piece]
+    assert opt.state[padded]["absmax1"].shape == (6,) and opt.state[piece]["absmax1"].shape == (2,)
+    for i, (p, r, x, c) in enumerate(zip(ours, ref, init, codes)):
+        st = opt.state[(padded, piece)[i]]
+        assert rel_update_error([p], [r], [x]) <= TOL[torch.float64], f"param {i}"
+        for k, want in (("state1", c[0]), ("state2", c[1])):
+            assert torch.equal(st[k][:want.numel()].view_as(want), want), (i, k)
+
+
+def test_param_groups_step_with_their_own_settings(impl):
+    """Two groups: one with the constructor's settings, one with its own value of every hyperparameter (lr, betas,
+    eps, weight_decay, block_size, min_8bit_size). fp64 params, 30 steps: each group is the float64 reference
+    under its own settings, its 8-bit states in its own blocks, to the last code; (300,) is 8-bit under its
+    group's min_8bit_size=200, not under the constructor's 1000."""
+    own = dict(lr=3e-3, betas=(0.8, 0.95), eps=1e-3, weight_decay=0.2, block_size=64, min_8bit_size=200)
+    init, grads = _problem(seed=11, steps=30, shapes=[(40, 30), (33, 7), (300,), (150,)])
+    params = [torch.nn.Parameter(x.clone()) for x in init]
+    opt = fastopt.AdamW8bit([{"params": params[:2]}, {"params": params[2:], **own}], **HYPER, block_size=256,
+                            min_8bit_size=1000)
+    for gs in grads:
+        for p, g in zip(params, gs):
+            p.grad = g.clone()
+        opt.step()
+    ref0, codes0 = _adamw8bit_reference(init[:2], [gs[:2] for gs in grads], **HYPER, block_size=256,
+                                        min_8bit_size=1000)
+    ref1, codes1 = _adamw8bit_reference(init[2:], [gs[2:] for gs in grads], **own)
+    assert [c is not None for c in codes0 + codes1] == [True, False, True, False]
+    _assert_matches_reference(opt, params[:2], ref0, codes0, init[:2], 256)
+    _assert_matches_reference(opt, params[2:], ref1, codes1, init[2:], 64)
 
 
 def test_state_layout_and_memory(impl):

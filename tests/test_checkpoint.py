@@ -20,13 +20,14 @@ import contextlib
 import copy
 import io
 import os
+import re
 import shutil
 import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import DIST_WORLD, TOL
+from conftest import DIST_WORLD, TOL, check_foreign_group_count_refused
 
 import fastopt
 from fastopt import checkpoint as ckpt
@@ -940,6 +941,92 @@ def test_loads_bitsandbytes_adamw8bit_state_same_codes():
     with pytest.raises(ValueError, match="qmap1"):
         ours.load_state_dict(bad)
     assert _same(before, _snapshot(ours))
+
+
+def test_bitsandbytes_state_takes_its_hyperparameters_and_this_optimizers_layout_and_continues():
+    """bitsandbytes' AdamW8bit state_dict (fp32 Linear, 3 steps, hyperparameters other than this optimizer's)
+    loads with bitsandbytes' lr, betas, eps and weight_decay (its AdEMAMix keys alpha, t_alpha, t_beta3 dropped)
+    and this optimizer's block_size and min_8bit_size: under min_8bit_size=0 the bias's fp32 state becomes 8-bit
+    here. Refused, naming what does not fit, and leaving the optimizer as it was: blocks of 64 here (bitsandbytes'
+    are 256); a min_8bit_size above the weight's size (its codes have no place in 32-bit state); bitsandbytes'
+    params in two groups, one here; torch.optim.SGD's state_dict (neither bitsandbytes' nor ours: named by the keys
+    it lacks). Loaded into the default layout, 20 more steps track float64 torch.optim.AdamW, started from
+    bitsandbytes' dequantized moments at step 3, no worse than bitsandbytes' own continued run (the 8-bit weight,
+    within NOISE of test_adamw8bit.py) and within TOL[float32] (the fp32-state bias)."""
+    bnb = pytest.importorskip("bitsandbytes")
+    kw = dict(lr=2e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.05)
+    model = torch.nn.Linear(48, 96, dtype=torch.float32)  # weight: 4608 elements, 18 blocks of 256; bias: 96
+    g = torch.Generator().manual_seed(5)
+
+    def set_grads(*params_lists):
+        for ps in zip(*params_lists):
+            grad = torch.randn(ps[0].shape, generator=g, dtype=torch.float64)
+            for p in ps:
+                p.grad = grad.to(p.dtype)
+
+    def copies(dtype=torch.float32):
+        return [torch.nn.Parameter(p.detach().to(dtype, copy=True)) for p in model.parameters()]
+
+    theirs = bnb.optim.AdamW8bit(model.parameters(), **kw)
+    for _ in range(3):
+        set_grads(list(model.parameters()))
+        theirs.step()
+    saved = _reload(theirs.state_dict())
+    assert {"alpha", "t_alpha", "t_beta3"} <= set(saved["param_groups"][0])
+    bias_state = saved["state"][1]["__bnb_optimizer_quant_state__"]
+    ours = fastopt.AdamW8bit(copies(), min_8bit_size=0)
+    ours.load_state_dict(saved)
+    assert {k: v for k, v in ours.param_groups[0].items() if k != "params"} == {
+        **kw, "block_size": 256, "min_8bit_size": 0}
+    st = ours.state[ours.param_groups[0]["params"][1]]
+    for k, signed in (("1", True), ("2", False)):
+        codes, absmax = fastopt.quantize_blockwise(bias_state["state" + k], 256, signed=signed)
+        assert torch.equal(st["state" + k], codes) and torch.equal(st["absmax" + k], absmax), k
+
+    check_foreign_group_count_refused(bnb.optim.AdamW8bit, fastopt.AdamW8bit, **kw)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    refused = [
+        ({"block_size": 64}, saved, r"state[0]['absmax1'] has shape (18,), expected (72,)"),
+        ({"min_8bit_size": 10**9}, saved, "state[0] has keys ['absmax1', 'absmax2', 'state1', 'state2', 'step'], "
+                                          "expected ['state1', 'state2', 'step'] (missing [], unexpected "
+                                          "['absmax1', 'absmax2'])"),
+        ({}, sgd.state_dict(), "param_groups[0] lacks ['betas', 'block_size', 'eps', 'min_8bit_size']: "
+                               "not an AdamW8bit state_dict"),
+    ]
+    for over, sd, message in refused:
+        params = copies()
+        opt = fastopt.AdamW8bit(params, **over)
+        set_grads(params)
+        opt.step()
+        before = _snapshot(opt)
+        with pytest.raises(ValueError, match=re.escape(f"AdamW8bit.load_state_dict: {message}")):
+            opt.load_state_dict(sd)
+        assert _same(before, _snapshot(opt)), over
+
+    # The continued runs, from the params and the state `saved` holds (bitsandbytes' own: loaded back).
+    mid = [p.detach().to(torch.float64, copy=True) for p in model.parameters()]
+    ours_params, truth_params = copies(), copies(torch.float64)
+    theirs = bnb.optim.AdamW8bit(model.parameters(), **kw)
+    theirs.load_state_dict(saved)
+    ours = fastopt.AdamW8bit(ours_params)
+    ours.load_state_dict(saved)
+    truth = torch.optim.AdamW(truth_params, **kw)
+    for p, i in zip(truth_params, (0, 1)):
+        s = saved["state"][i]["__bnb_optimizer_quant_state__"]
+        m, v = s["state1"].double(), s["state2"].double()
+        if "absmax1" in s:
+            m = fastopt.dequantize_blockwise(s["state1"], s["absmax1"], 256, signed=True).double()
+            v = fastopt.dequantize_blockwise(s["state2"], s["absmax2"], 256, signed=False).double()
+        truth.state[p] = {"step": torch.tensor(3.0), "exp_avg": m, "exp_avg_sq": v}
+    for _ in range(20):
+        set_grads(list(model.parameters()), ours_params, truth_params)
+        for opt in (theirs, ours, truth):
+            opt.step()
+    assert float(ours.state[ours_params[0]]["step"]) == 23
+    err = {name: rel_err({"w": ps[0].detach()}, {"w": truth_params[0].detach()}, {"w": mid[0]})
+           for name, ps in (("ours", ours_params), ("bnb", list(model.parameters())))}
+    assert err["ours"] <= 1.01 * err["bnb"], err
+    assert rel_err({"b": ours_params[1].detach()}, {"b": truth_params[1].detach()}, {"b": mid[1]}) <= TOL[torch.float32]
 
 
 def test_loads_came_pytorch_state_into_8bit_came():

@@ -364,16 +364,18 @@ STEPS_8BIT = 30
 
 
 def lamb8_reference(init, grads, lr, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0, max_trust_ratio=None,
-                    block_size=64, min_8bit_size=64, bias_correction=True):
+                    block_size=64, min_8bit_size=64, bias_correction=True, lrs=None):
     """LAMB as issue 4 states it, in float64, with m and v stored in the 8-bit block-wise format of issue 5
-    (quantized after each step from the exact m_t, v_t, which the update uses). Returns (params, codes)."""
+    (quantized after each step from the exact m_t, v_t, which the update uses). `lrs`: each step's lr (a schedule
+    set through the group). Returns (params, codes)."""
     beta1, beta2 = betas
     ps = [x.clone() for x in init]
     ms = [torch.zeros_like(x) for x in ps]
     vs = [torch.zeros_like(x) for x in ps]
     codes = [None] * len(ps)
     for t, step_grads in enumerate(grads, start=1):
-        eta = lr * math.sqrt(1 - beta2 ** t) / (1 - beta1 ** t) if bias_correction else lr
+        step_lr = lrs[t - 1] if lrs is not None else lr
+        eta = step_lr * math.sqrt(1 - beta2 ** t) / (1 - beta1 ** t) if bias_correction else step_lr
         for i, g in enumerate(step_grads):
             m = beta1 * ms[i] + (1 - beta1) * g
             v = beta2 * vs[i] + (1 - beta2) * g * g
@@ -424,6 +426,140 @@ def test_8bit_tracks_32bit_reference(backend, device, dtype):
     assert_tracks(ours[3:], truth[3:], [p.to(dtype) for p in init[3:]], dtype)
     assert [opt.state[p]["exp_avg"].dtype for p in opt.param_groups[0]["params"]] == [torch.uint8] * 3 + [
         torch.float32] * 2
+
+
+# The defaults fastopt.Lamb documents, written out (with nbits=8 also blocks of 256 and 8-bit state from 4096
+# elements on): what `Lamb(params)` must step with.
+DEFAULTS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0, bias_correction=True, max_trust_ratio=None)
+
+
+@pytest.mark.parametrize("nbits", [None, 8])
+def test_defaults_are_the_documented_ones(backend, device, nbits):
+    """No argument but the params (nbits=None), or nbits=8 alone: DEFAULTS, 32-bit state, and with nbits=8 blocks
+    of 256 and 8-bit state from min_8bit_size=4096 elements on. fp64 params, 10 steps: 4096 elements (8-bit with
+    nbits=8, else fp64 state), 4095 (fp64 state), a param whose trust ratio exceeds 10 at every step (no clamp by
+    default), a single element; the float64 LAMB to TOL[float64], the 8-bit states to the last code."""
+    shapes = [(64, 64), (4095,), (7,), ()]
+    init, grads = make_problem(shapes=shapes, scales=[1.0, 1.0, 200.0, 1.0], steps=STEPS_SHORT)
+    params = [p.to(device=device, copy=True).requires_grad_() for p in init]
+    opt = fastopt.Lamb(params) if nbits is None else fastopt.Lamb(params, nbits=8)
+    for step_grads in grads:
+        for p, gr in zip(params, step_grads):
+            p.grad = gr.to(device)
+        opt.step()
+    ref, _, _, ratios = lamb_reference(init, grads, **DEFAULTS)
+    assert min(step[2] for step in ratios) > 10
+    codes = [None] * len(shapes)
+    if nbits == 8:
+        ref, codes = lamb8_reference(init, grads, block_size=256, min_8bit_size=4096, **DEFAULTS)
+        assert [c is not None for c in codes] == [True, False, False, False]
+    for i, (p, r, x, c) in enumerate(zip(params, ref, init, codes)):
+        st = opt.state[p]
+        assert rel_update_error([p.detach().cpu()], [r], [x]) <= TOL[torch.float64], f"param {i}"
+        if c is None:
+            assert set(st) == {"step", "exp_avg", "exp_avg_sq"} and st["exp_avg"].dtype == torch.float64, f"param {i}"
+        else:
+            assert st["exp_avg_absmax"].shape == st["exp_avg_sq_absmax"].shape == (16,)
+            assert torch.equal(st["exp_avg"].cpu(), c[0]) and torch.equal(st["exp_avg_sq"].cpu(), c[1]), f"param {i}"
+
+
+# eps=0: the interpreted Triton kernels compute 0/0 in lanes they mask off (never stored; what is stored is checked).
+@pytest.mark.filterwarnings("ignore:invalid value encountered in divide:RuntimeWarning")
+def test_values_at_the_ends_of_the_rules_are_taken(backend, device):
+    """The ends of the argument rules, given to the constructor: lr=0 (a warm-up from 0: the group's lr is raised
+    after 3 steps, as a scheduler would), eps=0, nbits=8 with block_size=4096 and min_8bit_size=0 (every param
+    8-bit, the single element too). The steps at lr=0 leave the params as they are; over 20 steps (fp64 params)
+    the run is the float64 LAMB with 8-bit moments, to the last code."""
+    shapes = [(2, 4100), (7,), ()]  # 3 blocks of 4096, the last one partial; one partial block; one element
+    init, grads = make_problem(shapes=shapes, scales=[1.0, 3.0, 1.0], steps=20)
+    lrs = [0.0] * 3 + [LR] * 17
+    kw = dict(eps=0.0, weight_decay=0.01, max_trust_ratio=2.0)
+    params = [p.to(device=device, copy=True).requires_grad_() for p in init]
+    opt = fastopt.Lamb(params, lr=0.0, nbits=8, block_size=4096, min_8bit_size=0, **kw)
+    for t, step_grads in enumerate(grads):
+        opt.param_groups[0]["lr"] = lrs[t]
+        for p, gr in zip(params, step_grads):
+            p.grad = gr.to(device)
+        opt.step()
+        if t == 2:
+            assert all(torch.equal(p.detach().cpu(), x) for p, x in zip(params, init))
+    ref, codes = lamb8_reference(init, grads, lr=None, lrs=lrs, block_size=4096, min_8bit_size=0, **kw)
+    for i, (p, r, x, c) in enumerate(zip(params, ref, init, codes)):
+        st = opt.state[p]
+        assert rel_update_error([p.detach().cpu()], [r], [x]) <= TOL[torch.float64], f"param {i}"
+        assert st["exp_avg_absmax"].shape == (math.ceil(p.numel() / 4096),), f"param {i}"
+        assert torch.equal(st["exp_avg"].cpu(), c[0]) and torch.equal(st["exp_avg_sq"].cpu(), c[1]), f"param {i}"
+
+
+def test_dequantized_state_dict_round_trip_is_bit_identical(backend, device):
+    """8-bit state in blocks of 128 (several per param, the last one partial), saved in its dequantized form
+    (fastopt.checkpoint.dequantized_8bit, what DTensor params save): the values are the moments the codes hold,
+    dequantized in blocks of 128; loaded (weights_only) into a fresh Lamb, the state dequantizes to them bit for
+    bit and the next 5 steps equal the uninterrupted run's, bit for bit."""
+    from fastopt.checkpoint import DEQUANTIZED, dequantized_8bit
+    kw = dict(lr=LR, weight_decay=0.01, nbits=8, block_size=128, min_8bit_size=16)
+    init, grads = make_problem(shapes=[(5, 70), (200,), (7,)], steps=10)
+    straight, _ = run(init, grads, torch.float32, device, **kw)
+    first, opt = run(init, grads[:5], torch.float32, device, **kw)
+    with dequantized_8bit(opt):
+        sd = opt.state_dict()
+    for i, p in enumerate(first[:2]):
+        st = opt.state[p]
+        for key, signed in (("exp_avg", True), ("exp_avg_sq", False)):
+            want = fastopt.dequantize_blockwise(st[key], st[key + "_absmax"], 128, signed=signed)
+            assert set(sd["state"][i][key]) == {DEQUANTIZED} and key + "_absmax" not in sd["state"][i]
+            assert torch.equal(sd["state"][i][key][DEQUANTIZED], want), (i, key)
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    params = [p.detach().clone().requires_grad_() for p in first]
+    opt2 = fastopt.Lamb(params, **kw)
+    opt2.load_state_dict(torch.load(buf, weights_only=True))
+    for i, p in enumerate(params[:2]):
+        st = opt2.state[p]
+        for key, signed in (("exp_avg", True), ("exp_avg_sq", False)):
+            back = fastopt.dequantize_blockwise(st[key], st[key + "_absmax"], 128, signed=signed)
+            assert st[key].dtype == torch.uint8 and torch.equal(back, sd["state"][i][key][DEQUANTIZED]), (i, key)
+    for step_grads in grads[5:]:
+        for p, gr in zip(params, step_grads):
+            p.grad = gr.to(device=device, dtype=torch.float32)
+        opt2.step()
+    for a, b in zip(params, straight):
+        assert torch.equal(a, b)
+
+
+def test_flat_ranges_with_padding_take_their_whole_tensors_layout_and_step(backend, device, monkeypatch):
+    """Flat ranges declared by hand (fastopt.distributed.declare_shard, one process, `Layout.reduce` patched out:
+    each holds its whole tensor), each with 3 padding elements past its end (NaN gradients there, which would
+    poison the norms if read). nbits=8, min_8bit_size=320, blocks of 64: the whole tensors' sizes decide the state,
+    not the local pieces': (16, 20) is 8-bit, its padding in a 6th block of its own; (317,) keeps 32-bit state
+    though its piece has 320 elements. Over 10 steps (fp64) the real elements are the float64 LAMB with 8-bit
+    moments, codes to the last one; the padding stays as it was."""
+    from fastopt.distributed import declare_shard
+    from fastopt.distributed.layout import Layout
+    monkeypatch.setattr(Layout, "reduce", lambda self, buf: None)
+    kw = dict(lr=LR, weight_decay=0.01, max_trust_ratio=2.0)
+    shapes = [(16, 20), (317,)]
+    init, grads = make_problem(shapes=shapes, scales=[1.0, 3.0], steps=STEPS_SHORT)
+    params = [declare_shard(torch.cat([x.reshape(-1), x.new_full((3,), 7.0)]).to(device).requires_grad_(), s,
+                            "group", flat_offset=0) for x, s in zip(init, shapes)]
+    opt = fastopt.Lamb(params, nbits=8, block_size=64, min_8bit_size=320, **kw)
+    for step_grads in grads:
+        for p, gr in zip(params, step_grads):
+            p.grad = torch.cat([gr.reshape(-1), gr.new_full((3,), float("nan"))]).to(device)
+        opt.step()
+    ref, codes = lamb8_reference(init, grads, block_size=64, min_8bit_size=320, **kw)
+    assert [c is not None for c in codes] == [True, False]
+    for i, (p, r, x, c) in enumerate(zip(params, ref, init, codes)):
+        st = opt.state[p]
+        assert torch.equal(p[-3:].detach().cpu(), x.new_full((3,), 7.0)), f"param {i}: padding"
+        assert rel_update_error([p[:-3].detach().cpu().view_as(x)], [r], [x]) <= TOL[torch.float64], f"param {i}"
+        if c is None:
+            assert set(st) == {"step", "exp_avg", "exp_avg_sq"} and st["exp_avg"].dtype == torch.float64, f"param {i}"
+        else:
+            assert st["exp_avg_absmax"].shape == (6,)
+            for k, want in (("exp_avg", c[0]), ("exp_avg_sq", c[1])):
+                assert torch.equal(st[k][:-3].cpu().view_as(want), want), (i, k)
 
 
 def _dtensor_lamb(rank, world_size, init, grads, kw):
