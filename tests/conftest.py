@@ -116,6 +116,25 @@ def device(request, backend):
     return torch.device("cuda", torch.cuda.current_device()) if request.param == "cuda" else torch.device("cpu")
 
 
+@pytest.fixture(scope="module")
+def built():
+    """The C++/CUDA extension: the first test needing it builds (or finds) it; later ones reuse it."""
+    from fastopt import ext
+    ext.load()
+    return ext
+
+
+@pytest.fixture(params=["torch", "ext"])
+def impl(request, monkeypatch):
+    """The 8-bit ops through torch (FASTOPT_BACKEND=torch) or the extension (built first)."""
+    if request.param == "ext":
+        request.getfixturevalue("built")
+        monkeypatch.setenv("FASTOPT_BACKEND", "auto")
+    else:
+        monkeypatch.setenv("FASTOPT_BACKEND", "torch")
+    return request.param
+
+
 def rel_update_error(ours, ref, init) -> float:
     """||ours - ref|| / ||ref - init||, norms over all elements of a list of tensors (in float64)."""
     def f64(t):  # on the CPU: `init` may be there while the runs were on CUDA
@@ -226,6 +245,31 @@ def assert_unchanged(opt, before: dict) -> None:
             assert st[k].dtype == v.dtype and torch.equal(st[k], v), k
 
 
+def check_lr_scheduler_drives_group_lr(ours_cls, ref_cls, kw: dict, init, grads, device) -> None:
+    """A LambdaLR schedule (lr / (1 + t)) set through the group drives `ours_cls` (on `device`) as it drives the
+    reference `ref_cls` (on the CPU), both in float64 from `init`, over every step of `grads`."""
+    results = []
+    for cls, dev in ((ours_cls, device), (ref_cls, "cpu")):
+        params = [p.detach().clone().to(device=dev, dtype=torch.float64).requires_grad_() for p in init]
+        opt = cls(params, **kw)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0 / (1 + t))
+        for step_grads in grads:
+            for p, gr in zip(params, step_grads):
+                p.grad = gr.to(dev)
+            opt.step()
+            sched.step()
+        results.append([p.detach().cpu() for p in params])
+    assert_tracks(results[0], results[1], init, torch.float64)
+
+
+def save_load(state_dict):
+    """`state_dict` through torch.save and torch.load(weights_only=True), as a checkpoint on disk makes it."""
+    buf = io.BytesIO()
+    torch.save(state_dict, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
 def check_foreign_group_count_refused(ref_cls, ours_cls, **kw) -> None:
     """Another library's state_dict of two groups (the second without state: its param had no grad), saved and
     loaded with weights_only, into an optimizer of one group: refused, naming the counts, before anything
@@ -239,11 +283,8 @@ def check_foreign_group_count_refused(ref_cls, ours_cls, **kw) -> None:
     mine.grad = torch.randn_like(mine)
     ours.step()
     before = snapshot(ours)
-    buf = io.BytesIO()
-    torch.save(theirs.state_dict(), buf)
-    buf.seek(0)
     with pytest.raises(ValueError, match="state_dict has 2 param groups, this optimizer has 1"):
-        ours.load_state_dict(torch.load(buf, weights_only=True))
+        ours.load_state_dict(save_load(theirs.state_dict()))
     assert_unchanged(ours, before)
 
 

@@ -1,18 +1,17 @@
 """fastopt.Adafactor against transformers' Adafactor (float64), both back ends."""
 from __future__ import annotations
 
-import io
-
 import pytest
 import torch
 from conftest import (TALL_ROWS, TOL, assert_tracks, rel_update_error, step_with_inf_at,
                       launches_per_step, check_bad_group_refused, check_foreign_group_count_refused,
-                      check_refuses_sparse_and_complex, check_skips_params_without_grad)
+                      check_refuses_sparse_and_complex, check_skips_params_without_grad, save_load,
+                      check_lr_scheduler_drives_group_lr)
 from transformers.optimization import Adafactor as HFAdafactor
 
 import fastopt
-from sr_checks import (assert_sr_beats_nearest, check_noise_varies, check_sr_deterministic,
-                       sr_problem)
+from sr_checks import (assert_sr_beats_nearest, check_noise_varies, check_own_state_dict_keeps_sr,
+                       check_sr_deterministic, sr_problem)
 
 SHAPES = [(1, 9), (9, 1), (3, 5), (2, 3, 4, 5), (7,), (1,), ()]
 OPTIONS = {
@@ -51,13 +50,6 @@ def run(cls, init, grads, dtype, device="cpu", **kw):
             p.grad = gr.to(device=device, dtype=dtype)
         opt.step()
     return params, opt
-
-
-def save_load(state_dict):
-    buf = io.BytesIO()
-    torch.save(state_dict, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=True)
 
 
 def state_tensors(opt, params, key):
@@ -221,10 +213,7 @@ def test_state_dict_round_trip_is_bit_identical(backend, device):
     init, grads = make_problem(shapes=[(5, 7), (2, 3, 4), (6,), ()])
     straight, _ = run(fastopt.Adafactor, init, grads, torch.float32, device, **kw)
     first, opt = run(fastopt.Adafactor, init, grads[:5], torch.float32, device, **kw)
-    buf = io.BytesIO()
-    torch.save(opt.state_dict(), buf)
-    buf.seek(0)
-    loaded = torch.load(buf, weights_only=True)
+    loaded = save_load(opt.state_dict())
     params = [p.detach().clone().requires_grad_() for p in first]
     opt2 = fastopt.Adafactor(params, **kw)
     opt2.load_state_dict(loaded)
@@ -248,20 +237,9 @@ def test_grad_scaler_and_skipped_overflow(backend, device):
 
 
 def test_lr_scheduler_drives_group_lr(backend, device):
-    kw = dict(lr=5e-2, relative_step=False, beta1=0.9)
     init, grads = make_problem(shapes=[(4, 6), (5,)])
-    results = []
-    for cls, dev in ((fastopt.Adafactor, device), (HFAdafactor, "cpu")):
-        params = [p.detach().clone().to(dev).requires_grad_() for p in init]
-        opt = cls(params, **kw)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0 / (1 + t))
-        for step_grads in grads:
-            for p, gr in zip(params, step_grads):
-                p.grad = gr.to(dev)
-            opt.step()
-            sched.step()
-        results.append([p.detach().cpu() for p in params])
-    assert_tracks(results[0], results[1], init, torch.float64)
+    check_lr_scheduler_drives_group_lr(fastopt.Adafactor, HFAdafactor, dict(lr=5e-2, relative_step=False, beta1=0.9),
+                                       init, grads, device)
 
 
 def test_skips_params_without_grad_and_empty_params(backend, device):
@@ -465,24 +443,11 @@ def test_foreign_state_dict_of_another_group_count_is_refused():
 
 def test_own_state_dict_loads_with_its_bf16_stochastic_round(backend, device):
     """A state_dict of ours saved with bf16_stochastic_round=True loads with it into an optimizer made without
-    it (torch's load_state_dict takes the saved groups' settings; only transformers' state_dicts, which lack
+    it (torch's load_state_dict takes the saved groups' settings; only transformers's state_dicts, which lack
     it, take this optimizer's): the bf16 run goes on bit for bit as the uninterrupted one. Updates below half
     a bf16 ulp: rounding to nearest would not move the params at all."""
-    kw = dict(lr=2e-4, relative_step=False, scale_parameter=False)
-    init, grads = sr_problem([(32, 64), (1000,)], 8)
-    straight, _ = run(fastopt.Adafactor, init, grads, torch.bfloat16, device, bf16_stochastic_round=True, **kw)
-    first, opt = run(fastopt.Adafactor, init, grads[:4], torch.bfloat16, device, bf16_stochastic_round=True, **kw)
-    params = [p.detach().clone().requires_grad_() for p in first]
-    opt2 = fastopt.Adafactor(params, **kw)
-    opt2.load_state_dict(save_load(opt.state_dict()))
-    assert opt2.param_groups[0]["bf16_stochastic_round"] is True
-    for step_grads in grads[4:]:
-        for p, gr in zip(params, step_grads):
-            p.grad = gr.to(device=device, dtype=torch.bfloat16)
-        opt2.step()
-    for a, b, p0 in zip(params, straight, first):
-        assert not torch.equal(b, p0)
-        assert torch.equal(a, b)
+    check_own_state_dict_keeps_sr(fastopt.Adafactor, run, dict(lr=2e-4, relative_step=False, scale_parameter=False),
+                                  device)
 
 
 def test_defaults_are_transformers():

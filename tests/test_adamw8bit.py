@@ -6,16 +6,15 @@ compiled extension's fused kernels, built once per session into the torch extens
 """
 from __future__ import annotations
 
-import io
 import math
 import re
 
 import pytest
 import torch
-from conftest import TOL, check_bad_key_refused_after_a_step, group_key, rel_update_error, through_8bit
+from conftest import (TOL, check_bad_key_refused_after_a_step, group_key, rel_update_error, save_load,
+                      through_8bit)
 
 import fastopt
-from fastopt import ext
 
 # Two 8-bit params (>= min_8bit_size = 4096 elements; one of odd length) and two with fp32 state.
 SHAPES = [(72, 96), (4099,), (33, 7), (300,)]
@@ -28,22 +27,6 @@ HYPER = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
 # trajectories by the same small amount in either direction. 1% bounds that noise; a coarser format, a
 # wrong map or a wrong update would cost far more.
 NOISE = 1.01
-
-
-@pytest.fixture(scope="module")
-def built():
-    ext.load()
-    return ext
-
-
-@pytest.fixture(params=["torch", "ext"])
-def impl(request, monkeypatch):
-    if request.param == "ext":
-        request.getfixturevalue("built")
-        monkeypatch.setenv("FASTOPT_BACKEND", "auto")
-    else:
-        monkeypatch.setenv("FASTOPT_BACKEND", "torch")
-    return request.param
 
 
 def _problem(seed=0, steps=STEPS, shapes=SHAPES):
@@ -396,10 +379,7 @@ def test_state_dict_roundtrip_weights_only(impl):
 
     for gs in grads[:5]:
         step(params, opt, gs)
-    buf = io.BytesIO()
-    torch.save(opt.state_dict(), buf)
-    buf.seek(0)
-    loaded = torch.load(buf, weights_only=True)
+    loaded = save_load(opt.state_dict())
     params2 = [torch.nn.Parameter(p.detach().clone()) for p in params]
     opt2 = _ours(params2, block_size=64)
     opt2.load_state_dict(loaded)

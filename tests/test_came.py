@@ -1,18 +1,17 @@
 """fastopt.CAME against came-pytorch's CAME (float64), both back ends."""
 from __future__ import annotations
 
-import io
-
 import pytest
 import torch
 from came_pytorch import CAME as RefCAME
 from conftest import (TALL_ROWS, TOL, assert_tracks, rel_update_error, step_with_inf_at,
                       launches_per_step, check_bad_group_refused, check_foreign_group_count_refused,
-                      check_refuses_sparse_and_complex, check_skips_params_without_grad)
+                      check_refuses_sparse_and_complex, check_skips_params_without_grad, save_load,
+                      check_lr_scheduler_drives_group_lr)
 
 import fastopt
-from sr_checks import (assert_sr_beats_nearest, check_noise_varies, check_sr_deterministic,
-                       sr_problem)
+from sr_checks import (assert_sr_beats_nearest, check_noise_varies, check_own_state_dict_keeps_sr,
+                       check_sr_deterministic, sr_problem)
 
 SHAPES = [(1, 9), (9, 1), (3, 5), (2, 3, 4, 5), (7,), (1,), ()]
 OPTIONS = {
@@ -49,13 +48,6 @@ def run(cls, init, grads, dtype, device="cpu", **kw):
     opt = cls(params, **kw)
     feed(opt, params, grads)
     return params, opt
-
-
-def save_load(state_dict):
-    buf = io.BytesIO()
-    torch.save(state_dict, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=True)
 
 
 def assert_states_match(opt, params, ref_opt, ref_params, tol):
@@ -246,18 +238,7 @@ def test_own_state_dict_loads_with_its_bf16_stochastic_round(backend, device):
     it (torch's load_state_dict takes the saved groups' settings; only came-pytorch's state_dicts, which lack
     it, take this optimizer's): the bf16 run goes on bit for bit as the uninterrupted one. Updates below half
     a bf16 ulp: rounding to nearest would not move the params at all."""
-    kw = dict(lr=7e-4, betas=(0.9, 0.999, 0.9))
-    init, grads = sr_problem([(32, 64), (1000,)], 8)
-    straight, _ = run(fastopt.CAME, init, grads, torch.bfloat16, device, bf16_stochastic_round=True, **kw)
-    first, opt = run(fastopt.CAME, init, grads[:4], torch.bfloat16, device, bf16_stochastic_round=True, **kw)
-    params = [p.detach().clone().requires_grad_() for p in first]
-    opt2 = fastopt.CAME(params, **kw)
-    opt2.load_state_dict(save_load(opt.state_dict()))
-    assert opt2.param_groups[0]["bf16_stochastic_round"] is True
-    feed(opt2, params, grads[4:])
-    for a, b, p0 in zip(params, straight, first):
-        assert not torch.equal(b, p0)
-        assert torch.equal(a, b)
+    check_own_state_dict_keeps_sr(fastopt.CAME, run, dict(lr=7e-4, betas=(0.9, 0.999, 0.9)), device)
 
 
 def test_defaults_are_came_pytorch():
@@ -286,20 +267,8 @@ def test_grad_scaler_and_skipped_overflow(backend, device, nbits):
 
 
 def test_lr_scheduler_drives_group_lr(backend, device):
-    kw = dict(lr=5e-3, weight_decay=0.1)
     init, grads = make_problem(shapes=[(4, 6), (5,)])
-    results = []
-    for cls, dev in ((fastopt.CAME, device), (RefCAME, "cpu")):
-        params = make_params(init, torch.float64, dev)
-        opt = cls(params, **kw)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0 / (1 + t))
-        for step_grads in grads:
-            for p, gr in zip(params, step_grads):
-                p.grad = gr.to(dev)
-            opt.step()
-            sched.step()
-        results.append([p.detach().cpu() for p in params])
-    assert_tracks(results[0], results[1], init, torch.float64)
+    check_lr_scheduler_drives_group_lr(fastopt.CAME, RefCAME, dict(lr=5e-3, weight_decay=0.1), init, grads, device)
 
 
 # 8-bit momentum (nbits=8): measured over 5 seeds of the problem below, the relative update error against

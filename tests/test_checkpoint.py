@@ -27,7 +27,7 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import DIST_WORLD, TOL, check_foreign_group_count_refused
+from conftest import DIST_WORLD, TOL, check_foreign_group_count_refused, save_load
 
 import fastopt
 from fastopt import checkpoint as ckpt
@@ -547,13 +547,6 @@ def _run(model, opt, steps):
         opt.zero_grad(set_to_none=True)
 
 
-def _reload(sd):
-    buf = io.BytesIO()
-    torch.save(sd, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=True)
-
-
 def _equal_sd(a, b) -> bool:
     return a["param_groups"] == b["param_groups"] and sorted(a["state"]) == sorted(b["state"]) and all(
         sorted(a["state"][i]) == sorted(b["state"][i]) and all(
@@ -571,7 +564,7 @@ def test_plain_state_dict_resumes_bit_for_bit(case, monkeypatch):
     model = MLP()
     opt = make_opt(case, model)
     _run(model, opt, range(HALF))
-    sd = _reload(opt.state_dict())  # weights_only: tensors and plain numbers only
+    sd = save_load(opt.state_dict())  # weights_only: tensors and plain numbers only
     mid = copy.deepcopy(model.state_dict())
     resumed = MLP()
     resumed.load_state_dict(mid)
@@ -655,7 +648,7 @@ def test_mismatched_state_dict_fails_and_changes_nothing(case, monkeypatch):
     model = MLP()
     opt = make_opt(case, model)
     _run(model, opt, range(3))
-    good = _reload(opt.state_dict())
+    good = save_load(opt.state_dict())
     _run(model, opt, range(3, 5))
     before = _snapshot(opt)
     for what, sd, pattern in _bad_state_dicts(case, good):
@@ -809,7 +802,7 @@ def test_plain_state_dict_between_8bit_and_32bit_state_takes_the_saved_settings(
         model, opt = _nbits_side(case, other)
         assert _settings(opt) != _settings(src_opt)
         model.load_state_dict(src_model.state_dict())
-        opt.load_state_dict(_reload(src_opt.state_dict()))
+        opt.load_state_dict(save_load(src_opt.state_dict()))
         assert _settings(opt) == _settings(src_opt)
         _run(model, opt, range(HALF, STEPS))
         assert all(torch.equal(p, final[n]) for n, p in model.named_parameters()), (case, saved)
@@ -834,7 +827,7 @@ def test_dequantized_form_of_zero_moments_loads_into_32bit_state(case, monkeypat
                 zeroed += 1
     assert zeroed and all(float(st["step"]) > 0 for st in sd["state"].values())
     model, opt = _nbits_side(case, 32)
-    opt.load_state_dict(_reload(sd))
+    opt.load_state_dict(save_load(sd))
     with ckpt.dequantized_8bit(opt):
         assert _equal_sd(opt.state_dict(), sd), case
 
@@ -858,7 +851,7 @@ def test_dequantized_state_under_the_codes_key_still_loads(case, tmp_path, monke
         sd, osd = older(src_opt.state_dict()), older(get_optimizer_state_dict(src_model, src_opt))
     assert any(k in st and st[k].dtype == torch.float32 for st in sd["state"].values() for k in _codes_keys(src_opt))
     model, opt = _nbits_side(case, 32)
-    opt.load_state_dict(_reload(sd))
+    opt.load_state_dict(save_load(sd))
     assert _equal_sd(opt.state_dict(), src_opt.state_dict()), case
     import torch.distributed.checkpoint as dcp
     model, opt = _nbits_side(case, 32)
@@ -899,7 +892,7 @@ def test_loads_transformers_adafactor_state_and_continues():
     ours_model.load_state_dict(theirs_model.state_dict())
     mid = {n: p.detach().clone() for n, p in ours_model.named_parameters()}
     ours = fastopt.Adafactor(ours_model.parameters(), **kw)
-    ours.load_state_dict(_reload(theirs.state_dict()))  # int step, RMS: dropped
+    ours.load_state_dict(save_load(theirs.state_dict()))  # int step, RMS: dropped
     _run(theirs_model, theirs, range(HALF, STEPS))
     _run(ours_model, ours, range(HALF, STEPS))
     err = rel_err({n: p.detach() for n, p in ours_model.named_parameters()},
@@ -923,7 +916,7 @@ def test_loads_bitsandbytes_adamw8bit_state_same_codes():
         for p in model.parameters():
             p.grad = torch.randn(p.shape, generator=g)
         theirs.step()
-    saved = _reload(theirs.state_dict())
+    saved = save_load(theirs.state_dict())
     ours = fastopt.AdamW8bit(model.parameters(), **kw)
     ours.load_state_dict(saved)
     quant = {k: v for k, v in theirs.state_dict()["state"][0]["__bnb_optimizer_quant_state__"].items()
@@ -950,7 +943,9 @@ def test_bitsandbytes_state_takes_its_hyperparameters_and_this_optimizers_layout
     here. Refused, naming what does not fit, and leaving the optimizer as it was: blocks of 64 here (bitsandbytes'
     are 256); a min_8bit_size above the weight's size (its codes have no place in 32-bit state); bitsandbytes'
     params in two groups, one here; torch.optim.SGD's state_dict (neither bitsandbytes' nor ours: named by the keys
-    it lacks). Loaded into the default layout, 20 more steps track float64 torch.optim.AdamW, started from
+    it lacks), and torch.optim's AdamW, Adam, NAdam and RAdam before their first step (every key bitsandbytes' groups
+    have, and flags of their own: maximize=True would have loaded and been ignored); bitsandbytes' own before its
+    first step loads. Loaded into the default layout, 20 more steps track float64 torch.optim.AdamW, started from
     bitsandbytes' dequantized moments at step 3, no worse than bitsandbytes' own continued run (the 8-bit weight,
     within NOISE of test_adamw8bit.py) and within TOL[float32] (the fp32-state bias)."""
     bnb = pytest.importorskip("bitsandbytes")
@@ -971,7 +966,7 @@ def test_bitsandbytes_state_takes_its_hyperparameters_and_this_optimizers_layout
     for _ in range(3):
         set_grads(list(model.parameters()))
         theirs.step()
-    saved = _reload(theirs.state_dict())
+    saved = save_load(theirs.state_dict())
     assert {"alpha", "t_alpha", "t_beta3"} <= set(saved["param_groups"][0])
     bias_state = saved["state"][1]["__bnb_optimizer_quant_state__"]
     ours = fastopt.AdamW8bit(copies(), min_8bit_size=0)
@@ -993,6 +988,11 @@ def test_bitsandbytes_state_takes_its_hyperparameters_and_this_optimizers_layout
         ({}, sgd.state_dict(), "param_groups[0] lacks ['betas', 'block_size', 'eps', 'min_8bit_size']: "
                                "not an AdamW8bit state_dict"),
     ]
+    # torch.optim's Adam family before its first step: every key of bitsandbytes' groups, no state to tell them
+    # apart; its flags (maximize=True here, ignored if it loaded) say whose it is.
+    for cls in (torch.optim.AdamW, torch.optim.Adam, torch.optim.NAdam, torch.optim.RAdam):
+        refused.append(({}, cls(copies(), maximize=True, **kw).state_dict(),
+                        "param_groups[0] lacks ['block_size', 'min_8bit_size']: not an AdamW8bit state_dict"))
     for over, sd, message in refused:
         params = copies()
         opt = fastopt.AdamW8bit(params, **over)
@@ -1002,6 +1002,11 @@ def test_bitsandbytes_state_takes_its_hyperparameters_and_this_optimizers_layout
         with pytest.raises(ValueError, match=re.escape(f"AdamW8bit.load_state_dict: {message}")):
             opt.load_state_dict(sd)
         assert _same(before, _snapshot(opt)), over
+    # bitsandbytes' own before its first step still loads: its hyperparameters, no state.
+    fresh = fastopt.AdamW8bit(copies())
+    fresh.load_state_dict(save_load(bnb.optim.AdamW8bit(copies(), **kw).state_dict()))
+    assert len(fresh.state) == 0 and {k: v for k, v in fresh.param_groups[0].items() if k != "params"} == {
+        **kw, "block_size": 256, "min_8bit_size": 4096}
 
     # The continued runs, from the params and the state `saved` holds (bitsandbytes' own: loaded back).
     mid = [p.detach().to(torch.float64, copy=True) for p in model.parameters()]
@@ -1044,7 +1049,7 @@ def test_loads_came_pytorch_state_into_8bit_came():
     mid = {n: p.detach().clone() for n, p in ours_model.named_parameters()}
     ours = fastopt.CAME(ours_model.parameters(), nbits=8, **kw)
     twin = fastopt.CAME(twin_model.parameters(), nbits=32, **kw)  # the yardstick: the same load, 32-bit
-    saved = _reload(theirs.state_dict())
+    saved = save_load(theirs.state_dict())
     ours.load_state_dict(saved)
     twin.load_state_dict(saved)
     m = dynamic_map(True)

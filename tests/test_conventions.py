@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import io
 import pickle
 import re
 
 import pytest
 import torch
-from conftest import TOL, assert_unchanged, check_no_host_sync, rel_update_error, snapshot
+from conftest import TOL, assert_unchanged, check_no_host_sync, rel_update_error, save_load, snapshot
 
 import fastopt
 
@@ -454,11 +453,8 @@ def test_tensor_lr_changed_in_place_steps_like_floats(case, backend, device):
         opt.step()
         twin.step()
     assert_same(opt, twin)
-    buf = io.BytesIO()
-    torch.save(opt.state_dict(), buf)
-    buf.seek(0)
     again = make(case, make_params(device), lr=1e-2)
-    again.load_state_dict(torch.load(buf, weights_only=True))
+    again.load_state_dict(save_load(opt.state_dict()))
     assert float(again.param_groups[0]["lr"]) == float(lr)
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import (TOL, Counting, assert_tracks, rel_update_error, step_with_inf_at,
                       check_refuses_sparse_and_complex, check_skips_params_without_grad, through_8bit,
-                      check_no_host_sync, snapshot, assert_unchanged)
+                      check_no_host_sync, snapshot, assert_unchanged, save_load)
 
 import fastopt
 from fastopt import ops
@@ -337,10 +337,7 @@ def test_state_dict_round_trip_is_bit_identical(backend, device, dtype, nbits, p
     init, grads = make_problem(MATS + PLAIN, steps=10)
     straight, opt_s = run(init, grads, dtype, device, proj_type, **kw)
     first, opt = run(init, grads[:5], dtype, device, proj_type, **kw)
-    buf = io.BytesIO()
-    torch.save(opt.state_dict(), buf)
-    buf.seek(0)
-    loaded = torch.load(buf, weights_only=True)
+    loaded = save_load(opt.state_dict())
     params = [p.detach().clone().requires_grad_() for p in first]
     opt2 = make_opt(params, proj_type, **kw)
     opt2.load_state_dict(loaded)

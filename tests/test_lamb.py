@@ -1,7 +1,6 @@
 """fastopt.Lamb against a float64 LAMB written here from issue 4's text, both back ends."""
 from __future__ import annotations
 
-import io
 import math
 import re
 
@@ -9,7 +8,7 @@ import pytest
 import torch
 from conftest import (TOL, Counting, assert_tracks, rel_update_error, step_with_inf_at, group_key,
                       check_bad_key_refused_after_a_step, check_refuses_sparse_and_complex,
-                      check_skips_params_without_grad, through_8bit, check_no_host_sync)
+                      check_skips_params_without_grad, through_8bit, check_no_host_sync, save_load)
 
 import fastopt
 from fastopt import ops
@@ -219,10 +218,7 @@ def test_state_dict_round_trip_is_bit_identical(backend, device, dtype, nbits):
     init, grads = make_problem(shapes=[(5, 7), (2, 3, 4), (6,), ()], steps=10)
     straight, _ = run(init, grads, dtype, device, **kw)
     first, opt = run(init, grads[:5], dtype, device, **kw)
-    buf = io.BytesIO()
-    torch.save(opt.state_dict(), buf)
-    buf.seek(0)
-    loaded = torch.load(buf, weights_only=True)
+    loaded = save_load(opt.state_dict())
     params = [p.detach().clone().requires_grad_() for p in first]
     opt2 = fastopt.Lamb(params, **kw)
     opt2.load_state_dict(loaded)
@@ -509,12 +505,9 @@ def test_dequantized_state_dict_round_trip_is_bit_identical(backend, device):
             want = fastopt.dequantize_blockwise(st[key], st[key + "_absmax"], 128, signed=signed)
             assert set(sd["state"][i][key]) == {DEQUANTIZED} and key + "_absmax" not in sd["state"][i]
             assert torch.equal(sd["state"][i][key][DEQUANTIZED], want), (i, key)
-    buf = io.BytesIO()
-    torch.save(sd, buf)
-    buf.seek(0)
     params = [p.detach().clone().requires_grad_() for p in first]
     opt2 = fastopt.Lamb(params, **kw)
-    opt2.load_state_dict(torch.load(buf, weights_only=True))
+    opt2.load_state_dict(save_load(sd))
     for i, p in enumerate(params[:2]):
         st = opt2.state[p]
         for key, signed in (("exp_avg", True), ("exp_avg_sq", False)):

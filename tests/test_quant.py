@@ -29,22 +29,6 @@ BLOCKS = [64, 256, 4096]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
 
-@pytest.fixture(scope="module")
-def built():
-    ext.load()  # the first test needing it builds (or finds) the extension; later ones reuse it
-    return ext
-
-
-@pytest.fixture(params=["torch", "ext"])
-def impl(request, monkeypatch):
-    if request.param == "ext":
-        request.getfixturevalue("built")
-        monkeypatch.setenv("FASTOPT_BACKEND", "auto")
-    else:
-        monkeypatch.setenv("FASTOPT_BACKEND", "torch")
-    return request.param
-
-
 def _data(n: int, dtype=torch.float32, seed: int = 0, signed: bool = True) -> torch.Tensor:
     """Values spread over every decade the dynamic map resolves (1e-7 .. 1 relative to the block max)."""
     g = torch.Generator().manual_seed(seed)

@@ -11,14 +11,13 @@ from __future__ import annotations
 import copy
 import importlib
 import inspect
-import io
 import os
 import sys
 
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import DIST_WORLD, TOL, rel_update_error
+from conftest import DIST_WORLD, TOL, rel_update_error, save_load
 from dist_utils import DistError
 
 import fastopt
@@ -1072,10 +1071,7 @@ def _state_dict_roundtrip(rank, world, name, partition_grad, model_cls=None):
     out["idiom_once"] = "zero" in opt.state_dict()
     opt.consolidate_state_dict(to=0)
     if rank == 0:
-        buf = io.BytesIO()
-        torch.save(full, buf)
-        buf.seek(0)
-        full = torch.load(buf, weights_only=True)
+        full = save_load(full)
     box = [full]
     dist.broadcast_object_list(box, src=0)
     full = box[0]

@@ -129,6 +129,11 @@ class ScalerArgs:
         return self.inv_scale is not None or self.found_inf is not None
 
 
+# The implementation flags torch.optim's optimizers keep in every param group (Adam, AdamW, NAdam, RAdam, SGD,
+# Adafactor, ...): a state_dict whose groups hold one is torch.optim's (see FastOptimizer._foreign_parts).
+_TORCH_OPTIM_FLAGS = frozenset({"foreach", "maximize", "capturable", "differentiable", "fused"})
+
+
 class FastOptimizer(torch.optim.Optimizer):
     _name = "FastOptimizer"
 
@@ -714,12 +719,15 @@ class FastOptimizer(torch.optim.Optimizer):
         as long as this optimizer's) and is_foreign_group(g) holds for every group; else None, and _from_foreign
         leaves it to _validate_state_dict, which names what is wrong (a missing 'state' must not load as an empty
         one). The caller converts the entries of `state` that are dicts and passes the others through, for the
-        same reason."""
+        same reason. A group with torch.optim's own flags (`foreach`, `maximize`, ...) is torch.optim's, never
+        the other library's, however much else it shares: torch.optim.AdamW's state_dict before its first step
+        (no state to tell it apart) has every key bitsandbytes' has, and its `maximize` would be ignored."""
         if not isinstance(state_dict, dict):
             return None
         state, groups = state_dict.get("state"), state_dict.get("param_groups")
         if not (isinstance(state, dict) and isinstance(groups, list) and len(groups) == len(self.param_groups)
-                and all(isinstance(g, dict) and is_foreign_group(g) for g in groups)):
+                and all(isinstance(g, dict) and not _TORCH_OPTIM_FLAGS & set(g) and is_foreign_group(g)
+                        for g in groups)):
             return None
         return state, groups
 
