@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import types
 from pathlib import Path
 
 import pytest
@@ -245,6 +246,118 @@ def test_multi_tensor_in_place(impl):
         assert torch.equal(o, fastopt.dequantize_blockwise(c1, a1, 128, signed=False, dtype=torch.bfloat16))
 
 
+def test_multi_tensor_wrappers_take_empty_lists_and_strided_inputs(impl):
+    """Empty lists are nothing to do (no device to read from the first tensor); an `xs[i]` that is not contiguous
+    (a transposed matrix) is quantized in its logical order, as quantize_blockwise quantizes it."""
+    ops.quantize_blockwise_([], [], [], block_size=64)
+    ops.dequantize_blockwise_([], [], [], block_size=64)
+    x = _data(70 * 96, seed=11).view(70, 96).t()
+    assert not x.is_contiguous()
+    codes, absmax = [torch.full(x.shape, 7, dtype=torch.uint8)], [torch.full((105,), float("nan"))]
+    ops.quantize_blockwise_([x], codes, absmax, block_size=64)
+    want = fastopt.quantize_blockwise(x.contiguous(), 64)
+    assert torch.equal(codes[0], want[0]) and torch.equal(absmax[0], want[1])
+
+
+def test_wrapper_errors_name_the_argument_alike_on_both_paths(impl):
+    """The wrappers' own refusals, the same words whichever path runs (the extension would name its own
+    arguments, `x`, `dtype has dtype Int`), before anything is written; an absmax one block too long is refused
+    as one too short is."""
+    codes, absmax = fastopt.quantize_blockwise(torch.randn(300), 64)
+    with pytest.raises(ValueError, match=re.escape("dequantize_blockwise: dtype=torch.int32 must be a floating")):
+        fastopt.dequantize_blockwise(codes, absmax, 64, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"absmax\b.*\b6\b"):
+        fastopt.dequantize_blockwise(codes, torch.cat([absmax, absmax[:1]]), 64)
+    xs = [torch.randn(100), torch.zeros(100, dtype=torch.int32)]
+    out_codes = [torch.full((100,), 7, dtype=torch.uint8) for _ in xs]
+    out_absmax = [torch.full((2,), float("nan")) for _ in xs]
+    with pytest.raises(ValueError, match=re.escape("quantize_blockwise_: xs[i] has dtype torch.int32; expected a")):
+        ops.quantize_blockwise_(xs, out_codes, out_absmax, block_size=64)
+    assert all(bool((c == 7).all()) for c in out_codes) and all(bool(a.isnan().all()) for a in out_absmax)
+
+
+def test_back_end_setting_and_device_pick_the_path(monkeypatch):
+    """FASTOPT_BACKEND read as documented (case and blanks aside; unset or empty: auto); the 8-bit ops run in the
+    extension under every setting but `torch`; auto sends CUDA tensors (a stand-in with a CUDA device here: only
+    the device is read) to Triton, except under TRITON_INTERPRET=1, whose kernels run on CPU tensors."""
+    cuda_like = types.SimpleNamespace(device=torch.device("cuda", 0))
+    cpu = torch.empty(1)
+    for setting, want in (("", "auto"), ("  ", "auto"), (" Torch ", "torch"), ("TRITON", "triton"), ("auto", "auto")):
+        monkeypatch.setenv("FASTOPT_BACKEND", setting)
+        assert ops.backend() == want, setting
+        assert ops.use_extension() is (want != "torch"), setting
+    monkeypatch.delenv("FASTOPT_BACKEND")
+    assert ops.backend() == "auto" and ops.use_extension()
+    for setting in ("auto", "torch"):
+        monkeypatch.setenv("FASTOPT_BACKEND", setting)
+        for interpret in ("1", "0", ""):
+            monkeypatch.setenv("TRITON_INTERPRET", interpret)
+            assert ops.use_triton(cpu) is False
+            want = setting == "auto" and interpret != "1" and ops.triton_available()
+            assert ops.use_triton(cuda_like) is want, (setting, interpret)
+    if ops.triton_available():
+        monkeypatch.setenv("FASTOPT_BACKEND", "triton")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        assert ops.use_triton(cuda_like) is True
+
+
+def test_adamw8bit_step_table_cache_follows_tensors_that_move_or_shrink(built, monkeypatch):
+    """ops.adamw8bit_step with a `cache` steps bit for bit as with none (the step op then builds its own tables):
+    while the tensors stay put (no table built again), after a grad moves (both built again), and after every
+    tensor shrinks in place to a prefix (same addresses, fewer elements: built again, not taken from the cache,
+    which the step op would refuse as built for other tensors). Two 8-bit params (one of a partial block) and one
+    with fp32 state; fresh random grads each step."""
+    monkeypatch.setenv("FASTOPT_BACKEND", "auto")
+    bs, sizes, eight = 64, (300, 1000, 7), (True, True, False)
+    builds = []
+    orig = ops.build_ext_table
+    monkeypatch.setattr(ops, "build_ext_table", lambda op, *a: builds.append(op) or orig(op, *a))
+
+    def bucket():
+        gen = torch.Generator().manual_seed(0)
+        params = [torch.randn(n, generator=gen) for n in sizes]
+        states = [dict(state1=torch.full((n,), 127, dtype=torch.uint8), state2=torch.zeros(n, dtype=torch.uint8),
+                       absmax1=torch.zeros(-(-n // bs)), absmax2=torch.zeros(-(-n // bs)), step=torch.zeros(()))
+                  if e else dict(state1=torch.zeros(n), state2=torch.zeros(n), step=torch.zeros(()))
+                  for n, e in zip(sizes, eight)]
+        return params, [torch.zeros(n) for n in sizes], states
+
+    def shrunk(params, grads, states, ks):
+        cut = {"state1": lambda k: k, "state2": lambda k: k, "absmax1": lambda k: -(-k // bs),
+               "absmax2": lambda k: -(-k // bs)}
+        return ([p[:k] for p, k in zip(params, ks)], [g[:k] for g, k in zip(grads, ks)],
+                [{key: v if key == "step" else v[:cut[key](k)] for key, v in st.items()} for st, k in zip(states, ks)])
+
+    runs = {"cached": bucket(), "none": bucket()}
+    init = [p.clone() for p in runs["none"][0]]
+    kept, cache, gen = [], {}, torch.Generator().manual_seed(1)
+    for t in range(6):
+        fresh = [torch.randn(n, generator=gen) for n in sizes]
+        for name, (params, grads, states) in runs.items():
+            if t == 2:  # the grads move (the old ones stay alive: the new ones get other addresses)
+                kept.append(grads)
+                grads = [torch.zeros_like(g) for g in grads]
+            if t == 4:  # everything shrinks to a prefix of itself: the same addresses, fewer elements
+                params, grads, states = shrunk(params, grads, states, (250, 950, 5))
+            for g, f in zip(grads, fresh):
+                g.copy_(f[:g.numel()])
+            for st in states:
+                st["step"] += 1
+            builds.clear()
+            ops.adamw8bit_step(params, grads, states, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+                               block_size=bs, cache=cache if name == "cached" else None)
+            runs[name] = (params, grads, states)
+            if name == "cached":
+                assert builds == (["adamw8bit_table", "adamw32_table"] if t in (0, 2, 4) else []), (t, builds)
+    (pc, _, sc), (pn, _, sn) = runs["cached"], runs["none"]
+    assert [p.numel() for p in pc] == [250, 950, 5]
+    for a, b, x in zip(pc, pn, init):
+        assert torch.equal(a, b) and not torch.equal(a, x[:a.numel()])
+    for a, b in zip(sc, sn):
+        for k in a:
+            assert torch.equal(a[k], b[k]), k
+
+
 # ---- the extension's build ----------------------------------------------------------------------------
 
 def test_extension_uses_the_process_libstdcxx(built):
@@ -283,6 +396,155 @@ def test_extension_registers_ops(built):
     x = torch.empty(1000, device="meta")
     codes, absmax = torch.ops.fastopt.quantize_blockwise(x, torch.empty(256, device="meta"), 256)
     assert codes.shape == (1000,) and codes.dtype == torch.uint8 and absmax.shape == (4,)
+
+
+def test_fake_kernels_give_the_real_shapes_and_dtypes(built):
+    """The meta (torch.compile) kernels: the shapes and dtypes the CPU kernels return, for every output dtype and
+    lengths around a block's edge; the AdamW tables of the sizes the step ops take."""
+    fo, meta = torch.ops.fastopt, torch.device("meta")
+    for n in (0, 1, 64, 65, 1000):
+        for bs in (64, 256):
+            real = fo.quantize_blockwise(torch.randn(n), R.dynamic_map(True), bs)
+            fake = fo.quantize_blockwise(torch.empty(n, device=meta), torch.empty(256, device=meta), bs)
+            assert [(t.shape, t.dtype) for t in fake] == [(t.shape, t.dtype) for t in real], (n, bs)
+    codes, absmax = fo.quantize_blockwise(torch.randn(3, 100), R.dynamic_map(True), 64)
+    for dtype in DTYPES:
+        real = fo.dequantize_blockwise(codes, absmax, R.dynamic_map(True), 64, dtype)
+        fake = fo.dequantize_blockwise(codes.to(meta), absmax.to(meta), torch.empty(256, device=meta), 64, dtype)
+        assert fake.device == meta and (fake.shape, fake.dtype) == (real.shape, real.dtype) == ((3, 100), dtype)
+    full = [[torch.zeros(n) for n in (7, 3000)] for _ in range(4)] + [[torch.ones(()), torch.ones(())]]
+    real = fo.adamw32_table(*full)
+    fake = fo.adamw32_table(*[[t.to(meta) for t in ts] for ts in full])
+    assert (fake.shape, fake.dtype) == (real.shape, real.dtype)
+
+
+def test_build_key_names_everything_the_library_depends_on(tmp_path, monkeypatch):
+    """A change to any file of csrc/ that the build compiles or includes, to the torch or CUDA version, the
+    compiler, or (CUDA builds) the architectures gives another build folder; a CPU-only build ignores the .cu
+    files and the architectures (no needless rebuild). Reads a copy of csrc/, with the architectures set."""
+    src = tmp_path / "csrc"
+    shutil.copytree(CSRC, src, ignore=shutil.ignore_patterns("tests"))
+    monkeypatch.setattr(ext, "source_dir", lambda: src)
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0")
+    monkeypatch.delenv("CXX", raising=False)
+
+    def keys():
+        return ext.build_key(False), ext.build_key(True)
+
+    base = keys()
+    assert base[0] != base[1] and keys() == base
+    monkeypatch.setenv("FASTOPT_EXT_CUDA", "0")
+    assert ext.build_key() == base[0]
+    files = sorted(f for f in src.iterdir() if f.suffix in (".cpp", ".h", ".cuh", ".cu"))
+    assert {f.name for f in files} >= {"bindings.cpp", "cpu_kernels.cpp", "fastopt_core.h", "quant_cuda.cu"}
+    for f in files:
+        text = f.read_bytes()
+        f.write_bytes(text + b"\n// changed\n")
+        cpu_key, cuda_key = keys()
+        assert cuda_key != base[1], f.name
+        assert (cpu_key == base[0]) == (f.suffix == ".cu"), f.name
+        f.write_bytes(text)
+    assert keys() == base
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+    assert keys()[0] == base[0] and keys()[1] != base[1]
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0")
+    for change in (lambda mp: mp.setattr(torch, "__version__", torch.__version__ + ".other"),
+                   lambda mp: mp.setattr(torch.version, "cuda", "99.9"), lambda mp: mp.setenv("CXX", "clang++")):
+        with monkeypatch.context() as mp:
+            change(mp)
+            changed = keys()
+        assert changed[0] != base[0] and changed[1] != base[1]
+        assert keys() == base
+
+
+def test_cache_lock_and_architectures_of_a_build_without_compiling(tmp_path, monkeypatch):
+    """How a load finds, builds or waits for the library, with the compiler, the toolchain check and the loader
+    stubbed (nothing is compiled or loaded): a folder with a library but no BUILD_OK (a build killed while
+    linking) and torch's stale build lock is built again, the stale lock removed first, under our exclusive lock,
+    then marked; the next load takes the cache alone (no toolchain check); one that finds the library built by
+    another process once it holds the lock says "waited". A CUDA build compiles for the architectures of
+    `_cuda_arch_list()` and puts TORCH_CUDA_ARCH_LIST back as it was, set or not."""
+    from torch.utils import cpp_extension
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setenv("FASTOPT_EXT_CUDA", "0")
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    log = []
+
+    def compile_(name, build_directory, with_cuda, **kw):
+        d = Path(build_directory)
+        assert not (d / "lock").exists(), "torch's stale build lock is still there: its build would wait forever"
+        if sys.platform != "win32":
+            import fcntl
+            fd = os.open(tmp_path / f"{name}.lock", os.O_RDWR)
+            try:
+                with pytest.raises(BlockingIOError):  # held exclusively: not even a shared lock is granted
+                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            finally:
+                os.close(fd)
+        log.append(("compile", with_cuda, os.environ.get("TORCH_CUDA_ARCH_LIST")))
+        (d / f"{name}.so").write_bytes(b"\x7fELF")
+
+    monkeypatch.setattr(cpp_extension, "load", compile_)
+    monkeypatch.setattr(torch.ops, "load_library", lambda path: log.append(("dlopen", Path(path).name)))
+    monkeypatch.setattr(ext, "_check_toolchain", lambda with_cuda: log.append(("toolchain", with_cuda)))
+
+    name = f"fastopt_ext_{ext.build_key(False)}"
+    (tmp_path / name).mkdir()
+    (tmp_path / name / f"{name}.so").write_bytes(b"\x7fE")  # cut short
+    (tmp_path / name / "lock").touch()
+    assert ext._build_and_load(False) == "built"
+    assert log == [("toolchain", False), ("compile", False, None)], log
+    assert (tmp_path / name / "BUILD_OK").read_text() == ext.build_key(False) + "\n"
+    log.clear()
+    assert ext._build_and_load(False) == "cache" and log == [("dlopen", f"{name}.so")], log
+
+    monkeypatch.setenv("FASTOPT_EXT_CUDA", "1")
+    arch = ext._cuda_arch_list()  # the visible GPUs' ("" without one)
+    log.clear()
+    assert ext._build_and_load(False) == "built"
+    assert log == [("toolchain", True), ("compile", True, arch)] and "TORCH_CUDA_ARCH_LIST" not in os.environ, log
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "7.5;8.0")
+    log.clear()
+    assert ext._build_and_load(False) == "built"
+    assert log == [("toolchain", True), ("compile", True, "7.5;8.0")], log
+    assert os.environ["TORCH_CUDA_ARCH_LIST"] == "7.5;8.0"
+
+    class BuiltWhileWaiting(ext._FileLock):  # another process held the lock and finished the build
+        def __enter__(self):
+            d = self.path.with_suffix("")
+            (d / f"{d.name}.so").write_bytes(b"\x7fELF")
+            (d / "BUILD_OK").write_text("\n")
+            return super().__enter__()
+
+    monkeypatch.setattr(ext, "_FileLock", BuiltWhileWaiting)
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
+    log.clear()
+    assert ext._build_and_load(False) == "waited"
+    name = f"fastopt_ext_{ext.build_key(True)}"
+    assert log == [("toolchain", True), ("dlopen", f"{name}.so")], log
+
+
+def test_a_failed_load_raises_the_same_error_every_time(monkeypatch):
+    """load() tries once per process: a failure is kept and raised again, the same exception, by every later call
+    (is_available() False, load_error() that exception, how_loaded() None); FASTOPT_EXT_VERBOSE reaches the build.
+    The build is stubbed (this process's own extension state is put back after)."""
+    monkeypatch.setattr(ext, "_loaded", False)
+    monkeypatch.setattr(ext, "_error", None)
+    monkeypatch.setattr(ext, "_how", None)
+    tries = []
+
+    def fail(verbose):
+        tries.append(verbose)
+        raise RuntimeError("fastopt.ext: building the C++ extension needs ninja: pip install ninja")
+
+    monkeypatch.setattr(ext, "_build_and_load", fail)
+    monkeypatch.setenv("FASTOPT_EXT_VERBOSE", "1")
+    with pytest.raises(RuntimeError, match="pip install ninja") as first:
+        ext.load()
+    assert not ext.is_available() and ext.load_error() is first.value and ext.how_loaded() is None
+    with pytest.raises(RuntimeError) as again:
+        ext.load(verbose=False)
+    assert again.value is first.value and tries == [True]
 
 
 _BUILD_SCRIPT = textwrap.dedent("""
