@@ -524,15 +524,20 @@ SPLIT_FACTORIES = {  # the 8-bit variants of CAME and Lamb (the others are in FA
     # Blocks of 256: the big param's 32896 elements end in half a block, which the last rank's piece holds.
     "AdamW8bit256": lambda mats, vecs: fastopt.AdamW8bit(
         [{"params": mats}, {"params": vecs, "weight_decay": 0.0}], lr=1e-2, block_size=256, min_8bit_size=0),
+    # Stepped once before it is wrapped (`_split_train`): the wrapper cuts the state it has then to the pieces
+    # and drops that of other ranks' params.
+    "Adagrad": lambda mats, vecs: torch.optim.Adagrad([{"params": mats, "weight_decay": 0.01}, {"params": vecs}],
+                                                      lr=1e-2, initial_accumulator_value=0.1),
 }
 
 # (optimizer, mode): every optimizer once, the modes spread over them (ZeRO-1 and 2, overlap or not, accumulation,
-# zero_grad(set_to_none=False), accumulation across steps, gradients set by hand).
+# zero_grad(set_to_none=False), accumulation across steps, gradients set by hand). `_split_train` also steps once
+# without a backward after zero_grad(set_to_none=False), and deep-copies a ZeRO-2 wrapper between backward and step.
 SPLIT_CASES = [("AdamW", "zero1"), ("AdamW", "zero2-overlap-accum-skip"), ("Adafactor", "zero2-accum"),
                ("Adafactor", "zero1-byhand-skip"), ("CAME", "zero2-overlap-zeros"), ("Lamb", "zero1-overlap-accum"),
                ("GaLoreAdamW", "zero2-accum"), ("AdamW8bit", "zero1"), ("AdamW8bit", "zero2-overlap-accum-skip"),
                ("CAME8bit", "zero2-overlap-accum-skip"), ("Lamb8bit", "zero2-byhand"),
-               ("GaLoreAdamW8bit", "zero1-overlap-accum")]
+               ("GaLoreAdamW8bit", "zero1-overlap-accum"), ("Adagrad", "zero2-accum")]
 SPLIT_STEPS = 6  # GaLore (update_proj_gap=3) refreshes its projection twice
 
 
@@ -546,16 +551,28 @@ def _split_train(rank, world, name, mode):
     ref_model = Wide()
     model = copy.deepcopy(ref_model)
     init = [p.detach().clone() for p in ref_model.parameters()]
-    ref_opt = _make_split_opt(name, ref_model)
-    opt = ZeroRedundancyOptimizer(_make_split_opt(name, model), partition_grad=m["partition_grad"],
+    ref_opt, inner = _make_split_opt(name, ref_model), _make_split_opt(name, model)
+    if name == "Adagrad":  # one step on the whole batch before wrapping, on every rank alike
+        for mod, o in ((ref_model, ref_opt), (model, inner)):
+            loss_fn(mod, *batch(-1, world, n_in=Wide.N_IN)).backward()
+            o.step()
+            o.zero_grad()
+    opt = ZeroRedundancyOptimizer(inner, partition_grad=m["partition_grad"],
                                   overlap_communication=m["overlap"], bucket_size_mb=BUCKET_MB)
     for step in range(SPLIT_STEPS):
         x, y = batch(step, world, n_in=Wide.N_IN)
+        # zero_grad(set_to_none=False) then no backward: torch steps every param with its zeroed gradient
+        # (momentum, weight decay); so must the wrapper, a split param's piece included.
+        backward = not (m["zero"] == "zeros" and step == 4)
         _zero_grads(ref_opt, m["zero"], step)
-        loss_fn(ref_model, x, y).backward()
+        if backward:
+            loss_fn(ref_model, x, y).backward()
         ref_opt.step()
         _zero_grads(opt, m["zero"], step)
-        _local_backward(model, x, y, rank, m["accum"], m["by_hand"])
+        if backward:
+            _local_backward(model, x, y, rank, m["accum"], m["by_hand"])
+        if step == 2 and m["partition_grad"] and not m["by_hand"]:  # ZeRO-2: a deepcopy between backward and
+            model, opt = copy.deepcopy((model, opt))  # step carries the reduced gradients (owners': views again)
         opt.step()
     full = opt.state_dict(consolidated=True, to=None)
     big = opt._gidx[id(model.big)]
@@ -691,20 +708,26 @@ def test_unfrozen_param_is_reduced_and_stepped(pool, partition_grad, overlap, ac
 
 
 def _freeze_with_grad(rank, world, partition_grad):
-    """w1 frozen after the backward of step 2, while it holds its gradient (no zero_grad in between)."""
+    """Net's w1, and Wide's split param (its pieces hold the gradient that the wrapped optimizer steps), frozen
+    after the backward of step 2, while they hold their gradients (no zero_grad in between)."""
     os.environ["FASTOPT_BACKEND"] = "torch"
-    model = Net()
-    opt = ZeroRedundancyOptimizer(make_opt("AdamW", model), partition_grad=partition_grad, bucket_size_mb=BUCKET_MB)
-    before = None
-    for step in range(4):
-        x, y = batch(step, world)
-        opt.zero_grad()
-        _local_backward(model, x, y, rank, 1, False)
-        if step == 2:
-            model.w1.requires_grad_(False)
-            before = model.w1.detach().clone()
-        opt.step()
-    return dict(still=torch.equal(model.w1, before), params=[p.detach().clone() for p in model.parameters()])
+    still, params = [], []
+    for model, name in ((Net(), "w1"), (Wide(), "big")):
+        opt = ZeroRedundancyOptimizer(make_opt("AdamW", model), partition_grad=partition_grad,
+                                      bucket_size_mb=BUCKET_MB)
+        before = None
+        for step in range(4):
+            x, y = batch(step, world, n_in=getattr(model, "N_IN", 11))
+            opt.zero_grad()
+            _local_backward(model, x, y, rank, 1, False)
+            if step == 2:
+                getattr(model, name).requires_grad_(False)
+                before = getattr(model, name).detach().clone()
+            opt.step()
+        still.append(torch.equal(getattr(model, name), before))
+        params += [p.detach().clone() for p in model.parameters()]
+    assert opt._gidx[id(model.big)] in opt._split
+    return dict(still=still, params=params)
 
 
 @pytest.mark.parametrize("partition_grad", [False, True])
@@ -712,7 +735,7 @@ def test_param_frozen_with_a_gradient_is_not_stepped(pool, partition_grad):
     """A param frozen while it still holds a gradient is left alone on every rank (torch's optimizers would
     step it; under ZeRO only its owner could, and the replicas would drift apart)."""
     results = pool.run(_freeze_with_grad, partition_grad)
-    assert all(res["still"] for res in results), [res["still"] for res in results]
+    assert all(res["still"] == [True, True] for res in results), [res["still"] for res in results]
     _check_equal_across_ranks(results)
 
 
@@ -842,7 +865,9 @@ def test_zero2_gradients_cleared_through_the_model(pool, how, overlap):
 
 
 def _group_added_after_backward(rank, world, partition_grad, overlap):
-    """add_param_group between backward and step (torch allows it), of params unfrozen before that backward."""
+    """add_param_group between backward and step (torch allows it), of params unfrozen before that backward; two
+    groups, one after the other (ZeRO-2: b2, added first, shares its owner's bucket with w3, whose sum the first
+    rebuild carried and the second must carry again)."""
     ref_model = Net()
     model = copy.deepcopy(ref_model)
     init = [p.detach().clone() for p in ref_model.parameters()]
@@ -857,10 +882,11 @@ def _group_added_after_backward(rank, world, partition_grad, overlap):
     for step in range(5):
         x, y = batch(step, world)
         if step == 2:
-            for n in later:
+            for n in later + ["b1"]:
                 getattr(ref_model, n).requires_grad_(True)
                 getattr(model, n).requires_grad_(True)
             ref_opt.add_param_group({"params": [getattr(ref_model, n) for n in later], "lr": 5e-3})
+            ref_opt.add_param_group({"params": [ref_model.b1], "lr": 2e-3})
         ref_opt.zero_grad()
         loss_fn(ref_model, x, y).backward()
         ref_opt.step()
@@ -868,6 +894,7 @@ def _group_added_after_backward(rank, world, partition_grad, overlap):
         _local_backward(model, x, y, rank, 1, False)
         if step == 2:
             opt.add_param_group({"params": [getattr(model, n) for n in later], "lr": 5e-3})
+            opt.add_param_group({"params": [model.b1], "lr": 2e-3})
         opt.step()
     return rel_update_error(list(model.parameters()), list(ref_model.parameters()), init)
 
@@ -895,7 +922,11 @@ def _sched_clip(rank, world, partition_grad, overlap):
         ref_opt.step()
         ref_sched.step()
         opt.zero_grad()
-        _local_backward(model, x, y, rank, 2, False)
+        xs, ys = x[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH], y[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH]
+        for m, (xm, ym) in enumerate(zip(xs.chunk(2), ys.chunk(2))):
+            (loss_fn(model, xm, ym) * (xm.shape[0] / xs.shape[0])).backward()
+            if m == 0:  # the norm read between micro-batches (logged, not clipped): the next backward's
+                opt.clip_grad_norm_(float("inf"))  # gradients must still be averaged before the step
         norm = opt.clip_grad_norm_(0.05)
         opt.step()
         sched.step()
@@ -985,6 +1016,59 @@ def test_frozen_params_do_not_count_in_the_balance():
     opt._assign([emb] + layers)
     owners = [opt._owner[opt._gidx[id(p)]] for p in layers]
     assert sorted(owners.count(r) for r in range(4)) == [2, 2, 2, 2], owners
+
+
+def test_whole_params_go_largest_first_and_only_exact_elementwise_optimizers_split():
+    """Owners: largest first, each to the least loaded rank (LPT). Sizes 3, 3, 3, 4, 5 on 2 ranks end at loads
+    8 and 10 (smallest first would reach 11). Splitting needs the exact type of torch's element-wise optimizers:
+    a subclass may change the math (world 2 simulated: made at construction from sizes alone)."""
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (3, 3, 3, 4, 5)]
+    opt = ZeroRedundancyOptimizer.__new__(ZeroRedundancyOptimizer)
+    opt.world_size, opt._params, opt._owner, opt._gidx, opt._loads = 2, [], [], {}, [0] * 2
+    opt._assign(params)
+    assert opt._owner == [1, 0, 1, 1, 0] and opt._loads == [8, 10], (opt._owner, opt._loads)
+
+    class MyAdamW(torch.optim.AdamW):
+        pass
+
+    assert zero_module._can_split(torch.optim.AdamW(params)) and zero_module._can_split(fastopt.Adafactor(params))
+    assert not zero_module._can_split(MyAdamW(params)) and not zero_module._can_split(torch.optim.Adafactor(params))
+
+
+def test_buckets_are_filled_greedily_up_to_the_cap():
+    """Consecutive runs as long as the cap allows (a run that fills it exactly is one bucket; a param over the
+    cap gets a bucket of its own): fewer, fuller collectives."""
+    sizes = [3, 5, 8, 1, 7, 9, 20, 2, 6]  # float64 elements; the cap holds 16
+    params = [torch.zeros(n, dtype=DT) for n in sizes]
+    got = zero_module._chunks(list(range(len(sizes))), params, 16 * 8)
+    assert got == [[0, 1, 2], [3, 4], [5], [6], [7, 8]], got
+
+
+def test_mismatched_state_dict_is_refused():
+    """A consolidated (or unwrapped) state_dict whose groups do not match the wrapper's: refused, naming the
+    mismatch, before anything changes (zip would cut it short, or put a param's state on another param)."""
+    model = Net()
+    opt = ZeroRedundancyOptimizer(make_opt("AdamW", model))
+    for step in range(2):
+        opt.zero_grad()
+        loss_fn(model, *batch(step, 1)).backward()
+        opt.step()
+    good = opt.state_dict(consolidated=True)
+    before = copy.deepcopy(opt.optim.state_dict())
+    more = copy.deepcopy(good)
+    more["param_groups"].append({**more["param_groups"][-1], "params": []})
+    moved = copy.deepcopy(good)  # w3 (id 3) moved to the vectors' group: same params in all, other groups
+    moved["param_groups"][0]["params"].remove(3)
+    moved["param_groups"][1]["params"].insert(0, 3)
+    unknown = copy.deepcopy(good)
+    unknown["state"][7] = copy.deepcopy(unknown["state"][0])
+    for sd, match in ((more, "state_dict has 3 param groups, this optimizer has 2"),
+                      (moved, r"param_groups\[0\] has 3 params in the state_dict, 4 here"),
+                      (unknown, r"state for unknown param ids \[7\]")):
+        with pytest.raises(ValueError, match=match):
+            opt.load_state_dict(sd)
+        assert _state_err(opt.optim.state_dict(), before) == 0.0
+    opt.load_state_dict(good)
 
 
 @pytest.mark.parametrize("n,world", [(30000, 4), (32896, 4), (8192 * 3 + 2500, 3), (40000, 2), (70001, 8)])
@@ -1197,15 +1281,21 @@ def _bad_input(rank, world, case):
             model.b2 = torch.nn.Parameter(torch.zeros(6, dtype=DT))
         with pytest.raises(ValueError, match="param 5 is"):
             ZeroRedundancyOptimizer(make_opt("AdamW", model))
-    elif case == "group":
-        sub = dist.new_group([0, 1])
-        if rank >= 2:
+    elif case == "group":  # global ranks 1 and 3, ranks 0 and 1 of the group: collectives name global ranks
+        sub = dist.new_group([1, 3])
+        if rank in (0, 2):
             with pytest.raises(ValueError, match="not a member of process_group"):
                 ZeroRedundancyOptimizer(make_opt("AdamW", model), process_group=sub)
             return "refused"
-        opt = ZeroRedundancyOptimizer(make_opt("AdamW", model), process_group=sub, partition_grad=True)
-        _continue(model, opt, rank, 2, 0, 2)  # works within the sub-group
-        return [p.detach().clone() for p in model.parameters()]
+        ref_model = copy.deepcopy(model)
+        init = [p.detach().clone() for p in model.parameters()]
+        ref_opt = make_opt("AdamW", ref_model)
+        opt = ZeroRedundancyOptimizer(make_opt("AdamW", model), process_group=sub, partition_grad=True,
+                                      bucket_size_mb=BUCKET_MB)
+        ours = _continue(model, opt, dist.get_rank(sub), 2, 0, 4)  # works within the sub-group
+        err = rel_update_error(ours, _reference(ref_model, ref_opt, 2, 0, 4), init)
+        full = opt.state_dict(consolidated=True, to=1)  # to rank 1 of the group: global rank 3
+        return dict(err=err, params=ours, full=full is not None)
     elif case == "declared":  # a tensor-parallel piece declared by hand: a fastopt optimizer would get its pieces
         from fastopt.distributed import declare_shard  # declared over the ZeRO group alone; torch's AdamW is exact
         declare_shard(model.w2, (model.w2.shape[0] * world, *model.w2.shape[1:]), dist.group.WORLD, dim=0)
@@ -1246,8 +1336,10 @@ def test_bad_input_distributed(pool, case):
     if case == "hyper":
         assert results == [1] * WORLD  # the refused group was not added
     if case == "group":
-        assert results[2] == results[3] == "refused"
-        assert all(torch.equal(a, b) for a, b in zip(results[0], results[1]))
+        assert results[0] == results[2] == "refused"
+        assert [r["full"] for r in results[1::2]] == [False, True]
+        assert all(r["err"] <= TOL[DT] for r in results[1::2]), [r["err"] for r in results[1::2]]
+        assert all(torch.equal(a, b) for a, b in zip(results[1]["params"], results[3]["params"]))
 
 
 def test_not_an_optimizer():
@@ -1289,6 +1381,18 @@ def test_single_rank_is_the_wrapped_optimizer(device, partition_grad):
     sd = opt.state_dict(consolidated=True)
     assert _state_err(sd, ref_opt.state_dict()) == 0.0
     assert sorted(sd) == ["param_groups", "state"]
+    # Loaded into a fresh wrapper (built with lr=1e-2), the saved lr is the wrapper's too: its groups drive the step.
+    model2 = copy.deepcopy(model)
+    opt2 = ZeroRedundancyOptimizer(mk(model2), partition_grad=partition_grad)
+    opt2.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"] == 1e-2 * 0.5 ** (STEPS // 2)
+    for step in range(STEPS, STEPS + 2):
+        x, y = (t.to(device) for t in batch(step, 1))
+        for m, o in ((model, opt), (model2, opt2)):
+            o.zero_grad()
+            loss_fn(m, x, y).backward()
+            o.step()
+    assert all(torch.equal(a, b) for a, b in zip(model2.parameters(), model.parameters()))
 
 
 def test_add_param_group_single_rank():
@@ -1298,9 +1402,13 @@ def test_add_param_group_single_rank():
     opt.add_param_group({"params": vecs, "lr": 1e-3})
     assert len(opt.param_groups) == len(opt.optim.param_groups) == 2
     assert opt.optim.param_groups[1]["lr"] == 1e-3
+    opt.param_groups[1]["lr"] = 2e-3  # the added group drives the wrapped one's at once, like the others
+    assert opt.optim.param_groups[1]["lr"] == 2e-3
+    opt.param_groups[0].update(lr=3e-3)  # dict.update bypasses __setitem__: copied in by step()
     loss_fn(model, *batch(0, 1)).backward()
     opt.step()
     assert all(p in opt.state for p in vecs)
+    assert [g["lr"] for g in opt.optim.param_groups] == [g["lr"] for g in opt.param_groups] == [3e-3, 2e-3]
 
 
 def test_scheduler_on_the_wrapped_optimizer_is_refused():
