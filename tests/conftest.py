@@ -188,6 +188,50 @@ def through_8bit(m, v, block_size: int) -> tuple:
             dequantize_blockwise(qv, av, block_size, signed=False, dtype=torch.float64), (qm, qv))
 
 
+def adam_8bit_reference(init, grads, betas, block_size: int, min_8bit_size: int, lrs, update) -> tuple:
+    """Adam's moments in float64, one param at a time, those of params of at least `min_8bit_size` elements kept
+    between steps in the 8-bit block-wise format (`through_8bit`: quantized from the exact m_t, v_t the update
+    used, as bitsandbytes does); `update(p, m, v, t, lr)` is the param after step t (from 1) at that step's lr,
+    `lrs[t - 1]`. Returns (params, [(m codes, v codes) or None])."""
+    beta1, beta2 = betas
+    ps = [x.clone() for x in init]
+    ms = [torch.zeros_like(x) for x in ps]
+    vs = [torch.zeros_like(x) for x in ps]
+    codes = [None] * len(ps)
+    for t, step_grads in enumerate(grads, start=1):
+        for i, g in enumerate(step_grads):
+            m = beta1 * ms[i] + (1 - beta1) * g
+            v = beta2 * vs[i] + (1 - beta2) * g * g
+            ps[i] = update(ps[i], m, v, t, lrs[t - 1])
+            if ps[i].numel() >= min_8bit_size:
+                m, v, codes[i] = through_8bit(m, v, block_size)
+            ms[i], vs[i] = m, v
+    return ps, codes
+
+
+def assert_matches_8bit_reference(opt, params, ref, codes, init, block_size: int, keys) -> None:
+    """fp64 params against `adam_8bit_reference`'s (params, codes): within TOL[float64] of the update's size,
+    param by param; the 8-bit states to the last code, with one absmax per block of `block_size`; the others in
+    fp64. `keys`: ((m key, its absmax key), (v key, its absmax key)) of the optimizer's state."""
+    (mk, ma), (vk, va) = keys
+    for i, (p, r, x, c) in enumerate(zip(params, ref, init, codes)):
+        st = {k: v.cpu() for k, v in opt.state[p].items()}
+        assert rel_update_error([p.detach().cpu()], [r], [x]) <= TOL[torch.float64], f"param {i}"
+        if c is None:
+            assert set(st) == {"step", mk, vk} and st[mk].dtype == torch.float64, f"param {i}"
+        else:
+            assert st[ma].shape == st[va].shape == (-(-p.numel() // block_size),), f"param {i}"
+            assert torch.equal(st[mk], c[0]) and torch.equal(st[vk], c[1]), f"param {i}"
+
+
+def feed(opt, params, grads) -> None:
+    """One step of `opt` per entry of `grads`, each param's gradient that entry's, in the param's device and dtype."""
+    for step_grads in grads:
+        for p, gr in zip(params, step_grads):
+            p.grad = gr.to(device=p.device, dtype=p.dtype)
+        opt.step()
+
+
 def check_skips_params_without_grad(make_opt, device, shapes=((3, 4), (5,))) -> None:
     """`make_opt(a, b, e)` over fp64 params of `shapes` and an empty one: a step with a gradient for `a` and
     the empty `e` only moves `a` and counts its step; `b` (no gradient) and `e` get no state."""

@@ -134,7 +134,7 @@ def check_own_state_dict_keeps_sr(cls, run, kw: dict, device) -> None:
     """`cls` with bf16_stochastic_round=True, 4 of 8 steps, its state_dict (through torch.save) loaded into `cls`
     made without it: the setting comes back, and the loaded run's bf16 params equal the uninterrupted run's bit for
     bit, all moved. `run(cls, init, grads, dtype, device, **kw)` -> (params, optimizer)."""
-    from conftest import save_load
+    from conftest import feed, save_load
     init, grads = sr_problem([(32, 64), (1000,)], 8)
     straight, _ = run(cls, init, grads, torch.bfloat16, device, bf16_stochastic_round=True, **kw)
     first, opt = run(cls, init, grads[:4], torch.bfloat16, device, bf16_stochastic_round=True, **kw)
@@ -142,10 +142,7 @@ def check_own_state_dict_keeps_sr(cls, run, kw: dict, device) -> None:
     opt2 = cls(params, **kw)
     opt2.load_state_dict(save_load(opt.state_dict()))
     assert opt2.param_groups[0]["bf16_stochastic_round"] is True
-    for step_grads in grads[4:]:
-        for p, gr in zip(params, step_grads):
-            p.grad = gr.to(device=p.device, dtype=p.dtype)
-        opt2.step()
+    feed(opt2, params, grads[4:])
     for a, b, p0 in zip(params, straight, first):
         assert not torch.equal(b, p0)
         assert torch.equal(a, b)

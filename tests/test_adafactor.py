@@ -5,7 +5,7 @@ import pytest
 import torch
 from conftest import (TALL_ROWS, TOL, assert_tracks, rel_update_error, step_with_inf_at,
                       launches_per_step, check_bad_group_refused, check_foreign_group_count_refused,
-                      check_refuses_sparse_and_complex, check_skips_params_without_grad, save_load,
+                      check_refuses_sparse_and_complex, check_skips_params_without_grad, feed, save_load,
                       check_lr_scheduler_drives_group_lr)
 from transformers.optimization import Adafactor as HFAdafactor
 
@@ -218,10 +218,7 @@ def test_state_dict_round_trip_is_bit_identical(backend, device):
     opt2 = fastopt.Adafactor(params, **kw)
     opt2.load_state_dict(loaded)
     assert all(t.dtype == torch.float32 and t.device == p.device for p in params for t in opt2.state[p].values())
-    for step_grads in grads[5:]:
-        for p, gr in zip(params, step_grads):
-            p.grad = gr.to(device=device, dtype=torch.float32)
-        opt2.step()
+    feed(opt2, params, grads[5:])
     for a, b in zip(params, straight):
         assert torch.equal(a, b)
 

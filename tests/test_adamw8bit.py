@@ -11,8 +11,8 @@ import re
 
 import pytest
 import torch
-from conftest import (TOL, check_bad_key_refused_after_a_step, group_key, rel_update_error, save_load,
-                      through_8bit)
+from conftest import (TOL, adam_8bit_reference, assert_matches_8bit_reference, check_bad_key_refused_after_a_step,
+                      group_key, rel_update_error, save_load)
 
 import fastopt
 
@@ -164,34 +164,18 @@ def _adamw8bit_reference(init, grads, lr, betas, eps, weight_decay, block_size, 
     from the exact m_t, v_t that the update used, as bitsandbytes does). `lrs`: each step's lr (a schedule set
     through the group). Returns (params, [(m codes, v codes) or None])."""
     beta1, beta2 = betas
-    ps = [x.clone() for x in init]
-    ms = [torch.zeros_like(x) for x in ps]
-    vs = [torch.zeros_like(x) for x in ps]
-    codes = [None] * len(ps)
-    for t, step_grads in enumerate(grads, start=1):
-        step_lr = lr if lrs is None else lrs[t - 1]
-        for i, g in enumerate(step_grads):
-            m = beta1 * ms[i] + (1 - beta1) * g
-            v = beta2 * vs[i] + (1 - beta2) * g * g
-            denom = v.sqrt() / math.sqrt(1 - beta2 ** t) + eps
-            ps[i] = ps[i] * (1 - step_lr * weight_decay) - step_lr / (1 - beta1 ** t) * m / denom
-            if ps[i].numel() >= min_8bit_size:
-                m, v, codes[i] = through_8bit(m, v, block_size)
-            ms[i], vs[i] = m, v
-    return ps, codes
+
+    def update(p, m, v, t, step_lr):
+        denom = v.sqrt() / math.sqrt(1 - beta2 ** t) + eps
+        return p * (1 - step_lr * weight_decay) - step_lr / (1 - beta1 ** t) * m / denom
+
+    return adam_8bit_reference(init, grads, betas, block_size, min_8bit_size,
+                               [lr] * len(grads) if lrs is None else lrs, update)
 
 
 def _assert_matches_reference(opt, ours, ref, codes, init, block_size):
-    """fp64 params: within TOL[float64] of the update's size, param by param; the 8-bit states to the last code,
-    with one absmax per block of `block_size`; the others in fp64."""
-    for i, (p, r, x, c) in enumerate(zip(ours, ref, init, codes)):
-        st = opt.state[p]
-        assert rel_update_error([p], [r], [x]) <= TOL[torch.float64], f"param {i}"
-        if c is None:
-            assert set(st) == {"step", "state1", "state2"} and st["state1"].dtype == torch.float64, f"param {i}"
-        else:
-            assert st["absmax1"].shape == st["absmax2"].shape == (math.ceil(p.numel() / block_size),), f"param {i}"
-            assert torch.equal(st["state1"], c[0]) and torch.equal(st["state2"], c[1]), f"param {i}"
+    assert_matches_8bit_reference(opt, ours, ref, codes, init, block_size,
+                                  (("state1", "absmax1"), ("state2", "absmax2")))
 
 
 def test_defaults_are_torch_adamws_with_bitsandbytes_8bit_layout(impl):

@@ -6,7 +6,7 @@ import torch
 from came_pytorch import CAME as RefCAME
 from conftest import (TALL_ROWS, TOL, assert_tracks, rel_update_error, step_with_inf_at,
                       launches_per_step, check_bad_group_refused, check_foreign_group_count_refused,
-                      check_refuses_sparse_and_complex, check_skips_params_without_grad, save_load,
+                      check_refuses_sparse_and_complex, check_skips_params_without_grad, feed, save_load,
                       check_lr_scheduler_drives_group_lr)
 
 import fastopt
@@ -34,13 +34,6 @@ def make_problem(shapes=SHAPES, steps=STEPS, seed=0):
 
 def make_params(init, dtype, device="cpu"):
     return [p.detach().clone().to(device=device, dtype=dtype).requires_grad_() for p in init]
-
-
-def feed(opt, params, grads):
-    for step_grads in grads:
-        for p, gr in zip(params, step_grads):
-            p.grad = gr.to(device=p.device, dtype=p.dtype)
-        opt.step()
 
 
 def run(cls, init, grads, dtype, device="cpu", **kw):

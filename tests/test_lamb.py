@@ -8,7 +8,8 @@ import pytest
 import torch
 from conftest import (TOL, Counting, assert_tracks, rel_update_error, step_with_inf_at, group_key,
                       check_bad_key_refused_after_a_step, check_refuses_sparse_and_complex,
-                      check_skips_params_without_grad, through_8bit, check_no_host_sync, save_load)
+                      check_skips_params_without_grad, check_no_host_sync, save_load, feed, adam_8bit_reference,
+                      assert_matches_8bit_reference)
 
 import fastopt
 from fastopt import ops
@@ -228,10 +229,7 @@ def test_state_dict_round_trip_is_bit_identical(backend, device, dtype, nbits):
             assert t.dtype == (torch.uint8 if eight and k in ("exp_avg", "exp_avg_sq") else torch.float32), k
             assert t.device == p.device
     assert (nbits == 8) == (opt2.state[params[0]]["exp_avg"].dtype == torch.uint8)
-    for step_grads in grads[5:]:
-        for p, gr in zip(params, step_grads):
-            p.grad = gr.to(device=device, dtype=dtype)
-        opt2.step()
+    feed(opt2, params, grads[5:])
     for a, b in zip(params, straight):
         assert torch.equal(a, b)
 
@@ -365,26 +363,18 @@ def lamb8_reference(init, grads, lr, betas=(0.9, 0.999), eps=1e-6, weight_decay=
     (quantized after each step from the exact m_t, v_t, which the update uses). `lrs`: each step's lr (a schedule
     set through the group). Returns (params, codes)."""
     beta1, beta2 = betas
-    ps = [x.clone() for x in init]
-    ms = [torch.zeros_like(x) for x in ps]
-    vs = [torch.zeros_like(x) for x in ps]
-    codes = [None] * len(ps)
-    for t, step_grads in enumerate(grads, start=1):
-        step_lr = lrs[t - 1] if lrs is not None else lr
+
+    def update(p, m, v, t, step_lr):
         eta = step_lr * math.sqrt(1 - beta2 ** t) / (1 - beta1 ** t) if bias_correction else step_lr
-        for i, g in enumerate(step_grads):
-            m = beta1 * ms[i] + (1 - beta1) * g
-            v = beta2 * vs[i] + (1 - beta2) * g * g
-            a = m / (v.sqrt() + eps) + weight_decay * ps[i]
-            p_norm, a_norm = ps[i].norm().item(), a.norm().item()
-            ratio = p_norm / a_norm if p_norm > 0 and a_norm > 0 else 1.0
-            if max_trust_ratio is not None:
-                ratio = min(ratio, max_trust_ratio)
-            ps[i] = ps[i] - eta * ratio * a
-            if ps[i].numel() >= min_8bit_size:
-                m, v, codes[i] = through_8bit(m, v, block_size)
-            ms[i], vs[i] = m, v
-    return ps, codes
+        a = m / (v.sqrt() + eps) + weight_decay * p
+        p_norm, a_norm = p.norm().item(), a.norm().item()
+        ratio = p_norm / a_norm if p_norm > 0 and a_norm > 0 else 1.0
+        if max_trust_ratio is not None:
+            ratio = min(ratio, max_trust_ratio)
+        return p - eta * ratio * a
+
+    return adam_8bit_reference(init, grads, betas, block_size, min_8bit_size,
+                               [lr] * len(grads) if lrs is None else lrs, update)
 
 
 @pytest.mark.parametrize("bias_correction", [True, False])
@@ -424,6 +414,9 @@ def test_8bit_tracks_32bit_reference(backend, device, dtype):
         torch.float32] * 2
 
 
+# Lamb's 8-bit state: (m, its absmax), (v, its absmax).
+LAMB_8BIT_KEYS = (("exp_avg", "exp_avg_absmax"), ("exp_avg_sq", "exp_avg_sq_absmax"))
+
 # The defaults fastopt.Lamb documents, written out (with nbits=8 also blocks of 256 and 8-bit state from 4096
 # elements on): what `Lamb(params)` must step with.
 DEFAULTS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0, bias_correction=True, max_trust_ratio=None)
@@ -449,14 +442,7 @@ def test_defaults_are_the_documented_ones(backend, device, nbits):
     if nbits == 8:
         ref, codes = lamb8_reference(init, grads, block_size=256, min_8bit_size=4096, **DEFAULTS)
         assert [c is not None for c in codes] == [True, False, False, False]
-    for i, (p, r, x, c) in enumerate(zip(params, ref, init, codes)):
-        st = opt.state[p]
-        assert rel_update_error([p.detach().cpu()], [r], [x]) <= TOL[torch.float64], f"param {i}"
-        if c is None:
-            assert set(st) == {"step", "exp_avg", "exp_avg_sq"} and st["exp_avg"].dtype == torch.float64, f"param {i}"
-        else:
-            assert st["exp_avg_absmax"].shape == st["exp_avg_sq_absmax"].shape == (16,)
-            assert torch.equal(st["exp_avg"].cpu(), c[0]) and torch.equal(st["exp_avg_sq"].cpu(), c[1]), f"param {i}"
+    assert_matches_8bit_reference(opt, params, ref, codes, init, 256, LAMB_8BIT_KEYS)
 
 
 # eps=0: the interpreted Triton kernels compute 0/0 in lanes they mask off (never stored; what is stored is checked).
@@ -480,11 +466,8 @@ def test_values_at_the_ends_of_the_rules_are_taken(backend, device):
         if t == 2:
             assert all(torch.equal(p.detach().cpu(), x) for p, x in zip(params, init))
     ref, codes = lamb8_reference(init, grads, lr=None, lrs=lrs, block_size=4096, min_8bit_size=0, **kw)
-    for i, (p, r, x, c) in enumerate(zip(params, ref, init, codes)):
-        st = opt.state[p]
-        assert rel_update_error([p.detach().cpu()], [r], [x]) <= TOL[torch.float64], f"param {i}"
-        assert st["exp_avg_absmax"].shape == (math.ceil(p.numel() / 4096),), f"param {i}"
-        assert torch.equal(st["exp_avg"].cpu(), c[0]) and torch.equal(st["exp_avg_sq"].cpu(), c[1]), f"param {i}"
+    assert all(c is not None for c in codes)
+    assert_matches_8bit_reference(opt, params, ref, codes, init, 4096, LAMB_8BIT_KEYS)
 
 
 def test_dequantized_state_dict_round_trip_is_bit_identical(backend, device):
@@ -513,10 +496,7 @@ def test_dequantized_state_dict_round_trip_is_bit_identical(backend, device):
         for key, signed in (("exp_avg", True), ("exp_avg_sq", False)):
             back = fastopt.dequantize_blockwise(st[key], st[key + "_absmax"], 128, signed=signed)
             assert st[key].dtype == torch.uint8 and torch.equal(back, sd["state"][i][key][DEQUANTIZED]), (i, key)
-    for step_grads in grads[5:]:
-        for p, gr in zip(params, step_grads):
-            p.grad = gr.to(device=device, dtype=torch.float32)
-        opt2.step()
+    feed(opt2, params, grads[5:])
     for a, b in zip(params, straight):
         assert torch.equal(a, b)
 

@@ -154,11 +154,15 @@ def _zero_grads(opt, how, step):
         raise AssertionError(how)
 
 
-def _local_backward(model, x, y, rank, accum, by_hand):
+def _local_backward(model, x, y, rank, accum, by_hand, between=None):
+    """This rank's share of the batch in `accum` micro-batches, by backward or by hand; `between()` runs after
+    each micro-batch but the last."""
     xs = x[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH]
     ys = y[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH]
     params = list(model.parameters())
-    for xm, ym in zip(xs.chunk(accum), ys.chunk(accum)):
+    for m, (xm, ym) in enumerate(zip(xs.chunk(accum), ys.chunk(accum))):
+        if m and between is not None:
+            between()
         loss = loss_fn(model, xm, ym) * (xm.shape[0] / xs.shape[0])
         if by_hand:
             for p, g in zip(params, torch.autograd.grad(loss, params)):
@@ -922,11 +926,9 @@ def _sched_clip(rank, world, partition_grad, overlap):
         ref_opt.step()
         ref_sched.step()
         opt.zero_grad()
-        xs, ys = x[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH], y[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH]
-        for m, (xm, ym) in enumerate(zip(xs.chunk(2), ys.chunk(2))):
-            (loss_fn(model, xm, ym) * (xm.shape[0] / xs.shape[0])).backward()
-            if m == 0:  # the norm read between micro-batches (logged, not clipped): the next backward's
-                opt.clip_grad_norm_(float("inf"))  # gradients must still be averaged before the step
+        # The norm read between micro-batches (logged, not clipped): the next backward's gradients must still be
+        # averaged before the step.
+        _local_backward(model, x, y, rank, 2, False, between=lambda: opt.clip_grad_norm_(float("inf")))
         norm = opt.clip_grad_norm_(0.05)
         opt.step()
         sched.step()
