@@ -82,6 +82,16 @@ so this costs no extra communication (the counts are read back to the host only 
 gradient). A gradient zeroed by `zero_grad(set_to_none=False)` still counts, as in torch. Gradients set by
 hand instead of by backward are reduced in `step()` (they must be set on every rank).
 
+Reentrant activation checkpointing (`checkpoint(..., use_reentrant=True)`, transformers' default) runs one
+nested backward per checkpointed segment inside the outer one. The round of reductions ends when the outermost
+backward does: a hook that fires inside a custom autograd Function's backward has the end-of-backward callback
+queued on the outer graph task (by a post-hook on that Function's node), not on the nested one, which would
+reduce every bucket once per segment. A param used inside and outside a segment, or in two segments, gets its
+gradient accumulated, and its hook fired, once per backward that reaches it. Its bucket is reduced once more
+at the end of the round (ZeRO-1: the running sum, whose reduced part is already the same on every rank;
+ZeRO-2: the part accumulated since it was packed), so the result is exact. Like DDP's `static_graph`, this
+needs such a param to be accumulated more than once on every rank alike, as the same model code does.
+
 Hyperparameters live in `param_groups` of the wrapper (every param of each group); assigning a key there
 (LR schedulers do) sets it in the wrapped optimizer's group at once, and every `step()` copies all keys across.
 Without an initialized process group (or with a group of one rank) the wrapper is a pass-through that
@@ -196,7 +206,7 @@ class _Bucket:
     chunk, so `acc[numel:]` is the count as above."""
 
     __slots__ = ("params", "gidx", "offsets", "numel", "size", "owner", "device", "dtype",
-                 "staging", "filled", "pending", "acc", "seen", "work", "bounds", "recv")
+                 "staging", "filled", "pending", "acc", "seen", "work", "bounds", "recv", "again")
 
     def __init__(self, gidx: list[int], params: list[Tensor], owner: int | None, bounds: tuple | None = None):
         self.params = params
@@ -223,6 +233,7 @@ class _Bucket:
         self.acc: Tensor | None = None
         self.seen = [False] * len(params)
         self.work = None
+        self.again = False  # a param's hook fired again in this round: the bucket is reduced a second time
 
     def slot(self, buf: Tensor, k: int) -> Tensor:
         p = self.params[k]
@@ -238,6 +249,7 @@ class _Bucket:
         self.filled = [False] * len(self.params)
         self.pending = len(self.params)
         self.work = None
+        self.again = False
 
 
 class _SharedGroup:
@@ -682,6 +694,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._ddp_checked = False  # looked for a DDP module over these params (at the next step)
         self._next = 0
         self._round = False
+        self._late: set = set()  # ZeRO-1: params accumulated again after their bucket was launched (`_again`)
         self._inflight: deque = deque()
         by_key: dict = {}
         red = []
@@ -941,10 +954,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         """Post-accumulate-grad hook: pack the gradient into its bucket; launch the buckets that are full."""
         if not self._round:
             self._begin_round()
-            torch.autograd.Variable._execution_engine.queue_callback(_end_of_backward(weakref.ref(self)))
+            _at_end_of_backward(weakref.ref(self))
         self._stashed.pop(gidx, None)  # backward added into it: the gradient is this backward's now
         b, k = self._slot[gidx]
-        if b.work is not None:  # reduced already in this round (a second backward inside this one)
+        if b.filled[k]:
+            self._again(b, k)
             return
         self._pack(b, k)
         if self.partition_grad:
@@ -953,6 +967,25 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             while self._next < len(self._red) and self._red[self._next].pending == 0:
                 self._launch(self._red[self._next])
                 self._next += 1
+
+    @torch.no_grad()
+    def _again(self, b: _Bucket, k: int) -> None:
+        """A param's hook fires a second time in one backward: reentrant checkpointing (`use_reentrant=True`)
+        runs a backward of its own inside the outer one, so a param used inside and outside a checkpointed
+        segment, or in two segments, accumulates once per backward that reaches it. Before its bucket is
+        launched the slot is packed again (ZeRO-1: the running sum, over the slot; ZeRO-2: the new part, added).
+        Either way the bucket is reduced a second time at the end of the round (`_flush`): after a launch the
+        new part is not in the reduction. ZeRO-1 keeps the param's running sum (`_late`: `_complete` does not
+        overwrite it) or has the average plus the new part; both average to the exact sum. ZeRO-2 has freed
+        the packed part, so the second reduction adds only the new part. The second reduction depends only on
+        which params accumulate twice, which the model fixes, so every rank makes it (module docstring)."""
+        b.again = True
+        if b.work is None:
+            if not self.partition_grad:
+                b.slot(b.staging, k).zero_()
+            self._pack(b, k)
+        elif not self.partition_grad:
+            self._late.add(b.gidx[k])
 
     @torch.no_grad()
     def _pack(self, b: _Bucket, k: int) -> None:
@@ -1018,6 +1051,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             # A param with a local gradient has a count > 0; read the counts only when some param has none here.
             has = b.counts(b.staging) if any(p.grad is None for p in b.params) else None
             for k, p in enumerate(b.params):
+                if b.gidx[k] in self._late:  # accumulated again since it was packed: reduced again (`_again`)
+                    continue
                 if p.grad is not None:
                     p.grad.copy_(b.slot(b.staging, k).view(p.shape))
                 elif has[k]:
@@ -1039,6 +1074,19 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 self._complete(self._inflight.popleft())
         while self._inflight:
             self._complete(self._inflight.popleft())
+        again = [b for b in self._red if b.again]
+        if again:  # params accumulated twice in this backward (`_again`): their buckets are reduced again
+            self._late = set()
+            self._cleared = False  # the first reduction carried this round's vote
+            for b in again:
+                b.reset_round()
+                for k in range(len(b.params)):
+                    self._pack(b, k)
+                self._launch(b)
+                while len(self._inflight) > 1:
+                    self._complete(self._inflight.popleft())
+            while self._inflight:
+                self._complete(self._inflight.popleft())
         for b in self._red:
             b.reset_round()
         self._next = 0
@@ -1469,3 +1517,31 @@ def _end_of_backward(ref):
         if z is not None and z._round:
             z._flush()
     return callback
+
+
+_BACKWARD_OF_A_FUNCTION = torch.autograd.function.BackwardCFunction.apply.__code__
+
+
+def _at_end_of_backward(ref) -> None:
+    """Have the wrapper's round flushed when the backward pass running now ends: an autograd callback queued on
+    its graph task. A hook that fires inside a backward started by a custom autograd Function's backward
+    (reentrant checkpointing runs one per checkpointed segment) is in a nested graph task, which ends while
+    the outer backward still has gradients to produce: the callback goes to the outermost one instead, queued
+    by a post-hook on the outermost Function's node, which runs in the outer graph task once that Function's
+    backward returns. Found on this thread's Python stack (autograd runs a nested backward on the thread
+    that runs the Function's backward)."""
+    f, node = sys._getframe(1), None
+    while f is not None:
+        if f.f_code is _BACKWARD_OF_A_FUNCTION:
+            node = f.f_locals.get("self")
+        f = f.f_back
+    queue = torch.autograd.Variable._execution_engine.queue_callback
+    if node is None:
+        queue(_end_of_backward(ref))
+        return
+    handle = None
+
+    def post_hook(_grad_inputs, _grad_outputs):
+        handle.remove()
+        queue(_end_of_backward(ref))
+    handle = node.register_hook(post_hook)
