@@ -1059,13 +1059,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                     p.grad = b.slot(b.staging, k).view(p.shape)
         b.staging = None
 
-    @torch.no_grad()
-    def _flush(self) -> None:
-        """Finish the round: pack what the hooks did not (hand-set or missing gradients), reduce every bucket
-        not reduced yet, wait for all, and expose the owner's accumulated gradients (ZeRO-2)."""
-        if not self._round:
-            self._begin_round()
-        for b in self._red[self._next:]:
+    def _reduce_rest(self, buckets: list) -> None:
+        """Pack what the hooks did not into `buckets`, reduce each, and wait for every reduction in flight."""
+        for b in buckets:
             for k in range(len(b.params)):
                 if not b.filled[k]:
                     self._pack(b, k)
@@ -1074,19 +1070,21 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 self._complete(self._inflight.popleft())
         while self._inflight:
             self._complete(self._inflight.popleft())
+
+    @torch.no_grad()
+    def _flush(self) -> None:
+        """Finish the round: pack what the hooks did not (hand-set or missing gradients), reduce every bucket
+        not reduced yet, wait for all, and expose the owner's accumulated gradients (ZeRO-2)."""
+        if not self._round:
+            self._begin_round()
+        self._reduce_rest(self._red[self._next:])
         again = [b for b in self._red if b.again]
         if again:  # params accumulated twice in this backward (`_again`): their buckets are reduced again
             self._late = set()
             self._cleared = False  # the first reduction carried this round's vote
             for b in again:
                 b.reset_round()
-                for k in range(len(b.params)):
-                    self._pack(b, k)
-                self._launch(b)
-                while len(self._inflight) > 1:
-                    self._complete(self._inflight.popleft())
-            while self._inflight:
-                self._complete(self._inflight.popleft())
+            self._reduce_rest(again)
         for b in self._red:
             b.reset_round()
         self._next = 0
