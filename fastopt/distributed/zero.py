@@ -82,15 +82,19 @@ so this costs no extra communication (the counts are read back to the host only 
 gradient). A gradient zeroed by `zero_grad(set_to_none=False)` still counts, as in torch. Gradients set by
 hand instead of by backward are reduced in `step()` (they must be set on every rank).
 
-Reentrant activation checkpointing (`checkpoint(..., use_reentrant=True)`, transformers' default) runs one
-nested backward per checkpointed segment inside the outer one. The round of reductions ends when the outermost
-backward does: a hook that fires inside a custom autograd Function's backward has the end-of-backward callback
-queued on the outer graph task (by a post-hook on that Function's node), not on the nested one, which would
-reduce every bucket once per segment. A param used inside and outside a segment, or in two segments, gets its
-gradient accumulated, and its hook fired, once per backward that reaches it. Its bucket is reduced once more
-at the end of the round (ZeRO-1: the running sum, whose reduced part is already the same on every rank;
-ZeRO-2: the part accumulated since it was packed), so the result is exact. Like DDP's `static_graph`, this
-needs such a param to be accumulated more than once on every rank alike, as the same model code does.
+Reentrant activation checkpointing (`checkpoint(..., use_reentrant=True)`, as many fine-tuning recipes set;
+transformers 5's default is `use_reentrant=False`) runs one nested backward per checkpointed segment inside the
+outer one. The round of reductions ends when the outermost backward does: a hook that fires inside a custom
+autograd Function's backward has the end-of-backward callback queued on the outer graph task (by a post-hook on
+the outermost such Function's node), not on the nested one, which would reduce every bucket once per segment. A
+param used inside and outside a segment, or in two segments, gets its gradient accumulated, and its hook fired,
+once per backward that reaches it. Its bucket is reduced once more at the end of the round (ZeRO-1: the running
+sum, whose reduced part is already the same on every rank; ZeRO-2: the part accumulated since it was packed), so
+the result is exact. Like DDP's `static_graph`, this needs such a param to be accumulated more than once on
+every rank alike, as the same model code does. For the same reason ZeRO-1 with overlap waits on its all-reduces
+at fixed points only (the oldest when a fifth is in flight, and at the end of backward), never because one
+happens to be done: whether a bucket's averages were written into the gradients before such a repeat must not
+differ between ranks.
 
 Hyperparameters live in `param_groups` of the wrapper (every param of each group); assigning a key there
 (LR schedulers do) sets it in the wrapped optimizer's group at once, and every `step()` copies all keys across.
@@ -970,15 +974,16 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def _again(self, b: _Bucket, k: int) -> None:
-        """A param's hook fires a second time in one backward: reentrant checkpointing (`use_reentrant=True`)
-        runs a backward of its own inside the outer one, so a param used inside and outside a checkpointed
-        segment, or in two segments, accumulates once per backward that reaches it. Before its bucket is
-        launched the slot is packed again (ZeRO-1: the running sum, over the slot; ZeRO-2: the new part, added).
-        Either way the bucket is reduced a second time at the end of the round (`_flush`): after a launch the
-        new part is not in the reduction. ZeRO-1 keeps the param's running sum (`_late`: `_complete` does not
-        overwrite it) or has the average plus the new part; both average to the exact sum. ZeRO-2 has freed
-        the packed part, so the second reduction adds only the new part. The second reduction depends only on
-        which params accumulate twice, which the model fixes, so every rank makes it (module docstring)."""
+        """A param's hook fires a second time in one backward: reentrant checkpointing (`use_reentrant=True`) runs a
+        backward of its own inside the outer one, so a param used inside and outside a checkpointed segment, or in two
+        segments, accumulates once per backward that reaches it. Before its bucket is launched the slot is packed again
+        (ZeRO-1: the running sum, over the slot; ZeRO-2: the new part, added). Either way the bucket is reduced a second
+        time at the end of the round (`_flush`): after a launch the new part is not in the reduction. ZeRO-1 keeps the
+        param's running sum (`_late`: `_complete` does not overwrite it) or has the average plus the new part (which of
+        the two depends on when the bucket was completed: at fixed points only, alike on every rank, `_launch`); either
+        averages to the exact sum, a mix of them would not. ZeRO-2 has freed the packed part, so the second reduction
+        adds only the new part. The second reduction depends only on which params accumulate twice, which the model
+        fixes, so every rank makes it (module docstring)."""
         b.again = True
         if b.work is None:
             if not self.partition_grad:
@@ -1031,7 +1036,12 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             self._complete(b)
             return
         self._inflight.append(b)
-        while self._inflight and (len(self._inflight) > _MAX_INFLIGHT or self._inflight[0].work.is_completed()):
+        # ZeRO-1 completes a bucket at fixed points only (not when its work happens to be done): `_complete` writes
+        # the averages into the gradients, and a param accumulated again (`_again`) must find that done, or not,
+        # on every rank alike (a rank with the average plus the new part and one with its own running sum would
+        # average to neither).
+        while self._inflight and (len(self._inflight) > _MAX_INFLIGHT
+                                  or self.partition_grad and self._inflight[0].work.is_completed()):
             self._complete(self._inflight.popleft())  # frees its staging buffer
 
     @torch.no_grad()
