@@ -643,9 +643,10 @@ class Wide(torch.nn.Module):
         self.w3 = P(5, 3)
         self.gain = P(3, scale=1.0)
 
-    def forward(self, x, use_big=True):
+    def forward(self, x, use_big=True, w3_grad=True):
         h = torch.tanh(x @ (self.big if use_big else self.big.detach()))
-        return ((h @ self.w.T + self.b) @ self.w3) * self.gain
+        w3 = self.w3 if w3_grad else self.w3 * 0 + self.w3.detach()  # w3's gradient: zeros
+        return ((h @ self.w.T + self.b) @ w3) * self.gain
 
     def groups(self):
         return [[self.big, self.w, self.w3], [self.b, self.gain]]
@@ -962,8 +963,10 @@ def test_gradient_set_after_backward_is_refused_on_every_rank(pool, overlap):
 
 def _cleared_by_the_model(rank, world, how, overlap):
     """ZeRO-2 with a split param: gradients cleared as torch users (and transformers' Trainer) do, not through
-    the wrapper (`model.zero_grad()`, `p.grad = None`), and `torch.autograd.grad` over the params between
-    backward and step (its tensor hooks fire without an accumulation)."""
+    the wrapper (`model.zero_grad()`, `p.grad = None`, `model.zero_grad(set_to_none=False)` on both sides), and
+    `torch.autograd.grad` over the params between backward and step (its tensor hooks fire without an
+    accumulation). "zero_owner_accum": nothing cleared; two micro-batches, the first giving `w3` a zero
+    gradient, so the rank that owns only `w3` holds zeros only after it (not a gradient zeroed in place)."""
     os.environ["FASTOPT_BACKEND"] = "torch"
     ref_model = Wide()
     model = copy.deepcopy(ref_model)
@@ -973,15 +976,28 @@ def _cleared_by_the_model(rank, world, how, overlap):
                                   overlap_communication=overlap, bucket_size_mb=BUCKET_MB)
     for step in range(4):
         x, y = batch(step, world, n_in=Wide.N_IN)
-        ref_opt.zero_grad()
-        loss_fn(ref_model, x, y).backward()
+        use_big = how != "model_zeros" or step % 2 == 0  # zeroed, not cleared: stepped without a gradient too
+        ref_opt.zero_grad(set_to_none=how != "model_zeros")
+        if how == "zero_owner_accum":  # each rank's first micro-batch, then its second
+            first = torch.arange(x.shape[0]) % LOCAL_BATCH < LOCAL_BATCH // 2
+            for rows, w3_grad in ((first, False), (~first, True)):
+                ((ref_model(x[rows], use_big, w3_grad) - y[rows]) ** 2).mean().div(2).backward()
+        else:
+            ((ref_model(x, use_big) - y) ** 2).mean().backward()
         ref_opt.step()
         if how == "model":
             model.zero_grad()
+        elif how == "model_zeros":
+            model.zero_grad(set_to_none=False)
+        elif how == "zero_owner_accum":
+            opt.zero_grad()
         else:
             for p in model.parameters():
                 p.grad = None
-        _local_backward(model, x, y, rank, 1, False)
+        xs, ys = x[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH], y[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH]
+        accum = 2 if how == "zero_owner_accum" else 1
+        for m, (xm, ym) in enumerate(zip(xs.chunk(accum), ys.chunk(accum))):
+            ((model(xm, use_big, w3_grad=m > 0 or accum == 1) - ym) ** 2).mean().div(accum).backward()
         if how == "autograd_grad":
             torch.autograd.grad(loss_fn(model, x[:2], y[:2]), list(model.parameters()))
         opt.step()
@@ -990,11 +1006,13 @@ def _cleared_by_the_model(rank, world, how, overlap):
 
 
 @pytest.mark.parametrize("how,overlap", [("model", False), ("model", True), ("by_hand", False),
-                                         ("autograd_grad", True)])
+                                         ("autograd_grad", True), ("model_zeros", True),
+                                         ("zero_owner_accum", False)])
 def test_zero2_gradients_cleared_through_the_model(pool, how, overlap):
     """The owners' sums lived on in their accumulators and the next backward added to them (1.69 off); a split
-    param's sum, whose piece no model.zero_grad() reaches, is reset by the ranks' votes; torch.autograd.grad
-    between backward and step took the owners' gradients away (nothing stepped)."""
+    param's sum, whose piece no model.zero_grad() reaches, is reset by the ranks' votes (zeroed in place
+    without one, the split sum lived on: 0.45-0.49 off); torch.autograd.grad between backward and step took the
+    owners' gradients away (nothing stepped)."""
     for err in pool.run(_cleared_by_the_model, how, overlap):
         assert err <= TOL[DT], err
 

@@ -63,7 +63,11 @@ without the wrapper (`model.zero_grad()`, as transformers' Trainer does, or `p.g
 the start of the next round the owner finds its exposed `.grad` gone (or replaced by hand) and drops that sum,
 and a split param's sum (its piece is no module param) is reset when any rank found such a cleared gradient
 (a vote carried in the split bucket's reduce-scatter; a model of split params alone must use the wrapper's
-`zero_grad()`). `add_param_group` between backward and `step()` keeps the sums and reductions made so far.
+`zero_grad()`). Zeroed in place (`model.zero_grad(set_to_none=False)`), the owners' sums are zeroed with their
+exposed views; a rank that finds all of its exposed gradients written in place since the last round (their
+accumulators' version counters moved) and holding zeros only votes, in the same reduce-scatter, for zeroing the
+split params' sums too (checked on the device, only where split params exist). `add_param_group` between
+backward and `step()` keeps the sums and reductions made so far.
 
 The wrapper is the data-parallel reduction: a model also wrapped in DistributedDataParallel is refused (at the
 first `step()` or `clip_grad_norm_()`, on every rank), as its gradients would be reduced twice and DDP's writes
@@ -202,15 +206,17 @@ class _Bucket:
     0 means that no rank produced a gradient for that param. `seen[k]`: this rank packed one for param k into
     the current accumulator (its count is then known to be > 0 without reading it back).
 
-    A split bucket (ZeRO-2, one split param, `bounds` its ranges): `staging` holds world blocks of (chunk + 2)
-    elements, chunk the longest range; block r holds range r of the gradient, a count, and a vote: 1 where the
-    rank found the owners' gradients cleared since the last round (`_begin_round`). It is reduce-scattered into
-    `recv` (chunk + 2 elements: this rank's range, padded, and the count and the votes summed over the ranks);
-    `acc` (chunk + 1) is reset when any rank voted, and `recv`'s first chunk + 1 are added into it; `numel` is
-    chunk, so `acc[numel:]` is the count as above."""
+    A split bucket (ZeRO-2, one split param, `bounds` its ranges): `staging` holds world blocks of (chunk + 3)
+    elements, chunk the longest range; block r holds range r of the gradient, a count, and two votes, set where
+    the rank found since the last round (`_begin_round`) the owners' gradients cleared (1: `model.zero_grad()`)
+    or zeroed in place (1: `model.zero_grad(set_to_none=False)`). It is reduce-scattered into `recv` (chunk + 3
+    elements: this rank's range, padded, and the count and the votes summed over the ranks); `acc` (chunk + 1) is
+    reset when any rank voted cleared, its sum (not its count: a zeroed gradient still counts) when any voted
+    zeroed, and `recv`'s first chunk + 1 are added into it; `numel` is chunk, so `acc[numel:]` is the count as
+    above. `version`: `acc`'s version counter when the round that last added into it ended."""
 
     __slots__ = ("params", "gidx", "offsets", "numel", "size", "owner", "device", "dtype",
-                 "staging", "filled", "pending", "acc", "seen", "work", "bounds", "recv", "again")
+                 "staging", "filled", "pending", "acc", "seen", "work", "bounds", "recv", "again", "version")
 
     def __init__(self, gidx: list[int], params: list[Tensor], owner: int | None, bounds: tuple | None = None):
         self.params = params
@@ -228,7 +234,7 @@ class _Bucket:
         if bounds is not None:
             chunk = max(b - a for a, b in zip(bounds, bounds[1:]))
             self.numel = chunk
-            self.size = (len(bounds) - 1) * (chunk + 2)
+            self.size = (len(bounds) - 1) * (chunk + 3)
         self.device = params[0].device
         self.dtype = params[0].dtype
         self.staging: Tensor | None = None
@@ -238,6 +244,7 @@ class _Bucket:
         self.seen = [False] * len(params)
         self.work = None
         self.again = False  # a param's hook fired again in this round: the bucket is reduced a second time
+        self.version = None
 
     def slot(self, buf: Tensor, k: int) -> Tensor:
         p = self.params[k]
@@ -695,6 +702,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._consumed: set = set()  # ZeRO-2: params whose gradient a hook took since the last step
         self._stashed: dict[int, Tensor] = {}  # ZeRO-2: owners' views a tensor hook took away (`_detach_exposed`)
         self._cleared = False  # ZeRO-2: this round found an owner's gradient cleared (`_begin_round`)
+        self._zeroed: Any = False  # ZeRO-2: ... all of them zeroed in place (a device bool, `_begin_round`)
         self._ddp_checked = False  # looked for a DDP module over these params (at the next step)
         self._next = 0
         self._round = False
@@ -934,10 +942,25 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         exposed gradient that is no longer the view of its accumulator was cleared (`model.zero_grad()`,
         `p.grad = None`) or replaced by hand since: its sum so far is dropped, as torch drops a cleared
         gradient, and this rank votes, in every split bucket it packs, for resetting the split params' sums
-        too (their pieces are not module params: no `model.zero_grad()` reaches them)."""
+        too (their pieces are not module params: no `model.zero_grad()` reaches them). Where every bucket with
+        an owner's exposed gradient was written in place since (its version counter moved) and holds zeros only,
+        they were zeroed in place (`model.zero_grad(set_to_none=False)`): the rank votes for zeroing the split
+        sums (the counts stay: a zeroed gradient still counts). Checked on the device, without a host sync, and
+        only where split params exist."""
         self._round = True
         if not self.partition_grad:
             return
+        self._zeroed = False
+        if self._split:
+            exposed = {}  # buckets with an owner's gradient still exposed (or taken by the tensor hook)
+            for gidx, v in self._views.items():
+                if gidx not in self._split and (self._params[gidx].grad is v or self._stashed.get(gidx) is v):
+                    b = self._slot[gidx][0]
+                    exposed[id(b)] = b
+            if exposed and all(b.version is not None and b.acc._version != b.version for b in exposed.values()):
+                dev = next(b.device for b in self._red if b.bounds is not None)
+                nonzero = [b.acc[:b.numel].ne(0).any().to(dev) for b in exposed.values()]
+                self._zeroed = torch.stack(nonzero).any().logical_not()
         cleared = False
         for gidx, v in list(self._views.items()):
             if gidx in self._split:
@@ -1003,9 +1026,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                                f"{g.layout} gradient (nn.Embedding(sparse=True)?); the wrapper averages dense "
                                "gradients: make it dense (sparse=False)")
         if b.bounds is not None:
-            b.staging.view(len(b.bounds) - 1, b.numel + 2)[:, b.numel + 1] = float(self._cleared)
+            votes = b.staging.view(len(b.bounds) - 1, b.numel + 3)
+            votes[:, b.numel + 1] = float(self._cleared)
+            votes[:, b.numel + 2] = self._zeroed
         if g is not None and b.bounds is not None:  # block r: range r of the gradient, then its count
-            flat, blocks = g.reshape(-1), b.staging.view(len(b.bounds) - 1, b.numel + 2)
+            flat, blocks = g.reshape(-1), b.staging.view(len(b.bounds) - 1, b.numel + 3)
             for r, (lo, hi) in enumerate(zip(b.bounds, b.bounds[1:])):
                 blocks[r, :hi - lo].add_(flat[lo:hi], alpha=self._inv_world)
             blocks[:, b.numel] = 1
@@ -1025,7 +1050,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         if b.staging is None:
             b.staging = torch.zeros(b.size, dtype=b.dtype, device=b.device)
         if b.bounds is not None:
-            b.recv = torch.empty(b.numel + 2, dtype=b.dtype, device=b.device)
+            b.recv = torch.empty(b.numel + 3, dtype=b.dtype, device=b.device)
             b.work = collective("reduce_scatter_single", "reduce_scatter_tensor")(
                 b.recv, b.staging, group=self._pg, async_op=True)
         elif self.partition_grad:
@@ -1048,8 +1073,13 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     def _complete(self, b: _Bucket) -> None:
         b.work.wait()
         if b.bounds is not None:  # a vote (recv's last element) resets the sum so far, on the device
-            got, votes = b.recv[:-1], b.recv[-1:]
-            b.acc = got if b.acc is None else b.acc.mul_(votes == 0).add_(got)
+            got, cleared, zeroed = b.recv[:-2], b.recv[-2:-1], b.recv[-1:]
+            if b.acc is None:
+                b.acc = got
+            else:
+                b.acc.masked_fill_(cleared != 0, 0)
+                b.acc[:b.numel].masked_fill_(zeroed != 0, 0)
+                b.acc.add_(got)
             b.recv = None
         elif self.partition_grad:
             if b.owner == self.rank:
@@ -1091,7 +1121,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         again = [b for b in self._red if b.again]
         if again:  # params accumulated twice in this backward (`_again`): their buckets are reduced again
             self._late = set()
-            self._cleared = False  # the first reduction carried this round's vote
+            self._cleared = self._zeroed = False  # the first reduction carried this round's votes
             for b in again:
                 b.reset_round()
             self._reduce_rest(again)
@@ -1099,9 +1129,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             b.reset_round()
         self._next = 0
         self._round = False
-        self._cleared = False
+        self._cleared = self._zeroed = False
         if self.partition_grad:
             mine = [b for b in self._red if b.owner == self.rank and b.acc is not None]
+            for b in mine:
+                b.version = b.acc._version
             # Params that got a gradient on no rank keep `.grad = None`. The counts are read back (one host sync
             # per device) only for buckets with a param of which this rank packed no gradient itself.
             unsure: dict = {}
