@@ -702,7 +702,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._consumed: set = set()  # ZeRO-2: params whose gradient a hook took since the last step
         self._stashed: dict[int, Tensor] = {}  # ZeRO-2: owners' views a tensor hook took away (`_detach_exposed`)
         self._cleared = False  # ZeRO-2: this round found an owner's gradient cleared (`_begin_round`)
-        self._zeroed: Any = False  # ZeRO-2: ... all of them zeroed in place (a device bool, `_begin_round`)
+        self._zeroed: Any = False  # ZeRO-2: ... or every exposed one zeroed in place (a device bool)
         self._ddp_checked = False  # looked for a DDP module over these params (at the next step)
         self._next = 0
         self._round = False
@@ -1570,11 +1570,12 @@ def _at_end_of_backward(ref) -> None:
     by a post-hook on the outermost Function's node, which runs in the outer graph task once that Function's
     backward returns. Found on this thread's Python stack (autograd runs a nested backward on the thread
     that runs the Function's backward)."""
-    f, node = sys._getframe(1), None
+    f, outer = sys._getframe(1), None
     while f is not None:
         if f.f_code is _BACKWARD_OF_A_FUNCTION:
-            node = f.f_locals.get("self")
+            outer = f
         f = f.f_back
+    node = outer.f_locals.get("self") if outer is not None else None
     queue = torch.autograd.Variable._execution_engine.queue_callback
     if node is None:
         queue(_end_of_backward(ref))
