@@ -84,7 +84,9 @@ gets no gradient on a rank contributes zeros from that rank. One that gets a gra
 every bucket carries one "has a gradient" count per param after its gradients, summed by the same collective,
 so this costs no extra communication (the counts are read back to the host only for params without a local
 gradient). A gradient zeroed by `zero_grad(set_to_none=False)` still counts, as in torch. Gradients set by
-hand instead of by backward are reduced in `step()` (they must be set on every rank).
+hand instead of by backward are reduced in `step()` (they must be set on every rank). A backward that raises
+(on every rank alike) leaves its round open, since no end-of-backward callback runs after an error: the
+wrapper's `zero_grad()` waits for the reductions it launched and drops it.
 
 Reentrant activation checkpointing (`checkpoint(..., use_reentrant=True)`, as many fine-tuning recipes set;
 transformers 5's default is `use_reentrant=False`) runs one nested backward per checkpointed segment inside the
@@ -898,6 +900,15 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of every param (and ZeRO-2's accumulators)."""
+        if self._round:  # a backward that raised (no end-of-backward callback runs after an error): drop its round
+            while self._inflight:  # every rank launched these (the same hooks fired before the same error)
+                self._complete(self._inflight.popleft())
+            for b in self._red:
+                b.reset_round()
+            self._next = 0
+            self._round = False
+            self._cleared = self._zeroed = False
+            self._late = set()
         self._synced = False
         for piece in self._pieces.values():
             if set_to_none:
