@@ -1006,12 +1006,8 @@ def test_gradient_set_after_backward_is_refused_on_every_rank(pool, overlap):
         assert err <= TOL[DT], err
 
 
-def _cleared_by_the_model(rank, world, how, overlap):
-    """ZeRO-2 with a split param: gradients cleared as torch users (and transformers' Trainer) do, not through
-    the wrapper (`model.zero_grad()`, `p.grad = None`, `model.zero_grad(set_to_none=False)` on both sides), and
-    `torch.autograd.grad` over the params between backward and step (its tensor hooks fire without an
-    accumulation). "zero_owner_accum": nothing cleared; two micro-batches, the first giving `w3` a zero
-    gradient, so the rank that owns only `w3` holds zeros only after it (not a gradient zeroed in place)."""
+def _wide_zero2(overlap):
+    """`Wide` and torch's AdamW in one process, and a copy under ZeRO-2: (ref_model, ref_opt, model, opt, init)."""
     os.environ["FASTOPT_BACKEND"] = "torch"
     ref_model = Wide()
     model = copy.deepcopy(ref_model)
@@ -1019,6 +1015,16 @@ def _cleared_by_the_model(rank, world, how, overlap):
     ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
     opt = ZeroRedundancyOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), partition_grad=True,
                                   overlap_communication=overlap, bucket_size_mb=BUCKET_MB)
+    return ref_model, ref_opt, model, opt, init
+
+
+def _cleared_by_the_model(rank, world, how, overlap):
+    """ZeRO-2 with a split param: gradients cleared as torch users (and transformers' Trainer) do, not through
+    the wrapper (`model.zero_grad()`, `p.grad = None`, `model.zero_grad(set_to_none=False)` on both sides), and
+    `torch.autograd.grad` over the params between backward and step (its tensor hooks fire without an
+    accumulation). "zero_owner_accum": nothing cleared; two micro-batches, the first giving `w3` a zero
+    gradient, so the rank that owns only `w3` holds zeros only after it (not a gradient zeroed in place)."""
+    ref_model, ref_opt, model, opt, init = _wide_zero2(overlap)
     for step in range(4):
         x, y = batch(step, world, n_in=Wide.N_IN)
         use_big = how != "model_zeros" or step % 2 == 0  # zeroed, not cleared: stepped without a gradient too
@@ -1059,6 +1065,57 @@ def test_zero2_gradients_cleared_through_the_model(pool, how, overlap):
     without one, the split sum lived on: 0.45-0.49 off); torch.autograd.grad between backward and step took the
     owners' gradients away (nothing stepped)."""
     for err in pool.run(_cleared_by_the_model, how, overlap):
+        assert err <= TOL[DT], err
+
+
+def _zeroed_vote(rank, world, how, overlap):
+    """ZeRO-2, Wide: the 'zeroed' vote must not fire when the model's gradients were NOT all zeroed, and must fire
+    after a rebuild. Two micro-batches per step, the first giving `w3` a zero gradient, so the rank owning only `w3`
+    holds zeros only after it. Between them: "clip" the wrapper's clip_grad_norm_ (not clipping: scaled by 1, in
+    place), "subset" only `w3`'s gradient zeroed. "rebuild": `b` frozen at step 1 (the buckets are rebuilt in
+    that step), unfrozen at step 2, `model.zero_grad(set_to_none=False)` before every step's backward."""
+    ref_model, ref_opt, model, opt, init = _wide_zero2(overlap)
+
+    def between(m, o):
+        if how == "clip":
+            (o.clip_grad_norm_ if o is opt else lambda n: torch.nn.utils.clip_grad_norm_(m.parameters(), n))(1e9)
+        elif how == "subset" and m.w3.grad is not None:
+            m.w3.grad.zero_()
+
+    for step in range(4):
+        x, y = batch(step, world, n_in=Wide.N_IN)
+        xs, ys = x[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH], y[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH]
+        first = torch.arange(x.shape[0]) % LOCAL_BATCH < LOCAL_BATCH // 2
+        if how == "rebuild":
+            ref_opt.zero_grad(set_to_none=False)
+            model.zero_grad(set_to_none=False)
+            for m in (ref_model, model):
+                if step in (1, 2):
+                    m.b.requires_grad_(step == 2)
+                    m.b.grad = None  # a frozen param is not stepped (module docstring)
+            ((ref_model(x) - y) ** 2).mean().backward()
+            ((model(xs) - ys) ** 2).mean().backward()
+        else:
+            ref_opt.zero_grad()
+            opt.zero_grad()
+            for m, o, parts in ((ref_model, ref_opt, (x[first], y[first], x[~first], y[~first])),
+                                (model, opt, (xs[:LOCAL_BATCH // 2], ys[:LOCAL_BATCH // 2],
+                                              xs[LOCAL_BATCH // 2:], ys[LOCAL_BATCH // 2:]))):
+                ((m(parts[0], True, False) - parts[1]) ** 2).mean().div(2).backward()
+                between(m, o)
+                ((m(parts[2]) - parts[3]) ** 2).mean().div(2).backward()
+        ref_opt.step()
+        opt.step()
+    assert opt._gidx[id(model.big)] in opt._split
+    return rel_update_error(list(model.parameters()), list(ref_model.parameters()), init)
+
+
+@pytest.mark.parametrize("how,overlap", [("clip", False), ("subset", True), ("rebuild", True)])
+def test_zero2_zeroed_vote(pool, how, overlap):
+    """One rank's exposed gradients all zero and written in place is no model.zero_grad(set_to_none=False):
+    the split param's sum was dropped after a no-op clip_grad_norm_ or `w3.grad.zero_()` between micro-batches
+    (0.966 off); after a rebuild (versions unknown) a real one went unnoticed (0.217 off)."""
+    for err in pool.run(_zeroed_vote, how, overlap):
         assert err <= TOL[DT], err
 
 

@@ -66,7 +66,9 @@ and a split param's sum (its piece is no module param) is reset when any rank fo
 `zero_grad()`). Zeroed in place (`model.zero_grad(set_to_none=False)`), the owners' sums are zeroed with their
 exposed views; a rank that finds all of its exposed gradients written in place since the last round (their
 accumulators' version counters moved) and holding zeros only votes, in the same reduce-scatter, for zeroing the
-split params' sums too (checked on the device, only where split params exist). `add_param_group` between
+split params' sums too, which happens when every rank holding an exposed owner's gradient so voted (one rank's
+gradients zeroed, or all zero and scaled in place, say by clip_grad_norm_ between micro-batches, are not the
+model's; checked on the device, only where split params exist). `add_param_group` between
 backward and `step()` keeps the sums and reductions made so far.
 
 The wrapper is the data-parallel reduction: a model also wrapped in DistributedDataParallel is refused (at the
@@ -208,14 +210,16 @@ class _Bucket:
     0 means that no rank produced a gradient for that param. `seen[k]`: this rank packed one for param k into
     the current accumulator (its count is then known to be > 0 without reading it back).
 
-    A split bucket (ZeRO-2, one split param, `bounds` its ranges): `staging` holds world blocks of (chunk + 3)
-    elements, chunk the longest range; block r holds range r of the gradient, a count, and two votes, set where
+    A split bucket (ZeRO-2, one split param, `bounds` its ranges): `staging` holds world blocks of (chunk + 4)
+    elements, chunk the longest range; block r holds range r of the gradient, a count, two votes, set where
     the rank found since the last round (`_begin_round`) the owners' gradients cleared (1: `model.zero_grad()`)
-    or zeroed in place (1: `model.zero_grad(set_to_none=False)`). It is reduce-scattered into `recv` (chunk + 3
-    elements: this rank's range, padded, and the count and the votes summed over the ranks); `acc` (chunk + 1) is
-    reset when any rank voted cleared, its sum (not its count: a zeroed gradient still counts) when any voted
-    zeroed, and `recv`'s first chunk + 1 are added into it; `numel` is chunk, so `acc[numel:]` is the count as
-    above. `version`: `acc`'s version counter when the round that last added into it ended."""
+    or zeroed in place (1: `model.zero_grad(set_to_none=False)`), and 1 where the rank holds an owner's exposed
+    gradient (its zeroed vote counts). It is reduce-scattered into `recv` (chunk + 4 elements: this rank's range,
+    padded, and the count, the votes and the voters summed over the ranks); `acc` (chunk + 1) is reset when any
+    rank voted cleared, its sum (not its count: a zeroed gradient still counts) when every voter voted zeroed,
+    and `recv`'s first chunk + 1 are added into it; `numel` is chunk, so `acc[numel:]` is the count as above.
+    `version`: `acc`'s version counter when the round that last added into it ended (or when `_rebuild` filled
+    it)."""
 
     __slots__ = ("params", "gidx", "offsets", "numel", "size", "owner", "device", "dtype",
                  "staging", "filled", "pending", "acc", "seen", "work", "bounds", "recv", "again", "version")
@@ -236,7 +240,7 @@ class _Bucket:
         if bounds is not None:
             chunk = max(b - a for a, b in zip(bounds, bounds[1:]))
             self.numel = chunk
-            self.size = (len(bounds) - 1) * (chunk + 3)
+            self.size = (len(bounds) - 1) * (chunk + 4)
         self.device = params[0].device
         self.dtype = params[0].dtype
         self.staging: Tensor | None = None
@@ -705,6 +709,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._stashed: dict[int, Tensor] = {}  # ZeRO-2: owners' views a tensor hook took away (`_detach_exposed`)
         self._cleared = False  # ZeRO-2: this round found an owner's gradient cleared (`_begin_round`)
         self._zeroed: Any = False  # ZeRO-2: ... or every exposed one zeroed in place (a device bool)
+        self._eligible: Any = False  # ZeRO-2: this rank holds an exposed owner's gradient (its zeroed vote counts)
         self._ddp_checked = False  # looked for a DDP module over these params (at the next step)
         self._next = 0
         self._round = False
@@ -907,7 +912,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 b.reset_round()
             self._next = 0
             self._round = False
-            self._cleared = self._zeroed = False
+            self._cleared = self._zeroed = self._eligible = False
             self._late = set()
         self._synced = False
         for piece in self._pieces.values():
@@ -961,13 +966,14 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._round = True
         if not self.partition_grad:
             return
-        self._zeroed = False
+        self._zeroed, self._eligible = False, 0.0
         if self._split:
             exposed = {}  # buckets with an owner's gradient still exposed (or taken by the tensor hook)
             for gidx, v in self._views.items():
                 if gidx not in self._split and (self._params[gidx].grad is v or self._stashed.get(gidx) is v):
                     b = self._slot[gidx][0]
                     exposed[id(b)] = b
+            self._eligible = float(bool(exposed))  # the zeroed vote must be unanimous among these ranks
             if exposed and all(b.version is not None and b.acc._version != b.version for b in exposed.values()):
                 dev = next(b.device for b in self._red if b.bounds is not None)
                 nonzero = [b.acc[:b.numel].ne(0).any().to(dev) for b in exposed.values()]
@@ -1037,11 +1043,12 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                                f"{g.layout} gradient (nn.Embedding(sparse=True)?); the wrapper averages dense "
                                "gradients: make it dense (sparse=False)")
         if b.bounds is not None:
-            votes = b.staging.view(len(b.bounds) - 1, b.numel + 3)
+            votes = b.staging.view(len(b.bounds) - 1, b.numel + 4)
             votes[:, b.numel + 1] = float(self._cleared)
             votes[:, b.numel + 2] = self._zeroed
+            votes[:, b.numel + 3] = self._eligible
         if g is not None and b.bounds is not None:  # block r: range r of the gradient, then its count
-            flat, blocks = g.reshape(-1), b.staging.view(len(b.bounds) - 1, b.numel + 3)
+            flat, blocks = g.reshape(-1), b.staging.view(len(b.bounds) - 1, b.numel + 4)
             for r, (lo, hi) in enumerate(zip(b.bounds, b.bounds[1:])):
                 blocks[r, :hi - lo].add_(flat[lo:hi], alpha=self._inv_world)
             blocks[:, b.numel] = 1
@@ -1061,7 +1068,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         if b.staging is None:
             b.staging = torch.zeros(b.size, dtype=b.dtype, device=b.device)
         if b.bounds is not None:
-            b.recv = torch.empty(b.numel + 3, dtype=b.dtype, device=b.device)
+            b.recv = torch.empty(b.numel + 4, dtype=b.dtype, device=b.device)
             b.work = collective("reduce_scatter_single", "reduce_scatter_tensor")(
                 b.recv, b.staging, group=self._pg, async_op=True)
         elif self.partition_grad:
@@ -1083,13 +1090,14 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def _complete(self, b: _Bucket) -> None:
         b.work.wait()
-        if b.bounds is not None:  # a vote (recv's last element) resets the sum so far, on the device
-            got, cleared, zeroed = b.recv[:-2], b.recv[-2:-1], b.recv[-1:]
+        if b.bounds is not None:  # the votes (recv's last three elements) reset the sum so far, on the device
+            got, cleared, zeroed, eligible = b.recv[:-3], b.recv[-3:-2], b.recv[-2:-1], b.recv[-1:]
             if b.acc is None:
                 b.acc = got
             else:
                 b.acc.masked_fill_(cleared != 0, 0)
-                b.acc[:b.numel].masked_fill_(zeroed != 0, 0)
+                # zeroed by every rank that holds an exposed owner's gradient, not one rank's subset of them
+                b.acc[:b.numel].masked_fill_((zeroed != 0) & (zeroed == eligible), 0)
                 b.acc.add_(got)
             b.recv = None
         elif self.partition_grad:
@@ -1132,7 +1140,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         again = [b for b in self._red if b.again]
         if again:  # params accumulated twice in this backward (`_again`): their buckets are reduced again
             self._late = set()
-            self._cleared = self._zeroed = False  # the first reduction carried this round's votes
+            self._cleared = self._zeroed = self._eligible = False  # the first reduction carried this round's votes
             for b in again:
                 b.reset_round()
             self._reduce_rest(again)
@@ -1140,7 +1148,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             b.reset_round()
         self._next = 0
         self._round = False
-        self._cleared = self._zeroed = False
+        self._cleared = self._zeroed = self._eligible = False
         if self.partition_grad:
             mine = [b for b in self._red if b.owner == self.rank and b.acc is not None]
             for b in mine:
@@ -1288,6 +1296,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             b.acc[b.numel + (k if b.bounds is None else 0)] = 1
             b.seen[k] = True
             self._expose(gidx)
+        for b in self._red:  # the round that filled them has ended: in-place writes from now on are news
+            if b.acc is not None:
+                b.version = b.acc._version
 
     @torch.no_grad()
     def _gather_split(self) -> None:
