@@ -1022,13 +1022,15 @@ def _cleared_by_the_model(rank, world, how, overlap):
     """ZeRO-2 with a split param: gradients cleared as torch users (and transformers' Trainer) do, not through
     the wrapper (`model.zero_grad()`, `p.grad = None`, `model.zero_grad(set_to_none=False)` on both sides), and
     `torch.autograd.grad` over the params between backward and step (its tensor hooks fire without an
-    accumulation). "zero_owner_accum": nothing cleared; two micro-batches, the first giving `w3` a zero
+    accumulation; "autograd_grad_zeros": after step, before model.zero_grad(set_to_none=False), which must still
+    find the owners' views). "zero_owner_accum": nothing cleared; two micro-batches, the first giving `w3` a zero
     gradient, so the rank that owns only `w3` holds zeros only after it (not a gradient zeroed in place)."""
     ref_model, ref_opt, model, opt, init = _wide_zero2(overlap)
     for step in range(4):
         x, y = batch(step, world, n_in=Wide.N_IN)
-        use_big = how != "model_zeros" or step % 2 == 0  # zeroed, not cleared: stepped without a gradient too
-        ref_opt.zero_grad(set_to_none=how != "model_zeros")
+        zeros = how in ("model_zeros", "autograd_grad_zeros")
+        use_big = not zeros or step % 2 == 0  # zeroed, not cleared: stepped without a gradient too
+        ref_opt.zero_grad(set_to_none=not zeros)
         if how == "zero_owner_accum":  # each rank's first micro-batch, then its second
             first = torch.arange(x.shape[0]) % LOCAL_BATCH < LOCAL_BATCH // 2
             for rows, w3_grad in ((first, False), (~first, True)):
@@ -1038,7 +1040,7 @@ def _cleared_by_the_model(rank, world, how, overlap):
         ref_opt.step()
         if how == "model":
             model.zero_grad()
-        elif how == "model_zeros":
+        elif zeros:
             model.zero_grad(set_to_none=False)
         elif how == "zero_owner_accum":
             opt.zero_grad()
@@ -1052,18 +1054,21 @@ def _cleared_by_the_model(rank, world, how, overlap):
         if how == "autograd_grad":
             torch.autograd.grad(loss_fn(model, x[:2], y[:2]), list(model.parameters()))
         opt.step()
+        if how == "autograd_grad_zeros":  # before the next model.zero_grad(set_to_none=False)
+            torch.autograd.grad(loss_fn(model, x[:2], y[:2]), list(model.parameters()))
     assert opt._gidx[id(model.big)] in opt._split
     return rel_update_error(list(model.parameters()), list(ref_model.parameters()), init)
 
 
 @pytest.mark.parametrize("how,overlap", [("model", False), ("model", True), ("by_hand", False),
-                                         ("autograd_grad", True), ("model_zeros", True),
+                                         ("autograd_grad", True), ("model_zeros", True), ("autograd_grad_zeros", False),
                                          ("zero_owner_accum", False)])
 def test_zero2_gradients_cleared_through_the_model(pool, how, overlap):
     """The owners' sums lived on in their accumulators and the next backward added to them (1.69 off); a split
     param's sum, whose piece no model.zero_grad() reaches, is reset by the ranks' votes (zeroed in place
     without one, the split sum lived on: 0.45-0.49 off); torch.autograd.grad between backward and step took the
-    owners' gradients away (nothing stepped)."""
+    owners' gradients away (nothing stepped), and after step hid them from model.zero_grad(set_to_none=False)
+    until the next step: 0.488 off)."""
     for err in pool.run(_cleared_by_the_model, how, overlap):
         assert err <= TOL[DT], err
 

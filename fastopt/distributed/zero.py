@@ -53,23 +53,23 @@ The model stays an ordinary module with the same weights on every rank, and each
   param, ranges padded to the longest). All ranks end the step with identical weights. `clip_grad_norm_`
   counts each rank's own params and its range of each split param, so every element is counted once.
 
-Gradient accumulation: run several backward passes, then `step()`. ZeRO-1 reduces once, in `step()` (with
-overlap: once per backward, an all-reduce of the running sums, which stays exact because the earlier part is
-already identical on every rank). ZeRO-2 reduces every backward's fresh gradient into the owner's accumulator;
-before a backward adds to an owner's exposed `.grad`, a tensor hook detaches it, so accumulator + fresh
-gradient is never counted twice (it is given back when no accumulation follows: `torch.autograd.grad` fires the
-hook too). Not calling `zero_grad()` between steps accumulates across steps, as in torch. Gradients cleared
-without the wrapper (`model.zero_grad()`, as transformers' Trainer does, or `p.grad = None`) are cleared too: at
-the start of the next round the owner finds its exposed `.grad` gone (or replaced by hand) and drops that sum,
-and a split param's sum (its piece is no module param) is reset when any rank found such a cleared gradient
-(a vote carried in the split bucket's reduce-scatter; a model of split params alone must use the wrapper's
+Gradient accumulation: run several backward passes, then `step()`. ZeRO-1 reduces once, in `step()` (with overlap:
+once per backward, an all-reduce of the running sums, which stays exact because the earlier part is already
+identical on every rank). ZeRO-2 reduces every backward's fresh gradient into the owner's accumulator; before a
+backward adds to an owner's exposed `.grad`, a tensor hook detaches it, so accumulator + fresh gradient is never
+counted twice (it is given back at the end of that graph task when no accumulation followed: `torch.autograd.grad`
+fires the hook too). Not calling `zero_grad()` between steps accumulates across steps, as in torch. Gradients
+cleared without the wrapper (`model.zero_grad()`, as transformers' Trainer does, or `p.grad = None`) are cleared
+too: at the start of the next round the owner finds its exposed `.grad` gone (or replaced by hand) and drops that
+sum, and a split param's sum (its piece is no module param) is reset when any rank found such a cleared gradient (a
+vote carried in the split bucket's reduce-scatter; a model of split params alone must use the wrapper's
 `zero_grad()`). Zeroed in place (`model.zero_grad(set_to_none=False)`), the owners' sums are zeroed with their
 exposed views; a rank that finds all of its exposed gradients written in place since the last round (their
 accumulators' version counters moved) and holding zeros only votes, in the same reduce-scatter, for zeroing the
 split params' sums too, which happens when every rank holding an exposed owner's gradient so voted (one rank's
 gradients zeroed, or all zero and scaled in place, say by clip_grad_norm_ between micro-batches, are not the
-model's; checked on the device, only where split params exist). `add_param_group` between
-backward and `step()` keeps the sums and reductions made so far.
+model's; checked on the device, only where split params exist). `add_param_group` between backward and `step()`
+keeps the sums and reductions made so far.
 
 The wrapper is the data-parallel reduction: a model also wrapped in DistributedDataParallel is refused (at the
 first `step()` or `clip_grad_norm_()`, on every rank), as its gradients would be reduced twice and DDP's writes
@@ -707,6 +707,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._views: dict[int, Tensor] = {}
         self._consumed: set = set()  # ZeRO-2: params whose gradient a hook took since the last step
         self._stashed: dict[int, Tensor] = {}  # ZeRO-2: owners' views a tensor hook took away (`_detach_exposed`)
+        self._give_back_queued = False  # a callback gives them back at the end of the graph task (`_give_back`)
         self._cleared = False  # ZeRO-2: this round found an owner's gradient cleared (`_begin_round`)
         self._zeroed: Any = False  # ZeRO-2: ... or every exposed one zeroed in place (a device bool)
         self._eligible: Any = False  # ZeRO-2: this rank holds an exposed owner's gradient (its zeroed vote counts)
@@ -914,6 +915,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             self._round = False
             self._cleared = self._zeroed = self._eligible = False
             self._late = set()
+            self._give_back_queued = False
+            self._give_back_stashed()
         self._synced = False
         for piece in self._pieces.values():
             if set_to_none:
@@ -952,6 +955,17 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         if v is not None and p.grad is v:
             p.grad = None
             self._stashed[gidx] = v  # given back if no accumulation follows (torch.autograd.grad fires this too)
+            if not self._give_back_queued:  # at the end of this graph task (the accumulation follows at once)
+                self._give_back_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(_give_back(weakref.ref(self)))
+
+    def _give_back_stashed(self) -> None:
+        """Expose again the owners' views that a tensor hook took away and no accumulation followed (a
+        `torch.autograd.grad` over the params): `model.zero_grad()` and the next round see them as before."""
+        for gidx, v in self._stashed.items():
+            if self._params[gidx].grad is None and self._views.get(gidx) is v:
+                self._params[gidx].grad = v
+        self._stashed = {}
 
     def _begin_round(self) -> None:
         """A round of reductions starts (the first hook of a backward, or a step's flush). ZeRO-2: an owner's
@@ -1193,10 +1207,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             return
         if not self._ddp_checked:
             self._check_no_ddp()
-        for gidx, v in self._stashed.items():  # detached by a tensor hook no accumulation followed
-            if self._params[gidx].grad is None and self._views.get(gidx) is v:
-                self._params[gidx].grad = v
-        self._stashed = {}
+        self._give_back_stashed()
         if self._round:
             self._flush()
         if self.partition_grad:
@@ -1571,6 +1582,15 @@ def _cpu(v):
     if isinstance(v, Tensor):
         return v.detach().cpu()
     return {k: _cpu(x) for k, x in v.items()} if isinstance(v, dict) else v
+
+
+def _give_back(ref):
+    def callback():
+        z = ref()
+        if z is not None:
+            z._give_back_queued = False
+            z._give_back_stashed()
+    return callback
 
 
 def _end_of_backward(ref):
