@@ -17,6 +17,10 @@ import torch
 
 from fastopt import ops
 
+import interp_speed
+
+interp_speed.install()  # nested @triton.jit calls skip Triton's redundant re-patch (tests/interp_speed.py)
+
 # Relative error allowed against a float64 reference, measured against the size of the total update
 # (||p_ref - p_init||), never against |p|. fp64: the math alone. fp32/bf16/fp16: see `assert_tracks`.
 TOL = {

@@ -1,0 +1,105 @@
+"""A faster Triton interpreter for the test suite: nested @triton.jit calls skip a redundant re-patch.
+
+Under TRITON_INTERPRET=1 a kernel launch (`GridExecutor.__call__`) patches triton.language's builtins with
+their interpreted versions for the whole grid (`_patch_lang`) and restores them at the end. Triton 3.6-3.9
+also calls `_patch_lang` again at every call of a nested @triton.jit helper (`InterpretedFunction.__call__`),
+in every program of the grid: an `inspect.getmembers` sweep over triton.language, its tensor class and its
+math module each time, whose builtins are already patched (the sweep wraps only members still marked as
+builtins, so it changes nothing). In the multi-process kernel tests that sweep took 40% of the time (cProfile
+of test_layouts' came8 placements case: 51005 sweeps, 13.0 s of 31 s).
+
+`install()` makes a nested call skip `_patch_lang` when a launch is running whose own patch already covers
+the language modules the helper sees (the same module objects: they are patched in place), and otherwise
+leaves the call as Triton has it. The helper then runs exactly as before; the kernels compute the same thing.
+It does nothing where Triton's interpreter lacks the pieces it relies on (another Triton version), and
+nothing unless TRITON_INTERPRET is set. `installed()` says whether it took effect; tests/test_interp_speed.py
+checks that it did and that kernels give the same bits with and without it.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+
+_state = {"installed": False}
+
+
+def installed() -> bool:
+    return _state["installed"]
+
+
+def install() -> bool:
+    if _state["installed"]:
+        return True
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter as it
+    except ImportError:
+        return False
+    grid_call = getattr(getattr(it, "GridExecutor", None), "__call__", None)
+    nested_call = getattr(getattr(it, "InterpretedFunction", None), "__call__", None)
+    if grid_call is None or nested_call is None or not hasattr(it, "_patch_lang"):
+        return False
+    try:
+        grid_src, nested_src = inspect.getsource(grid_call), inspect.getsource(nested_call)
+    except (OSError, TypeError):
+        return False
+    # The shapes this relies on: the launch patches for its whole run; the nested call patches, then runs the
+    # rewritten function, raising InterpreterError on an exception.
+    if ("_patch_lang(self.fn)" not in grid_src or "restore()" not in grid_src
+            or "_patch_lang(self.fn)" not in nested_src or "self.rewrite()" not in nested_src):
+        return False
+
+    langs = (tl, tl.core)
+    covered: list[frozenset] = []  # per running launch: ids of the language modules its patch covers
+
+    memo: dict = {}
+
+    def seen(fn) -> frozenset:
+        key = id(fn.__globals__)  # a module's globals: the modules they name do not change
+        if key not in memo:
+            memo[key] = frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in langs)
+        return memo[key]
+
+    def launch(self, *args, **kwargs):
+        covered.append(seen(self.fn))
+        try:
+            return grid_call(self, *args, **kwargs)
+        finally:
+            covered.pop()
+
+    def nested(self, *args, **kwargs):
+        if not covered:
+            return nested_call(self, *args, **kwargs)
+        if not seen(self.fn) <= covered[-1]:
+            # Triton's own call patches what it sees (tl.core, for triton.language's own helpers such as tl.sum),
+            # and nothing undoes that before this launch ends: later calls of the launch need not patch it again.
+            covered[-1] |= seen(self.fn)
+            return nested_call(self, *args, **kwargs)
+        fn = self.rewrite()
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            raise it.InterpreterError(repr(e)) from e
+
+    _state["calls"] = {"patched": (launch, nested), "triton": (grid_call, nested_call)}
+    _use("patched")
+    _state["installed"] = True
+    return True
+
+
+def _use(which: str) -> None:
+    from triton.runtime import interpreter as it
+    it.GridExecutor.__call__, it.InterpretedFunction.__call__ = _state["calls"][which]
+
+
+@contextlib.contextmanager
+def triton_as_it_is():
+    """Triton's own calls for the duration (what tests/test_interp_speed.py compares with)."""
+    _use("triton")
+    try:
+        yield
+    finally:
+        _use("patched")
