@@ -711,6 +711,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._cleared = False  # ZeRO-2: this round found an owner's gradient cleared (`_begin_round`)
         self._zeroed: Any = False  # ZeRO-2: ... or every exposed one zeroed in place (a device bool)
         self._eligible: Any = False  # ZeRO-2: this rank holds an exposed owner's gradient (its zeroed vote counts)
+        self._carried = None  # ZeRO-2: (cleared, zeroed, eligible) votes a rebuild took over (`_rebuild`)
         self._ddp_checked = False  # looked for a DDP module over these params (at the next step)
         self._next = 0
         self._round = False
@@ -762,7 +763,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         state["param_groups"] = [dict(g) for g in self.param_groups]
         state["_pg"] = _SharedGroup(self._pg)
         state["_accs"] = [(b.acc, list(b.seen)) for b in self._red]  # ZeRO-2: gradients summed so far
-        state["_exposed"] = sorted(self._views)
+        cleared = set(self._cleared_views()) if self.partition_grad else set()
+        state["_exposed"] = sorted(set(self._views) - cleared)
+        state["_dropped"] = sorted(cleared)  # cleared by hand since exposed: the copy drops their sums
+        state["_carried"] = self._pending_votes()
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -770,7 +774,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         hooks of its own (on the same process group, for a deepcopy)."""
         state = dict(state)
         pg = state.pop("_pg").pg
-        accs, exposed = state.pop("_accs"), state.pop("_exposed")
+        accs, exposed, dropped = state.pop("_accs"), state.pop("_exposed"), state.pop("_dropped", [])
+        carried = state.pop("_carried", None)
         differentiable = "differentiable" in state["defaults"]
         self.__dict__["_initialized"] = False
         super().__setstate__(state)  # torch's: its hook registries (empty, as in a copy of a torch optimizer)
@@ -791,8 +796,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._build()  # the same buckets, in the same order
         for b, (acc, seen) in zip(self._red, accs):
             b.acc, b.seen = acc, seen
+        for gidx in dropped:
+            self._drop_sum(gidx)
         for gidx in exposed:  # the owner's .grad: a view of the accumulator again, not a copy of one
             self._expose(gidx)
+        self._carried = carried
         self._claim(self._params)
 
     # ---- torch.optim.Optimizer surface -------------------------------------------------------------
@@ -918,6 +926,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             self._give_back_queued = False
             self._give_back_stashed()
         self._synced = False
+        self._carried = None  # every sum is cleared here, the split params' too: nothing left to vote on
         for piece in self._pieces.values():
             if set_to_none:
                 piece.grad = None
@@ -980,33 +989,63 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._round = True
         if not self.partition_grad:
             return
-        self._zeroed, self._eligible = False, 0.0
-        if self._split:
-            exposed = {}  # buckets with an owner's gradient still exposed (or taken by the tensor hook)
-            for gidx, v in self._views.items():
-                if gidx not in self._split and (self._params[gidx].grad is v or self._stashed.get(gidx) is v):
-                    b = self._slot[gidx][0]
-                    exposed[id(b)] = b
-            self._eligible = float(bool(exposed))  # the zeroed vote must be unanimous among these ranks
-            if exposed and all(b.version is not None and b.acc._version != b.version for b in exposed.values()):
-                dev = next(b.device for b in self._red if b.bounds is not None)
-                nonzero = [b.acc[:b.numel].ne(0).any().to(dev) for b in exposed.values()]
-                self._zeroed = torch.stack(nonzero).any().logical_not()
+        self._zeroed, self._eligible = self._zeroed_vote()
         cleared = False
-        for gidx, v in list(self._views.items()):
-            if gidx in self._split:
-                continue
-            if self._params[gidx].grad is v or self._stashed.get(gidx) is v:  # as exposed, or taken by the hook
-                continue
-            b, k = self._slot[gidx]
-            if b.acc is not None:
-                b.slot(b.acc, k).zero_()
-                b.acc[b.numel + k] = 0
-            b.seen[k] = False
+        for gidx in self._cleared_views():
+            self._drop_sum(gidx)
             del self._views[gidx]
             self._stashed.pop(gidx, None)
             cleared = True
         self._cleared = cleared
+        if self._carried is not None:  # votes of what happened before a rebuild since the last round (`_rebuild`)
+            cleared, zeroed, eligible = self._carried
+            self._carried = None
+            self._cleared = self._cleared or cleared
+            self._eligible = max(self._eligible, eligible)
+            self._zeroed = zeroed if self._zeroed is False else self._zeroed | zeroed
+
+    def _drop_sum(self, gidx: int) -> None:
+        """ZeRO-2: an owner's accumulated gradient of a param (not split) is dropped, as torch drops a cleared one."""
+        b, k = self._slot[gidx]
+        if b.acc is not None:
+            b.slot(b.acc, k).zero_()
+            b.acc[b.numel + k] = 0
+        b.seen[k] = False
+
+    def _pending_votes(self) -> tuple | None:
+        """ZeRO-2: the (cleared, zeroed, eligible) votes of what happened to the owners' gradients since the last
+        round (`model.zero_grad()`), for a rebuild or a copy, whose new buckets cannot tell: the next round casts
+        them too (`_begin_round`)."""
+        if not self.partition_grad:
+            return None
+        zeroed, eligible = self._zeroed_vote()
+        votes = (bool(self._cleared_views()), zeroed, eligible)
+        if self._carried is not None:  # from a rebuild before this one, with no round between
+            c, z, e = self._carried
+            votes = (votes[0] or c, z if zeroed is False else zeroed | z, max(eligible, e))
+        return votes
+
+    def _cleared_views(self) -> list[int]:
+        """ZeRO-2: the owners' params whose exposed gradient is no longer the view of its accumulator (cleared
+        or replaced since; a view the tensor hook took away still counts as exposed)."""
+        return [gidx for gidx, v in self._views.items() if gidx not in self._split
+                and self._params[gidx].grad is not v and self._stashed.get(gidx) is not v]
+
+    def _zeroed_vote(self) -> tuple[Any, float]:
+        """ZeRO-2 with split params reduced: this rank's (zeroed, eligible) votes (`_begin_round`)."""
+        dev = next((b.device for b in self._red if b.bounds is not None), None)
+        if dev is None:  # no split param requires a gradient now: nothing to vote on
+            return False, 0.0
+        exposed = {}  # buckets with an owner's gradient still exposed (or taken by the tensor hook)
+        for gidx, v in self._views.items():
+            if gidx not in self._split and (self._params[gidx].grad is v or self._stashed.get(gidx) is v):
+                b = self._slot[gidx][0]
+                exposed[id(b)] = b
+        zeroed: Any = False
+        if exposed and all(b.version is not None and b.acc._version != b.version for b in exposed.values()):
+            nonzero = [b.acc[:b.numel].ne(0).any().to(dev) for b in exposed.values()]
+            zeroed = torch.stack(nonzero).any().logical_not()
+        return zeroed, float(bool(exposed))  # the zeroed vote must be unanimous among the eligible ranks
 
     def _on_grad(self, gidx: int) -> None:
         """Post-accumulate-grad hook: pack the gradient into its bucket; launch the buckets that are full."""
@@ -1281,6 +1320,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         accumulated gradients move into the new accumulators; a newly unfrozen param's gradient, which no hook
         saw, is reduced now like a gradient set by hand. Owners and splits stay as they were."""
         carry = {}
+        votes = self._pending_votes()
         if self.partition_grad:
             for b in self._red:
                 if b.acc is None:
@@ -1297,6 +1337,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                             a, c = self._range(gidx) if b.bounds is not None else (0, self._params[gidx].numel())
                             carry[gidx] = b.slot(b.acc, k) if b.bounds is None else b.acc[:c - a]
         self._build()
+        self._carried = votes
         self._synced = False  # ZeRO-1: reduce again (averaged gradients, the same on every rank, stay as they are)
         for gidx, v in carry.items():
             b, k = self._slot[gidx]
