@@ -93,6 +93,46 @@ def test_tracks_torch_adamw_no_worse_than_bitsandbytes(impl, dtype):
             assert err <= NOISE * err_b + 1e-6, f"param {i} {tk}: error {err:.4g} vs bitsandbytes' {err_b:.4g}"
 
 
+def test_second_moment_coded_zero_steps_as_bitsandbytes_nearest_rounding(impl, monkeypatch):
+    """The README's 8-bit pathology: in blocks of 256 with one element of gradient ~1 and the others ~1e-4, then
+    0 after 2 steps, the small elements' second moment quantizes to code 0 while their first moment does not,
+    and they take steps of about lr * m / eps. bitsandbytes' AdamW8bit does the same once its CPU optimizer
+    quantizes to the nearest code (its exact op, as its CUDA kernels round; its CPU kernel's approximate codes
+    hide it): 10 fp32 steps, params within 1e-5 of the update, every code equal and absmax within 1e-6, while
+    torch's AdamW moves the small elements 100 times less."""
+    bnb = pytest.importorskip("bitsandbytes")
+    cpu_ops = pytest.importorskip("bitsandbytes.backends.cpu.ops")
+    if not hasattr(cpu_ops, "_quant_blockwise_fp32_direct"):
+        pytest.skip("this bitsandbytes' CPU optimizer quantizes through another function")
+
+    def nearest(A, code, absmax_out, out_uint8, blocksize):
+        out, absmax = torch.ops.bitsandbytes.quantize_blockwise.default(A.double(), code, blocksize)
+        out_uint8.copy_(out)
+        absmax_out.copy_(absmax)
+
+    monkeypatch.setattr(cpu_ops, "_quant_blockwise_fp32_direct", nearest)
+    g = torch.Generator().manual_seed(0)
+    n, big = 4096, torch.arange(4096) % 256 == 0
+    grads = []
+    for t in range(10):
+        x = torch.randn(n, generator=g) * (1e-4 if t < 2 else 0.0)
+        x[big] = torch.randn(int(big.sum()), generator=g)
+        grads.append([x.double()])
+    init = [torch.zeros(n, dtype=torch.float64)]
+    hyper = dict(lr=1e-3, weight_decay=0.0)
+    ours, o_opt = _run(lambda ps: fastopt.AdamW8bit(ps, **hyper), init, grads, torch.float32)
+    theirs, b_opt = _run(lambda ps: bnb.optim.AdamW8bit(ps, **hyper), init, grads, torch.float32)
+    truth, _ = _run(lambda ps: torch.optim.AdamW(ps, **hyper), init, grads, torch.float64)
+    assert rel_update_error(ours, theirs, init) <= 1e-5, rel_update_error(ours, theirs, init)
+    so, sb = o_opt.state[ours[0]], b_opt.state[theirs[0]]
+    for k in ("state1", "state2"):
+        assert torch.equal(so[k], sb[k]), k
+    for k in ("absmax1", "absmax2"):  # the moments' fp32 arithmetic rounds differently: the last bits
+        torch.testing.assert_close(so[k], sb[k], rtol=1e-6, atol=0)
+    moved, moved_truth = ours[0].detach()[~big].abs().max(), truth[0].detach()[~big].abs().max()
+    assert moved > 100 * moved_truth, (float(moved), float(moved_truth))
+
+
 def test_params_at_different_step_counts_track_torch_adamw(impl):
     """One fused call over params whose step counts differ: an 8-bit param and an fp32-state one get no gradient
     for the first 6 of 40 steps (torch's AdamW and bitsandbytes' skip them, their steps start later). Each param
