@@ -155,11 +155,15 @@ def _zero_grads(opt, how, step):
         raise AssertionError(how)
 
 
+def _mine(rank, *ts):
+    """This rank's share (LOCAL_BATCH rows) of each batch tensor in `ts`."""
+    return tuple(t[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH] for t in ts)
+
+
 def _local_backward(model, x, y, rank, accum, by_hand, between=None):
     """This rank's share of the batch in `accum` micro-batches, by backward or by hand; `between()` runs after
     each micro-batch but the last."""
-    xs = x[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH]
-    ys = y[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH]
+    xs, ys = _mine(rank, x, y)
     params = list(model.parameters())
     for m, (xm, ym) in enumerate(zip(xs.chunk(accum), ys.chunk(accum))):
         if m and between is not None:
@@ -301,8 +305,7 @@ def _partial(rank, world, mode):
             model.zero_grad()
         else:
             _zero_grads(opt, how, step)
-        xs = x[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH]
-        ys = y[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH]
+        xs, ys = _mine(rank, x, y)
         for m, (xm, ym) in enumerate(zip(xs.chunk(accum), ys.chunk(accum))):
             loss = model.loss(xm, ym, step) * (xm.shape[0] / xs.shape[0])
             if rank == 0 and m == 0:
@@ -570,8 +573,8 @@ def _backward_raises(rank, world, partition_grad, overlap, midway=False):
                     model.fail = True
                     _local_backward(model, x, y, rank, 1, False)
                 else:
-                    lo, hi = rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH
-                    loss_fn(model, _RaisesInBackward.apply(x[lo:hi].requires_grad_()), y[lo:hi]).backward()
+                    xs, ys = _mine(rank, x, y)
+                    loss_fn(model, _RaisesInBackward.apply(xs.requires_grad_()), ys).backward()
             model.fail = False  # (a plain attribute of Net)
             opt.zero_grad()
             continue
@@ -942,7 +945,7 @@ def _grad_scaler(rank, world, partition_grad):
     ref_model, ref_opt, model, opt, init = _ref_and_zero("AdamW", partition_grad, False)
     scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
     x, y = batch(0, world)
-    xs, ys = x[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH], y[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH]
+    xs, ys = _mine(rank, x, y)
     scaler.scale(loss_fn(model, xs, ys)).backward()
     if rank == 1 and model.w1.grad is not None:  # an overflow on one rank only
         model.w1.grad[0, 0] = float("inf")
@@ -975,8 +978,7 @@ def _under_ddp(rank, world, partition_grad, overlap, ddp_first):
                                   overlap_communication=overlap, bucket_size_mb=BUCKET_MB)
     ddp = ddp or torch.nn.parallel.DistributedDataParallel(model)
     x, y = batch(0, world)
-    lo, hi = rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH
-    loss_fn(ddp, x[lo:hi], y[lo:hi]).backward()
+    loss_fn(ddp, *_mine(rank, x, y)).backward()
     with pytest.raises(RuntimeError, match=r"params #0 \(11, 6\) .* and 6 more are also reduced by a "
                                            r"DistributedDataParallel module"):
         opt.step()
@@ -1066,7 +1068,7 @@ def _cleared_by_the_model(rank, world, how, overlap):
         else:
             for p in model.parameters():
                 p.grad = None
-        xs, ys = x[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH], y[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH]
+        xs, ys = _mine(rank, x, y)
         accum = 2 if how == "zero_owner_accum" else 1
         for m, (xm, ym) in enumerate(zip(xs.chunk(accum), ys.chunk(accum))):
             ((model(xm, use_big, w3_grad=m > 0 or accum == 1) - ym) ** 2).mean().div(accum).backward()
@@ -1104,7 +1106,6 @@ def _cleared_then_rebuilt(rank, world, how, overlap):
     ref_model, ref_opt, model, opt, init = _wide_zero2(overlap, params=first)
     for step in range(5):
         x, y = batch(step, world, n_in=Wide.N_IN)
-        xs, ys = x[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH], y[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH]
         ref_model.zero_grad(set_to_none=set_to_none)
         model.zero_grad(set_to_none=set_to_none)
         if mode == "add_group" and step == 1:
@@ -1116,8 +1117,8 @@ def _cleared_then_rebuilt(rank, world, how, overlap):
                 m.big.grad = None  # a frozen param is not stepped (module docstring)
         if mode == "copy" and step == 2:
             model, opt = copy.deepcopy((model, opt))
-        ((ref_model(x) - y) ** 2).mean().backward()
-        ((model(xs) - ys) ** 2).mean().backward()
+        loss_fn(ref_model, x, y).backward()
+        _local_backward(model, x, y, rank, 1, False)
         ref_opt.step()
         opt.step()
     assert opt._gidx[id(model.big)] in opt._split
@@ -1152,7 +1153,7 @@ def _zeroed_vote(rank, world, how, overlap):
 
     for step in range(4):
         x, y = batch(step, world, n_in=Wide.N_IN)
-        xs, ys = x[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH], y[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH]
+        xs, ys = _mine(rank, x, y)
         first = torch.arange(x.shape[0]) % LOCAL_BATCH < LOCAL_BATCH // 2
         if how == "rebuild":
             ref_opt.zero_grad(set_to_none=False)
@@ -1789,12 +1790,10 @@ def _reentrant_split_cleared(rank, world, how, overlap):
     for step in range(5):
         x, y = batch(step, world, n_in=Wide.N_IN)
         ref_model.zero_grad(set_to_none=not zeros)
-        ((ref_model(x) - y) ** 2).mean().backward()
+        loss_fn(ref_model, x, y).backward()
         ref_opt.step()
         model.zero_grad(set_to_none=not zeros)
-        xs, ys = x[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH], y[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH]
-        for xm, ym in zip(xs.chunk(2), ys.chunk(2)):
-            ((model(xm) - ym) ** 2).mean().div(2).backward()
+        _local_backward(model, x, y, rank, 2, False)
         opt.step()
     assert opt._gidx[id(model.big)] in opt._split
     return dict(err=rel_update_error(list(model.parameters()), list(ref_model.parameters()), init),
@@ -1820,7 +1819,7 @@ def _reentrant_raises(rank, world, partition_grad):
     left = None
     for step in range(5):
         x, y = batch(step, world)
-        xs, ys = x[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH], y[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH]
+        xs, ys = _mine(rank, x, y)
         if step == 1:
             with pytest.raises(RuntimeError, match="raised in backward"):
                 loss_fn(model, _RaisesInBackward.apply(xs.clone().requires_grad_()), ys).backward()
@@ -1899,7 +1898,7 @@ def _zeroed_vote_many(rank, world, how):
 
     for step in range(4):
         x, y = batch(step, world, n_in=WideMany.N_IN)
-        xs, ys = x[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH], y[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH]
+        xs, ys = _mine(rank, x, y)
         rows = torch.arange(x.shape[0]) % LOCAL_BATCH < LOCAL_BATCH // 2
         ref_opt.zero_grad()
         opt.zero_grad()
@@ -1962,7 +1961,7 @@ def _raises_then_autograd_grad(rank, world):
     ref_model, ref_opt, model, opt, init = _wide_zero2(False)
     for step in range(5):
         x, y = batch(step, world, n_in=Wide.N_IN)
-        xs, ys = x[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH], y[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH]
+        xs, ys = _mine(rank, x, y)
         model.zero_grad(set_to_none=False)
         if step == 1:
             with pytest.raises(RuntimeError, match="raised in backward"):

@@ -989,20 +989,13 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._round = True
         if not self.partition_grad:
             return
-        self._zeroed, self._eligible = self._zeroed_vote()
-        cleared = False
-        for gidx in self._cleared_views():
+        dropped = self._cleared_views()
+        self._cleared, self._zeroed, self._eligible = self._pending_votes(bool(dropped))
+        self._carried = None  # cast now
+        for gidx in dropped:
             self._drop_sum(gidx)
             del self._views[gidx]
             self._stashed.pop(gidx, None)
-            cleared = True
-        self._cleared = cleared
-        if self._carried is not None:  # votes of what happened before a rebuild since the last round (`_rebuild`)
-            cleared, zeroed, eligible = self._carried
-            self._carried = None
-            self._cleared = self._cleared or cleared
-            self._eligible = max(self._eligible, eligible)
-            self._zeroed = zeroed if self._zeroed is False else self._zeroed | zeroed
 
     def _drop_sum(self, gidx: int) -> None:
         """ZeRO-2: an owner's accumulated gradient of a param (not split) is dropped, as torch drops a cleared one."""
@@ -1012,15 +1005,16 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             b.acc[b.numel + k] = 0
         b.seen[k] = False
 
-    def _pending_votes(self) -> tuple | None:
+    def _pending_votes(self, cleared: bool | None = None) -> tuple | None:
         """ZeRO-2: the (cleared, zeroed, eligible) votes of what happened to the owners' gradients since the last
-        round (`model.zero_grad()`), for a rebuild or a copy, whose new buckets cannot tell: the next round casts
-        them too (`_begin_round`)."""
+        round (`model.zero_grad()`; `cleared`: whether `_cleared_views()` found any, when known), with those a
+        rebuild or a copy carried over (`_carried`: their new buckets cannot tell). `_begin_round` casts them;
+        `_rebuild` and a copy carry them to the next round."""
         if not self.partition_grad:
             return None
         zeroed, eligible = self._zeroed_vote()
-        votes = (bool(self._cleared_views()), zeroed, eligible)
-        if self._carried is not None:  # from a rebuild before this one, with no round between
+        votes = (bool(self._cleared_views()) if cleared is None else cleared, zeroed, eligible)
+        if self._carried is not None:  # from a rebuild or copy since the last round
             c, z, e = self._carried
             votes = (votes[0] or c, z if zeroed is False else zeroed | z, max(eligible, e))
         return votes
@@ -1033,7 +1027,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
     def _zeroed_vote(self) -> tuple[Any, float]:
         """ZeRO-2 with split params reduced: this rank's (zeroed, eligible) votes (`_begin_round`)."""
-        dev = next((b.device for b in self._red if b.bounds is not None), None)
+        dev = next((b.device for b in self._red if b.bounds is not None), None) if self._split else None
         if dev is None:  # no split param requires a gradient now: nothing to vote on
             return False, 0.0
         exposed = {}  # buckets with an owner's gradient still exposed (or taken by the tensor hook)
