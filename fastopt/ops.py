@@ -172,8 +172,8 @@ def lamb_phases(params, grads, states, *, inv_scale=None, found_inf=None, sharde
     """One LAMB step over a bucket (same device and dtype), as a generator (see `adafactor_phases`): with
     `sharded`, it yields the flat buffer of per-param squared norms [||p_0||^2, ||a_0||^2, ...] to be summed
     across the ranks that share these params; `cache` keeps the kernels' tables between steps. The norms are
-    sums over elements, so any layout works on the local elements alone; `layouts` only cuts the padding off
-    flat shards."""
+    sums over elements, so any layout works on the local elements alone; `layouts` cuts the padding off flat
+    shards and places the elements for stochastic rounding (`sr_ids`: the params' ids seeding it)."""
     from .distributed.layout import real_elements
     bs = hyper.get("block_size", 256)  # lamb_phases' default
     absmax = {"exp_avg_absmax": bs, "exp_avg_sq_absmax": bs}
@@ -182,12 +182,12 @@ def lamb_phases(params, grads, states, *, inv_scale=None, found_inf=None, sharde
         from .kernels import lamb as k
         work, grads = _dense(params, grads)
         yield from k.lamb_phases(work, grads, states, inv_scale=inv_scale, found_inf=found_inf, sharded=sharded,
-                                 cache=cache, **hyper)
+                                 cache=cache, layouts=layouts, **hyper)
         _write_back(params, work)
     else:
         from .reference import lamb as r
         yield from r.lamb_phases(params, grads, states, inv_scale=inv_scale, found_inf=found_inf, sharded=sharded,
-                                 **hyper)
+                                 layouts=layouts, **hyper)
 
 
 def lamb_step(params, grads, states, *, reduce=None, **kw):

@@ -30,8 +30,8 @@ import triton
 import triton.language as tl
 
 from . import common
-from .common import (INTERPRET, GradTable, aligned, keep_limit, load_ptr, multiples, param_of_program, program_table,
-                     ptr_table, round_to, segment_sum, stochastic_round_bf16, to_device, unscale_factor)
+from .common import (INTERPRET, GradTable, SRTable, aligned, keep_limit, load_ptr, multiples, param_of_program,
+                     program_table, ptr_table, round_to, segment_sum, sr_round, to_device, unscale_factor)
 from .factored import (FactoredPlan, col_map, global_numel, in_piece, launch_factors, launch_sq_stats, launch_usq,
                        matrix_view, row_block, row_map)
 
@@ -106,10 +106,11 @@ def _vec_stats_kernel(g_ptrs, g_ref, p_ptrs, v_ptrs, step_ptrs, vmeta_ptr, prog_
 
 @triton.jit
 def _apply_kernel(g_ptrs, g_ref, p_ptrs, m_ptrs, step_ptrs, meta_ptr, maps_ptr, prog_param_ptr, stats_ptr, sums_ptr,
-                  inv_scale_ptr, found_inf_ptr, hyper_ptr, index_ptr,
+                  inv_scale_ptr, found_inf_ptr, hyper_ptr, sr_ptr,
                   HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr, RELATIVE: tl.constexpr, WARMUP: tl.constexpr,
                   SCALE_PARAM: tl.constexpr, HAS_MOM: tl.constexpr, HAS_WD: tl.constexpr, SR: tl.constexpr,
-                  MAPPED: tl.constexpr, ALIGNED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+                  GMAP: tl.constexpr, MAPPED: tl.constexpr, ALIGNED: tl.constexpr, BLOCK_R: tl.constexpr,
+                  BLOCK_C: tl.constexpr):
     pid = tl.program_id(0)
     i, B, R, C, row_off, col_off, _po, b, rb = row_block(meta_ptr, prog_param_ptr, pid, BLOCK_R, ALIGNED)
     acc_t = stats_ptr.dtype.element_ty
@@ -145,9 +146,8 @@ def _apply_kernel(g_ptrs, g_ref, p_ptrs, m_ptrs, step_ptrs, meta_ptr, maps_ptr, 
             p = p - (weight_decay * alpha) * p - u
         else:
             p = p - u
-        if SR:  # noise from (step, index in the bucket, offset): reference/common.py's stochastic_round_bf16
-            seed = (step.to(tl.int64) << 32) + tl.load(index_ptr + i)
-            out = stochastic_round_bf16(p.to(tl.float32), seed, offs)
+        if SR:  # noise from (step, param id, global offset): reference/common.py's stochastic_round_bf16
+            out = sr_round(p.to(tl.float32), sr_ptr, i, step, offs, keep, GMAP)
         else:
             out = round_to(p, g_ref.dtype.element_ty)
         tl.store(p_ptr + offs, out, mask=keep)
@@ -155,10 +155,11 @@ def _apply_kernel(g_ptrs, g_ref, p_ptrs, m_ptrs, step_ptrs, meta_ptr, maps_ptr, 
 
 @triton.jit
 def _vec_apply_kernel(g_ptrs, g_ref, p_ptrs, v_ptrs, m_ptrs, step_ptrs, vmeta_ptr, prog_param_ptr, sums_ptr,
-                      sums_base, inv_scale_ptr, found_inf_ptr, hyper_ptr, index_ptr,
+                      sums_base, inv_scale_ptr, found_inf_ptr, hyper_ptr, sr_ptr,
                       HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr, RELATIVE: tl.constexpr,
                       WARMUP: tl.constexpr, SCALE_PARAM: tl.constexpr, HAS_MOM: tl.constexpr,
-                      HAS_WD: tl.constexpr, SR: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+                      HAS_WD: tl.constexpr, SR: tl.constexpr, GMAP: tl.constexpr, ALIGNED: tl.constexpr,
+                      BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     j, n, prog_start, _third = param_of_program(vmeta_ptr, prog_param_ptr, ALIGNED)
     acc_t = sums_ptr.dtype.element_ty
@@ -188,8 +189,7 @@ def _vec_apply_kernel(g_ptrs, g_ref, p_ptrs, v_ptrs, m_ptrs, step_ptrs, vmeta_pt
     else:
         p = p - u
     if SR:
-        seed = (step.to(tl.int64) << 32) + tl.load(index_ptr + k)
-        out = stochastic_round_bf16(p.to(tl.float32), seed, offs)
+        out = sr_round(p.to(tl.float32), sr_ptr, k, step, offs, keep, GMAP)
     else:
         out = round_to(p, g_ref.dtype.element_ty)
     tl.store(p_ptr + offs, out, mask=keep)
@@ -205,7 +205,7 @@ class AdafactorPlan:
         vec = [k for k, s in enumerate(gshapes) if len(s) < 2]
         self.order = fac + vec
         self.n_fac = len(fac)
-        self.bucket_index = to_device(self.order, torch.int64, device)  # seeds the stochastic rounding
+        self.sr = SRTable([layouts[k] for k in self.order], self.order, device)
         views = [matrix_view(tuple(params[k].shape), layouts[k], device) for k in fac]
         shapes = [v.view_shape for v in views]
         self.fplan = FactoredPlan.build(views, device) if fac else None
@@ -256,9 +256,10 @@ class AdafactorPlan:
 
 def adafactor_phases(params, grads, states, *, lr, eps, clip_threshold, decay_rate, beta1, weight_decay,
                      scale_parameter, relative_step, warmup_init, bf16_stochastic_round=False, inv_scale=None,
-                     found_inf=None, sharded=False, cache=None, layouts=None):
+                     found_inf=None, sharded=False, cache=None, layouts=None, sr_ids=None):
     """One step over a bucket, a generator that yields each buffer to be summed over the ranks that share the
-    params when `sharded` (fastopt.distributed.phases)."""
+    params when `sharded` (fastopt.distributed.phases). `sr_ids`: the params' ids seeding the stochastic rounding
+    (None: their positions in the bucket)."""
     device = params[0].device
     acc_dtype = torch.float64 if params[0].dtype == torch.float64 else torch.float32
     key = ("adafactor",) + tuple((p.data_ptr(), tuple(p.shape)) for p in params) + tuple(
@@ -299,14 +300,16 @@ def adafactor_phases(params, grads, states, *, lr, eps, clip_threshold, decay_ra
     segment_sum(plan.part2, plan.seg_start, plan.seg_len, plan.sums, 2)
     if sharded:
         yield from common.sum_fp64(plan.sums)
+    sr = bool(bf16_stochastic_round) and params[0].dtype == torch.bfloat16
+    sr_arg, gmap = plan.sr(sr_ids) if sr else (dummy, False)
     consts = dict(RELATIVE=relative_step, WARMUP=warmup_init, SCALE_PARAM=scale_parameter, HAS_MOM=beta1 is not None,
-                  HAS_WD=weight_decay != 0, SR=bf16_stochastic_round and params[0].dtype == torch.bfloat16, **flags)
+                  HAS_WD=weight_decay != 0, SR=sr, GMAP=gmap, **flags)
     if fp is not None:
         _apply_kernel[(fp.n_progs,)](g_ptrs, g_ref, plan.p_ptrs, plan.m_ptrs, plan.step_ptrs, fp.meta, fp.maps,
-                                     fp.prog_param, plan.stats, plan.sums, inv_arg, inf_arg, hyper, plan.bucket_index,
+                                     fp.prog_param, plan.stats, plan.sums, inv_arg, inf_arg, hyper, sr_arg,
                                      MAPPED=fp.mapped, ALIGNED=al and fp.sizes_aligned, BLOCK_R=fp.block_r,
                                      BLOCK_C=fp.block_c, **consts)
     if plan.n_vprogs:
         _vec_apply_kernel[(plan.n_vprogs,)](*vec_args, plan.v_ptrs, plan.m_ptrs[nf:], plan.step_ptrs[nf:], plan.vmeta,
-                                            plan.vprog_param, plan.sums, nf, inv_arg, inf_arg, hyper, plan.bucket_index,
+                                            plan.vprog_param, plan.sums, nf, inv_arg, inf_arg, hyper, sr_arg,
                                             BLOCK=BLOCK_V, ALIGNED=al and plan.vec_sizes_aligned, **consts)

@@ -45,9 +45,9 @@ import triton.language as tl
 
 from fastopt.reference.came import QBLOCK as QBLOCK_
 from . import common
-from .common import (INTERPRET, GradTable, aligned, keep_limit, load_ptr, map_values, multiples, nearest_code,
-                     param_of_program, program_table, ptr_table, round_to, search_table, segment_sum,
-                     stochastic_round_bf16, to_device, unscale_factor)
+from .common import (INTERPRET, GradTable, SRTable, aligned, keep_limit, load_ptr, map_values, multiples,
+                     nearest_code, param_of_program, program_table, ptr_table, round_to, search_table, segment_sum,
+                     sr_round, to_device, unscale_factor)
 from .factored import (FactoredPlan, col_map, global_numel, in_piece, launch_col_reduce, launch_factors,
                        launch_sq_stats, launch_usq, load_meta, matrix_view, row_block, row_map)
 
@@ -82,11 +82,11 @@ def _clip_scale(u_sq, numel, clip_threshold):
 
 
 @triton.jit
-def _store_param(p_ptr, offs, p, mask, step, index_ptr, k, SR: tl.constexpr):
-    """Store p rounded to the param's dtype; SR: stochastically, with noise from (step, index in the bucket (the
-    k-th entry of index_ptr), offset), as reference/common.py's stochastic_round_bf16."""
+def _store_param(p_ptr, offs, p, mask, step, sr_ptr, k, SR: tl.constexpr, GMAP: tl.constexpr):
+    """Store p rounded to the param's dtype; SR: stochastically, with noise from (step, param id, global offset)
+    (common.sr_round: row k of the bucket's sr_table), as reference/common.py's stochastic_round_bf16."""
     if SR:
-        out = stochastic_round_bf16(p.to(tl.float32), (step.to(tl.int64) << 32) + tl.load(index_ptr + k), offs)
+        out = sr_round(p.to(tl.float32), sr_ptr, k, step, offs, mask, GMAP)
     else:
         out = round_to(p, p_ptr.dtype.element_ty)
     tl.store(p_ptr + offs, out, mask=mask)
@@ -159,8 +159,9 @@ def _res_stats_kernel(g_ptrs, g_ref, m_ptrs, m_ref, absmax_ptrs, qmap_ptr, meta_
 
 @triton.jit
 def _apply_kernel(p_ptrs, p_ref, m_ptrs, step_ptrs, meta_ptr, maps_ptr, prog_param_ptr, res_ptr, found_inf_ptr,
-                  hyper_ptr, index_ptr, HAS_INF: tl.constexpr, HAS_WD: tl.constexpr, SR: tl.constexpr,
-                  MAPPED: tl.constexpr, ALIGNED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+                  hyper_ptr, sr_ptr, HAS_INF: tl.constexpr, HAS_WD: tl.constexpr, SR: tl.constexpr,
+                  GMAP: tl.constexpr, MAPPED: tl.constexpr, ALIGNED: tl.constexpr, BLOCK_R: tl.constexpr,
+                  BLOCK_C: tl.constexpr):
     """X_t = X - lr wd X - lr M_t rsqrt(R'_t / mean R'_t) rsqrt(C'_t)."""
     pid = tl.program_id(0)
     i, B, R, C, row_off, col_off, _po, b, rb = row_block(meta_ptr, prog_param_ptr, pid, BLOCK_R, ALIGNED)
@@ -189,7 +190,7 @@ def _apply_kernel(p_ptrs, p_ref, m_ptrs, step_ptrs, meta_ptr, maps_ptr, prog_par
         else:
             p = p - u
         _store_param(p_ptr, offs, p, in_piece(offs, (rows < R_keep)[:, None] & cmask[None, :], meta_ptr, i, MAPPED, ALIGNED),
-                     step, index_ptr, i, SR)
+                     step, sr_ptr, i, SR, GMAP)
 
 
 @triton.jit
@@ -217,8 +218,9 @@ def _vec_stats_kernel(g_ptrs, g_ref, v_ptrs, vmeta_ptr, prog_param_ptr, part_ptr
 
 @triton.jit
 def _vec_apply_kernel(g_ptrs, g_ref, p_ptrs, p_ref, v_ptrs, m_ptrs, step_ptrs, vmeta_ptr, prog_param_ptr, sums_ptr,
-                      sums_base, inv_scale_ptr, found_inf_ptr, hyper_ptr, index_ptr, HAS_SCALE: tl.constexpr,
-                      HAS_INF: tl.constexpr, HAS_WD: tl.constexpr, SR: tl.constexpr, ALIGNED: tl.constexpr,
+                      sums_base, inv_scale_ptr, found_inf_ptr, hyper_ptr, sr_ptr, HAS_SCALE: tl.constexpr,
+                      HAS_INF: tl.constexpr, HAS_WD: tl.constexpr, SR: tl.constexpr, GMAP: tl.constexpr,
+                      ALIGNED: tl.constexpr,
                       BLOCK: tl.constexpr):
     """U = clip(G / sqrt(V_t)); M_t = b1 M + (1-b1) U (stored); X_t = X - lr wd X - lr M_t."""
     pid = tl.program_id(0)
@@ -247,14 +249,15 @@ def _vec_apply_kernel(g_ptrs, g_ref, p_ptrs, p_ref, v_ptrs, m_ptrs, step_ptrs, v
         p = p - lr_wd * p - lr * u
     else:
         p = p - lr * u
-    _store_param(p_ptr, offs, p, keep, step, index_ptr, sums_base + j, SR)
+    _store_param(p_ptr, offs, p, keep, step, sr_ptr, sums_base + j, SR, GMAP)
 
 
 @triton.jit
 def _apply8_kernel(g_ptrs, g_ref, p_ptrs, p_ref, code_ptrs, code_ref, absmax_ptrs, v_ptrs, step_ptrs, qmeta_ptr,
                    prog_param_ptr, meta_ptr, maps_ptr, stats_ptr, res_ptr, sums_ptr, sums_base, qmap_ptr,
-                   inv_scale_ptr, found_inf_ptr, hyper_ptr, index_ptr, FACTORED: tl.constexpr,
+                   inv_scale_ptr, found_inf_ptr, hyper_ptr, sr_ptr, FACTORED: tl.constexpr,
                    HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr, HAS_WD: tl.constexpr, SR: tl.constexpr,
+                   GMAP: tl.constexpr,
                    MAPPED: tl.constexpr, ALIGNED: tl.constexpr, QB_PER_PROG: tl.constexpr):
     """nbits=8, one program per QB_PER_PROG quantization blocks of a param (flat, any shape): U = clip(G rfac
     cfac) (or clip(G / sqrt(V_t))), M_t = b1 M + (1-b1) U from the dequantized M, X_t = X - lr wd X -
@@ -306,7 +309,7 @@ def _apply8_kernel(g_ptrs, g_ref, p_ptrs, p_ref, code_ptrs, code_ref, absmax_ptr
     else:
         p = p - upd
     keep = offs < n_keep
-    _store_param(p_ptr, offs, p, keep, step, index_ptr, sums_base + j, SR)
+    _store_param(p_ptr, offs, p, keep, step, sr_ptr, sums_base + j, SR, GMAP)
     codes, absmax = _quant8(m.to(tl.float32), mask, qmap_ptr)
     tl.store(code_ptr + offs, codes, mask=keep)
     tl.store(absmax_ptr + blk, absmax, mask=blk * QBLOCK < n_keep)
@@ -322,7 +325,7 @@ class CAMEPlan:
         vec = [k for k, s in enumerate(gshapes) if len(s) < 2]
         self.order = fac + vec
         self.n_fac = len(fac)
-        self.bucket_index = to_device(self.order, torch.int64, device)  # seeds the stochastic rounding
+        self.sr = SRTable([layouts[k] for k in self.order], self.order, device)
         views = [matrix_view(tuple(params[k].shape), layouts[k], device) for k in fac]
         shapes = [v.view_shape for v in views]
         self.fplan = FactoredPlan.build(views, device) if fac else None
@@ -385,9 +388,10 @@ class CAMEPlan:
 
 
 def came_phases(params, grads, states, *, lr, eps, clip_threshold, betas, weight_decay, bf16_stochastic_round=False,
-                nbits=32, inv_scale=None, found_inf=None, sharded=False, cache=None, layouts=None):
+                nbits=32, inv_scale=None, found_inf=None, sharded=False, cache=None, layouts=None, sr_ids=None):
     """One step over a bucket, a generator that yields each buffer to be summed over the ranks that share the
-    params when `sharded` (fastopt.distributed.phases)."""
+    params when `sharded` (fastopt.distributed.phases). `sr_ids`: the params' ids seeding the stochastic rounding
+    (None: their positions in the bucket)."""
     device = params[0].device
     acc_dtype = torch.float64 if params[0].dtype == torch.float64 else torch.float32
     key = ("came",) + tuple((p.data_ptr(), tuple(p.shape)) for p in params) + tuple(
@@ -432,17 +436,18 @@ def came_phases(params, grads, states, *, lr, eps, clip_threshold, betas, weight
     m_ref = states[plan.order[0]]["exp_avg"]
     absmax_ptrs = plan.absmax_ptrs if q8 else plan.m_ptrs
     qmap = plan.qmap if q8 else plan.sums
-    consts = dict(HAS_WD=weight_decay != 0, SR=sr, **flags)
+    sr_arg, gmap = plan.sr(sr_ids) if sr else (plan.sums, False)
+    consts = dict(HAS_WD=weight_decay != 0, SR=sr, GMAP=gmap, **flags)
     if plan.n_vprogs and not q8:
         _vec_apply_kernel[(plan.n_vprogs,)](g_ptrs[nf:], g_ref, plan.p_ptrs[nf:], p_ref, plan.v_ptrs, plan.m_ptrs[nf:],
                                             plan.step_ptrs[nf:], plan.vmeta, plan.vprog_param, plan.sums, nf, inv_arg,
-                                            inf_arg, hyper, plan.bucket_index, ALIGNED=al_vec, BLOCK=BLOCK_V, **consts)
+                                            inf_arg, hyper, sr_arg, ALIGNED=al_vec, BLOCK=BLOCK_V, **consts)
     if q8 and plan.qtables[1][0]:
         n_progs, prog_param, qmeta = plan.qtables[1]
         _apply8_kernel[(n_progs,)](g_ptrs[nf:], g_ref, plan.p_ptrs[nf:], p_ref, plan.m_ptrs[nf:], m_ref,
                                    absmax_ptrs[nf:], plan.v_ptrs, plan.step_ptrs[nf:], qmeta, prog_param, plan.sums,
                                    qmeta, plan.sums, plan.sums, plan.sums, nf, qmap, inv_arg, inf_arg, hyper,
-                                   plan.bucket_index, FACTORED=False, MAPPED=False, ALIGNED=al_vec,
+                                   sr_arg, FACTORED=False, MAPPED=False, ALIGNED=al_vec,
                                    QB_PER_PROG=QB_PER_PROG, **consts)
     if fp is not None:
         if fp.mapped:  # the slots of rows and columns held by other ranks
@@ -460,11 +465,12 @@ def came_phases(params, grads, states, *, lr, eps, clip_threshold, betas, weight
             n_progs, prog_param, qmeta = plan.qtables[0]
             _apply8_kernel[(n_progs,)](g_ptrs, g_ref, plan.p_ptrs, p_ref, plan.m_ptrs, m_ref, absmax_ptrs, plan.v_ptrs,
                                        plan.step_ptrs, qmeta, prog_param, fp.meta, fp.maps, plan.stats, plan.res,
-                                       plan.sums, 0, qmap, inv_arg, inf_arg, hyper, plan.bucket_index, FACTORED=True,
+                                       plan.sums, 0, qmap, inv_arg, inf_arg, hyper, sr_arg, FACTORED=True,
                                        MAPPED=fp.mapped, ALIGNED=al and plan.fac_numel_aligned,
                                        QB_PER_PROG=QB_PER_PROG, **consts)
         else:
             _apply_kernel[(fp.n_progs,)](plan.p_ptrs, p_ref, plan.m_ptrs, plan.step_ptrs, fp.meta, fp.maps,
-                                         fp.prog_param, plan.res, inf_arg, hyper, plan.bucket_index,
-                                         HAS_INF=flags["HAS_INF"], HAS_WD=weight_decay != 0, SR=sr, MAPPED=fp.mapped,
+                                         fp.prog_param, plan.res, inf_arg, hyper, sr_arg,
+                                         HAS_INF=flags["HAS_INF"], HAS_WD=weight_decay != 0, SR=sr, GMAP=gmap,
+                                         MAPPED=fp.mapped,
                                          ALIGNED=al and fp.sizes_aligned, **blocks)

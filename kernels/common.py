@@ -182,6 +182,63 @@ def stochastic_round_bf16(x, seed, offs):
     return tl.where(finite, rounded, x).to(tl.bfloat16)
 
 
+# The stochastic rounding table of a bucket (`sr_table`): SR_COLS int64 columns per param, in the order the
+# kernels number the params: the param's id (its position in the optimizer: the seed's low word), where its
+# element map's table starts in this same tensor, the map's width and shift (`Layout.element_map`); the maps'
+# tables follow.
+SR_WIDTH = 4
+SR_COLS = tl.constexpr(SR_WIDTH)
+
+
+class SRTable:
+    """A bucket's `sr_table`, made when a step first rounds stochastically and again when the ids change.
+    `layouts` in the kernels' order; `order[k]`: the bucket position of the kernels' param k."""
+
+    def __init__(self, layouts: list, order: list[int], device):
+        self.layouts, self.order, self.device = layouts, order, device
+        self._key = self._table = None
+
+    def __call__(self, ids: list[int] | None) -> tuple[torch.Tensor, bool]:
+        ids = [k if ids is None else ids[k] for k in self.order]
+        if ids != self._key:
+            self._table = sr_table(ids, self.layouts, self.device)
+            self._key = ids
+        return self._table
+
+
+def sr_table(ids: list[int], layouts: list, device) -> tuple[torch.Tensor, bool]:
+    """(table, GMAP) for `sr_round`: `ids` and `layouts` of the bucket's params in kernel order. GMAP is False
+    when no param is sharded (every local offset is the global one; the table then holds the ids' rows only)."""
+    gmap = any(lay is not None for lay in layouts)
+    rows, tables, at = [], [], SR_WIDTH * len(ids)
+    for i, lay in zip(ids, layouts):
+        table, width, shift = (None, 1 << 62, 0) if lay is None else lay.element_map(device)
+        if not gmap:
+            rows += [i, 0, width, shift]
+            continue
+        table = torch.zeros(1, dtype=torch.int64, device=device) if table is None else table
+        rows += [i, at, width, shift]
+        tables.append(table)
+        at += table.numel()
+    head = to_device(rows, torch.int64, device)
+    return (torch.cat([head] + [t.to(device=device, dtype=torch.int64) for t in tables]) if tables else head), gmap
+
+
+@triton.jit
+def sr_round(x, sr_ptr, k, step, offs, mask, GMAP: tl.constexpr):
+    """`stochastic_round_bf16` of param k's local elements at `offs`, as fastopt.reference.common's: the seed is
+    step * 2**32 + the param's id; the noise offset the element's in the global tensor (with GMAP, through the
+    param's element map: table[q // width] + q % width, q = offs + shift; else `offs` itself)."""
+    row = sr_ptr + k * SR_COLS
+    seed = (step.to(tl.int64) << 32) + tl.load(row)
+    if GMAP:
+        width = tl.load(row + 2)
+        q = offs + tl.load(row + 3)
+        r = q // width
+        offs = tl.load(sr_ptr + tl.load(row + 1) + r, mask=mask, other=0) + (q - r * width)
+    return stochastic_round_bf16(x, seed, offs)
+
+
 @triton.jit
 def round_to(x, out_ty: tl.constexpr):
     """Round-to-nearest-even cast for stores. bf16 is rounded by hand: Triton's interpreter truncates on that

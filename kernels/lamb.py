@@ -41,9 +41,9 @@ import triton
 import triton.language as tl
 
 from . import common
-from .common import (INTERPRET, GradTable, aligned, keep_limit, load_ptr, map_values, multiples, nearest_code,
-                     param_of_program, program_table, ptr_table, round_to, search_table, segment_sum,
-                     stochastic_round_bf16, to_device, unscale_factor)
+from .common import (INTERPRET, GradTable, SRTable, aligned, keep_limit, load_ptr, map_values, multiples,
+                     nearest_code, param_of_program, program_table, ptr_table, round_to, search_table, segment_sum,
+                     sr_round, to_device, unscale_factor)
 
 # Elements per program. Small under the interpreter so that the tests' small params span several programs.
 BLOCK = 128 if INTERPRET else 2048
@@ -83,11 +83,12 @@ def _trust_scale(step, k, hyper_ptr, sums_ptr, BIAS_CORRECTION: tl.constexpr, HA
 
 
 @triton.jit
-def _store_param(p_ptr, offs, p, keep, step, k, SR: tl.constexpr):
-    """Store p rounded to the param's dtype; SR: stochastically, with noise from (step, index k in the bucket,
-    offset), as reference/common.py's stochastic_round_bf16."""
+def _store_param(p_ptr, offs, p, keep, step, sr_ptr, k, SR: tl.constexpr, GMAP: tl.constexpr):
+    """Store p rounded to the param's dtype; SR: stochastically, with noise from (step, param id, global offset)
+    (common.sr_round: row k, the param's index in the bucket, of its sr_table), as reference/common.py's
+    stochastic_round_bf16."""
     if SR:
-        out = stochastic_round_bf16(p.to(tl.float32), (step.to(tl.int64) << 32) + k, offs)
+        out = sr_round(p.to(tl.float32), sr_ptr, k, step, offs, keep, GMAP)
     else:
         out = round_to(p, p_ptr.dtype.element_ty)
     tl.store(p_ptr + offs, out, mask=keep)
@@ -142,9 +143,9 @@ def _lamb_stats_kernel(g_ptrs, g_ref, p_ptrs, p_ref, m_ptrs, v_ptrs, meta_ptr, p
 
 @triton.jit
 def _lamb_apply_kernel(p_ptrs, p_ref, m_ptrs, v_ptrs, step_ptrs, meta_ptr, prog_param_ptr, hyper_ptr, sums_ptr,
-                       found_inf_ptr, HAS_INF: tl.constexpr, HAS_WD: tl.constexpr, BIAS_CORRECTION: tl.constexpr,
-                       HAS_MAX: tl.constexpr, SR: tl.constexpr, ALIGNED: tl.constexpr,
-                       BLOCK: tl.constexpr):
+                       found_inf_ptr, sr_ptr, HAS_INF: tl.constexpr, HAS_WD: tl.constexpr,
+                       BIAS_CORRECTION: tl.constexpr, HAS_MAX: tl.constexpr, SR: tl.constexpr, GMAP: tl.constexpr,
+                       ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
     """p -= eta * r * a, with r = ||p|| / ||a|| from the (reduced) sums and a recomputed from m_t, v_t, p."""
     pid = tl.program_id(0)
     j, n, prog_start, k = param_of_program(meta_ptr, prog_param_ptr, ALIGNED)
@@ -158,7 +159,7 @@ def _lamb_apply_kernel(p_ptrs, p_ref, m_ptrs, v_ptrs, step_ptrs, meta_ptr, prog_
     m = tl.load(load_ptr(m_ptrs, j, sums_ptr, ALIGNED) + offs, mask=mask, other=0.0)
     v = tl.load(load_ptr(v_ptrs, j, sums_ptr, ALIGNED) + offs, mask=mask, other=1.0)
     p = p - scale * _adam_update(m, v, p, tl.load(hyper_ptr + 7).to(acc_t), tl.load(hyper_ptr + 8).to(acc_t), HAS_WD)
-    _store_param(p_ptr, offs, p, offs < keep_limit(n, found_inf_ptr, HAS_INF), step, k, SR)
+    _store_param(p_ptr, offs, p, offs < keep_limit(n, found_inf_ptr, HAS_INF), step, sr_ptr, k, SR, GMAP)
 
 
 # ---- 8-bit state ----------------------------------------------------------------------------------------
@@ -226,9 +227,9 @@ def _lamb8_stats_kernel(g_ptrs, g_ref, p_ptrs, p_ref, m_ptrs, v_ptrs, ma_ptrs, v
 @triton.jit
 def _lamb8_apply_kernel(g_ptrs, g_ref, p_ptrs, p_ref, m_ptrs, v_ptrs, ma_ptrs, va_ptrs, step_ptrs, meta_ptr,
                         prog_param_ptr, hyper_ptr, sums_ptr, inv_scale_ptr, found_inf_ptr, map_s_ptr, map_u_ptr,
-                        HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr, HAS_WD: tl.constexpr,
-                        BIAS_CORRECTION: tl.constexpr, HAS_MAX: tl.constexpr, SR: tl.constexpr, ALIGNED: tl.constexpr,
-                        QB: tl.constexpr, NQ: tl.constexpr):
+                        sr_ptr, HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr, HAS_WD: tl.constexpr,
+                        BIAS_CORRECTION: tl.constexpr, HAS_MAX: tl.constexpr, SR: tl.constexpr, GMAP: tl.constexpr,
+                        ALIGNED: tl.constexpr, QB: tl.constexpr, NQ: tl.constexpr):
     """m_t, v_t again, p -= eta * r * a, then m_t, v_t requantized (new block absmax) and stored."""
     j, k, n, blk, offs = _tile8(meta_ptr, prog_param_ptr, QB, NQ, ALIGNED)
     mask = offs < n
@@ -245,7 +246,7 @@ def _lamb8_apply_kernel(g_ptrs, g_ref, p_ptrs, p_ref, m_ptrs, v_ptrs, ma_ptrs, v
     p_ptr = load_ptr(p_ptrs, j, p_ref, ALIGNED)
     p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(acc_t)
     p = p - scale * _adam_update(m, v, p, tl.load(hyper_ptr + 7).to(acc_t), tl.load(hyper_ptr + 8).to(acc_t), HAS_WD)
-    _store_param(p_ptr, offs, p, keep, step, k, SR)
+    _store_param(p_ptr, offs, p, keep, step, sr_ptr, k, SR, GMAP)
     _quantize_store(m, _u8_ptr(m_ptrs, j, ALIGNED), _f32_ptr(ma_ptrs, j), offs, blk, keep, bkeep, map_s_ptr)
     _quantize_store(v, _u8_ptr(v_ptrs, j, ALIGNED), _f32_ptr(va_ptrs, j), offs, blk, keep, bkeep, map_u_ptr)
 
@@ -277,7 +278,8 @@ class _Tables:
 class LambPlan:
     """Everything about a bucket that stays fixed between steps: tables and scratch buffers."""
 
-    def __init__(self, params, states, device, acc_dtype, block_size):
+    def __init__(self, params, states, device, acc_dtype, block_size, layouts=None):
+        self.sr = SRTable(layouts or [None] * len(params), list(range(len(params))), device)
         idx32 = [k for k, s in enumerate(states) if not is_8bit(s)]
         idx8 = [k for k, s in enumerate(states) if is_8bit(s)]
         self.t32 = _Tables(idx32, params, states, BLOCK, device, ("exp_avg", "exp_avg_sq")) if idx32 else None
@@ -327,16 +329,18 @@ class LambPlan:
 
 
 def lamb_phases(params, grads, states, *, lr, betas, eps, weight_decay, bias_correction, max_trust_ratio=None,
-                bf16_stochastic_round=False, block_size=256, inv_scale=None, found_inf=None, sharded=False, cache=None):
+                bf16_stochastic_round=False, block_size=256, inv_scale=None, found_inf=None, sharded=False, cache=None,
+                layouts=None, sr_ids=None):
     """One step over a bucket, a generator that yields the buffer of squared norms to be summed over the ranks
-    that share the params when `sharded` (fastopt.distributed.phases)."""
+    that share the params when `sharded` (fastopt.distributed.phases). `layouts` and `sr_ids` place the params'
+    elements and seed the stochastic rounding (None: whole params, their positions in the bucket)."""
     device = params[0].device
     acc_dtype = torch.float64 if params[0].dtype == torch.float64 else torch.float32
     key = ("lamb", block_size) + tuple((p.data_ptr(), tuple(p.shape)) for p in params) + tuple(
-        (k, t.data_ptr()) for s in states for k, t in s.items())
+        (k, t.data_ptr()) for s in states for k, t in s.items()) + tuple(map(id, layouts or ()))
     plan = cache.get(key) if cache is not None else None
     if plan is None:
-        plan = LambPlan(params, states, device, acc_dtype, block_size)
+        plan = LambPlan(params, states, device, acc_dtype, block_size, layouts)
         if cache is not None:
             cache.clear()
             cache[key] = plan
@@ -352,8 +356,9 @@ def lamb_phases(params, grads, states, *, lr, betas, eps, weight_decay, bias_cor
     inv_arg = inv_scale if inv_scale is not None else dummy
     inf_arg = found_inf if found_inf is not None else dummy
     flags = dict(HAS_WD=weight_decay != 0)
-    apply_flags = dict(BIAS_CORRECTION=bool(bias_correction), HAS_MAX=max_trust_ratio is not None,
-                       SR=bool(bf16_stochastic_round) and params[0].dtype == torch.bfloat16,
+    sr = bool(bf16_stochastic_round) and params[0].dtype == torch.bfloat16
+    sr_arg, gmap = plan.sr(sr_ids) if sr else (dummy, False)
+    apply_flags = dict(BIAS_CORRECTION=bool(bias_correction), HAS_MAX=max_trust_ratio is not None, SR=sr, GMAP=gmap,
                        HAS_INF=found_inf is not None, **flags)
     # A kind with no programs (only empty local pieces of sharded params) launches nothing; its sums are 0.
     t32 = plan.t32 if plan.t32 is not None and plan.t32.n_progs else None
@@ -377,10 +382,11 @@ def lamb_phases(params, grads, states, *, lr, betas, eps, weight_decay, bias_cor
     if t32 is not None:
         _lamb_apply_kernel[(t32.n_progs,)](t32.p_ptrs, params[0], t32.state_ptrs["exp_avg"],
                                            t32.state_ptrs["exp_avg_sq"], t32.step_ptrs, t32.meta, t32.prog_param,
-                                           hyper, plan.sums, inf_arg, ALIGNED=al32, BLOCK=BLOCK, num_warps=NUM_WARPS,
-                                           **apply_flags)
+                                           hyper, plan.sums, inf_arg, sr_arg, ALIGNED=al32, BLOCK=BLOCK,
+                                           num_warps=NUM_WARPS, **apply_flags)
     if t8 is not None:
         _lamb8_apply_kernel[(t8.n_progs,)](g8, grads[0], t8.p_ptrs, params[0], st["exp_avg"], st["exp_avg_sq"],
                                            st["exp_avg_absmax"], st["exp_avg_sq_absmax"], t8.step_ptrs, t8.meta,
                                            t8.prog_param, hyper, plan.sums, inv_arg, inf_arg, plan.map_s,
-                                           plan.map_u, HAS_SCALE=inv_scale is not None, ALIGNED=al8, **apply_flags, **q)
+                                           plan.map_u, sr_arg, HAS_SCALE=inv_scale is not None, ALIGNED=al8,
+                                           **apply_flags, **q)

@@ -473,29 +473,41 @@ def _meshes_and_placements(cases) -> list:
     return plc
 
 
-def _placements_case(rank, world, name, groups=1):
-    """`groups`: the params split over that many param groups (`_make_split`), the single process alike."""
-    from torch.distributed.tensor import distribute_tensor
-    shapes = [c[0] for c in CASES.values()]
-    init, grads = _problem(shapes)
-    ref = [p.clone().requires_grad_() for p in init]
-    ref_opt = _make_split(name, ref, groups)
+def step_all(opt, params, grads):
+    """`opt.step()` once per entry of `grads`, each param's gradient a copy of its tensor there."""
     for gs in grads:
-        for p, g in zip(ref, gs):
+        for p, g in zip(params, gs):
             p.grad = g.clone()
-        ref_opt.step()
-    plc = _meshes_and_placements(CASES.values())
+        opt.step()
+
+
+def run_placements(init, grads, plc, make_opt):
+    """DTensor params made from `init` with the (mesh, placements) of `plc`, and `make_opt(params)` stepped with
+    `grads` (placed alike), reloaded from its state_dict after RELOAD_AT steps. Returns (params, optimizer)."""
+    from torch.distributed.tensor import distribute_tensor
     params = [torch.nn.Parameter(distribute_tensor(p0.clone(), m, pl, src_data_rank=None))
               for p0, (m, pl) in zip(init, plc)]
-    opt = _make_split(name, params, groups)
+    opt = make_opt(params)
     for i, gs in enumerate(grads):
         for p, g, (m, pl) in zip(params, gs, plc):
             p.grad = distribute_tensor(g.clone(), m, pl, src_data_rank=None)
         opt.step()
         if i + 1 == RELOAD_AT:
             sd = copy.deepcopy(opt.state_dict())
-            opt = _make_split(name, params, groups)
+            opt = make_opt(params)
             opt.load_state_dict(sd)
+    return params, opt
+
+
+def _placements_case(rank, world, name, groups=1):
+    """`groups`: the params split over that many param groups (`_make_split`), the single process alike."""
+    shapes = [c[0] for c in CASES.values()]
+    init, grads = _problem(shapes)
+    ref = [p.clone().requires_grad_() for p in init]
+    ref_opt = _make_split(name, ref, groups)
+    step_all(ref_opt, ref, grads)
+    params, opt = run_placements(init, grads, _meshes_and_placements(CASES.values()),
+                                 lambda ps: _make_split(name, ps, groups))
     full = [p.detach().full_tensor() for p in params]
     num = sum((a - b.detach()).square().sum() for a, b in zip(full, ref)) ** 0.5
     den = sum((b.detach() - c).square().sum() for b, c in zip(ref, init)) ** 0.5
@@ -1610,16 +1622,12 @@ FLAT_SHAPES = [(3, 4, 5), (7, 5), (2, 3, 7), (10,), (1, 9)]  # flat ranges over 
 ZERO_TP_SHAPES = [(4, 2, 6), (5, 6)]  # ZeRO over dp of TP pieces: (4, 2, 6) sharded on its batch dim, (5, 6) on rows
 
 
-def _flat_ranges_case(rank, world, name):
-    """Flat ranges that start and end mid-row, cross from one matrix of a 3-D batch into the next, end in
-    padding (the last rank's range of (7, 5): 8 real elements of 9); and ColossalAI-style ZeRO over TP, where
-    the flattened tensor is a TP piece of a 3-D param sharded on its batch dim. Params and every state
-    against the single-process reference, with a state_dict reload midway."""
-    from fastopt.distributed import declare_shard, full_tensor
-    shapes = FLAT_SHAPES + ZERO_TP_SHAPES
-    init, grads = _problem(shapes, seed=3)
-    ref = [p.clone() for p in init]
-    ref_opt = _make_opt(name, ref)
+def run_flat_ranges(rank, init, grads, make_opt):
+    """FLAT_SHAPES (the first params of `init`) as flat ranges over the world, ZERO_TP_SHAPES (the others) as
+    ColossalAI's ZeRO over TP (flat ranges over dp of TP pieces), each kind in an optimizer of its own
+    (`make_opt(params)`), stepped with `grads` and reloaded from its state_dict after RELOAD_AT steps. Returns
+    [(piece, its optimizer)] in the order of `init`."""
+    from fastopt.distributed import declare_shard
     nf = len(FLAT_SHAPES)
     tp, dp = _tp_groups(rank)
     flat = []
@@ -1635,17 +1643,14 @@ def _flat_ranges_case(rank, world, name):
         zero.append(piece.clone())
 
     def make():
-        opt_flat = _make_opt(name, flat)
-        opt_zero = _make_opt(name, zero)
+        opt_flat = make_opt(flat)
+        opt_zero = make_opt(zero)
         opt_zero.setup_distributed(tp_group=tp, dp_group=dp, shard_to_working_param=dict(zip(map(id, zero), works)),
                                    padding_map=pads, is_zero=True)
         return opt_flat, opt_zero
 
     opts = make()
     for i, gs in enumerate(grads):
-        for p, g in zip(ref, gs):
-            p.grad = g.clone()
-        ref_opt.step()
         for p, g in zip(flat, gs[:nf]):
             p.grad = _flat_piece(g, dist.group.WORLD)[0].clone()
         for p, g in zip(zero, gs[nf:]):
@@ -1657,7 +1662,21 @@ def _flat_ranges_case(rank, world, name):
             opts = make()
             for opt, sd in zip(opts, sds):
                 opt.load_state_dict(sd)
-    pieces = [(p, opts[0]) for p in flat] + [(p, opts[1]) for p in zero]
+    return [(p, opts[0]) for p in flat] + [(p, opts[1]) for p in zero]
+
+
+def _flat_ranges_case(rank, world, name):
+    """Flat ranges that start and end mid-row, cross from one matrix of a 3-D batch into the next, end in
+    padding (the last rank's range of (7, 5): 8 real elements of 9); and ColossalAI-style ZeRO over TP, where
+    the flattened tensor is a TP piece of a 3-D param sharded on its batch dim. Params and every state
+    against the single-process reference, with a state_dict reload midway."""
+    from fastopt.distributed import full_tensor
+    shapes = FLAT_SHAPES + ZERO_TP_SHAPES
+    init, grads = _problem(shapes, seed=3)
+    ref = [p.clone() for p in init]
+    ref_opt = _make_opt(name, ref)
+    step_all(ref_opt, ref, grads)
+    pieces = run_flat_ranges(rank, init, grads, lambda ps: _make_opt(name, ps))
     full = [full_tensor(p, opt._layout(p)).view(s) for (p, opt), s in zip(pieces, shapes)]
     num = sum((a - b).square().sum() for a, b in zip(full, ref)) ** 0.5
     den = sum((b - c).square().sum() for b, c in zip(ref, init)) ** 0.5
@@ -1691,10 +1710,7 @@ def _state_dict_after_declaration_case(rank, world, name):
     init, grads = _problem(shapes, seed=7)
     ref = [p.clone() for p in init]
     ref_opt = _make_opt(name, ref)
-    for gs in grads:
-        for p, g in zip(ref, gs):
-            p.grad = g.clone()
-        ref_opt.step()
+    step_all(ref_opt, ref, grads)
     pieces = [_flat_piece(p0, dist.group.WORLD)[0].clone().requires_grad_() for p0 in init]
     works = {id(q): p0.clone() for q, p0 in zip(pieces, init)}
 

@@ -26,7 +26,7 @@ DDP, whose gradients are already averaged).
 
 Stable API (the optimizers and the GaLore layout support use it): `Layout` with `global_shape`, `index`,
 `group`, `groups`, `group_key`, `flat`, `base`, `numel`, `count`, `outside`, `is_flat`, `dim_index`,
-`batch_index`, `flat_index`, `factor_index`, `local_view`, `reduce`, `mesh`, `mesh_dims`, `shard_ranges`,
+`batch_index`, `flat_index`, `element_map`, `factor_index`, `local_view`, `reduce`, `mesh`, `mesh_dims`, `shard_ranges`,
 `shard_placements`, `fsdp`; `layout_of`, `local`, `collective`, `declare_shard`, `declare_fsdp`, `make_layout`,
 `full_tensor`, `gather_to_owners`, `real_elements`, `check_cover`, `fsdp1_refusal`, `fsdp_grads`,
 `declare_found_fsdp`.
@@ -134,6 +134,43 @@ class Layout:
                 for d, n in enumerate(self.global_shape):
                     idx = idx.unsqueeze(-1) * n + self.dim_index(d, device)
             self._cache[key] = idx
+        return self._cache[key]
+
+    def element_map(self, device) -> tuple[Tensor, int, int]:
+        """`flat_index` in compact form, (table, width, shift): real local element l (row-major over the local
+        tensor, or of the flat range's `count`) is global element `table[q // width] + q % width`, q = l + shift.
+        Dim layouts whose last dim is held as consecutive indices (whatever the other dims hold: every `Shard`,
+        and a `_StridedShard` that cuts that dim into chunks) have one table entry per local row (the global
+        offset of its first element, int64) and width the local length of that dim; other dim layouts one
+        entry per element (width 1). A flat range of the global tensor is ([offset], width 2**62, shift 0); one
+        of a dim layout's local tensor takes that layout's map shifted by its offset. Cached per device.
+        Stochastic rounding draws its noise at these offsets, so a piece rounds as the whole tensor would."""
+        key = ("emap", str(device))
+        if key not in self._cache:
+            if self.flat is not None:
+                off, n = self.flat
+                if self.base is None:
+                    out = (torch.tensor([off], dtype=torch.long, device=device), 1 << 62, 0)
+                elif self.base.flat is None:
+                    table, width, shift = self.base.element_map(device)
+                    out = (table, width, shift + off)
+                else:
+                    out = (self.flat_index(device).reshape(-1), 1, 0)
+            else:
+                shape = self.global_shape
+                last = self.dim_index(len(shape) - 1, device) if shape else None
+                steps = None if last is None else torch.arange(len(last), dtype=torch.long, device=device)
+                if last is None:  # a 0-d tensor: its one element
+                    out = (torch.zeros(1, dtype=torch.long, device=device), 1, 0)
+                elif len(last) and torch.equal(last, last[0] + steps):
+                    table = torch.zeros((), dtype=torch.long, device=device)
+                    for d, n in enumerate(shape[:-1]):
+                        table = table.unsqueeze(-1) * n + self.dim_index(d, device)
+                    table = table.reshape(-1) * shape[-1] + last[0]
+                    out = (table, len(last), 0)
+                else:
+                    out = (self.flat_index(device).reshape(-1), 1, 0)
+            self._cache[key] = out
         return self._cache[key]
 
     def factor_index(self, device) -> tuple[Tensor, Tensor]:

@@ -897,6 +897,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         for p, _g in hidden:
             p.grad = None
         self._push_hyper()
+        # A FastOptimizer seeds its stochastic rounding with each param's position before the groups were cut.
+        self.optim.__dict__["_zero_ids"] = self._local_to_global()
         try:
             self.optim.step()
         finally:

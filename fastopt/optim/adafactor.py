@@ -130,12 +130,12 @@ class Adafactor(FastOptimizer):
             spec["exp_avg"] = (here, dt)
         return spec
 
-    def _step_group(self, group, params, grads, states, scaler, layouts=None, sharded=False):
+    def _step_group(self, group, params, grads, states, scaler, layouts=None, sharded=False, sr_ids=None):
         hyper = self._values(group, ("lr", "eps", "clip_threshold", "decay_rate", "beta1", "weight_decay",
                                      "scale_parameter", "relative_step", "warmup_init", "bf16_stochastic_round"))
         return ops.adafactor_phases(params, grads, states, inv_scale=scaler.inv_scale, found_inf=scaler.found_inf,
                                     cache=self._plan_cache(group, params, layouts),
-                                    layouts=layouts, sharded=sharded, **hyper)
+                                    layouts=layouts, sharded=sharded, sr_ids=sr_ids, **hyper)
 
     def _from_foreign(self, state_dict):
         """load_state_dict also takes transformers' `Adafactor` state_dicts: the same state keys (`exp_avg_sq_row`,

@@ -213,7 +213,8 @@ class FastOptimizer(torch.optim.Optimizer):
                     states: list[dict], scaler: ScalerArgs):
         """One fused step over a bucket; subclasses with `_supports_layouts` also take `layouts=` and `sharded=`
         and return the step as a generator (fastopt.distributed.phases) that yields its collectives: buffers
-        to sum over the ranks that share the params, when `sharded`. None: done already."""
+        to sum over the ranks that share the params, when `sharded`. None: done already. Groups with a true
+        `bf16_stochastic_round` also get `sr_ids=` (`_param_ids`)."""
         raise NotImplementedError
 
     # ---- shared machinery ---------------------------------------------------------------------
@@ -482,6 +483,17 @@ class FastOptimizer(torch.optim.Optimizer):
         names = [f"param_groups[{gi}]['params'][{pos[id(p)]}] (local shape {tuple(p.shape)})" for p, _ in todo]
         check_cover([lay for _, lay in todo], names, local(todo[0][0]).device, self._name)
 
+    def _param_ids(self) -> dict[int, int]:
+        """{id(p): p's position among this optimizer's params over all param_groups (its state_dict id)}: the
+        same in one process and under every layout (DTensors, declared pieces), so it seeds the stochastic
+        rounding (with the step and each element's global offset, fastopt.reference.common.stochastic_round_bf16).
+        Under ZeroRedundancyOptimizer, whose cut groups hold this rank's params and pieces only, it is the
+        position of the whole param in the optimizer before it was cut (`_zero_ids`, set by the wrapper before
+        each step)."""
+        flat = [p for g in self.param_groups for p in g["params"]]
+        ids = self.__dict__.get("_zero_ids")
+        return {id(p): k for p, k in zip(flat, range(len(flat)) if ids is None or len(ids) != len(flat) else ids)}
+
     def _global_shape(self, p: Tensor) -> tuple[int, ...]:
         """The shape of the whole tensor that p is (a piece of)."""
         lay = self._layout(p)
@@ -616,6 +628,8 @@ class FastOptimizer(torch.optim.Optimizer):
                 buckets.append((group, device, group_key, params, layouts))
         scalers: dict = {}
         sharded = []  # the steps of the sharded buckets, run together: one collective per phase and groups
+        # Stochastic rounding is seeded by ids that every layout of these params gives alike.
+        ids = self._param_ids() if any(g.get("bf16_stochastic_round") for g in self.param_groups) else None
         for group, device, group_key, params, layouts in buckets:
             # The bucket's GPU current (params may be spread over the GPUs of one process): Triton launches on
             # the current device, and so do events and streams taken without one. The ops' generators enter it
@@ -625,13 +639,15 @@ class FastOptimizer(torch.optim.Optimizer):
                 states = [ckpt.local_state(self._init_state(p, group), p) for p in params]
                 scaler = self._scaler_args(device, scalers)
                 self._advance_steps([s["step"] for s in states], scaler)
+                sr = {"sr_ids": [ids[id(p)] for p in params]} if group.get("bf16_stochastic_round") else {}
                 if group_key is None:
-                    steps = self._step_group(group, [local(p) for p in params], grads, states, scaler)
+                    steps = self._step_group(group, [local(p) for p in params], grads, states, scaler, **sr)
                     if steps is not None:
                         phases.drive(steps, None)
                 else:
                     sharded.append((self._step_group(group, [local(p) for p in params], grads, states, scaler,
-                                                     layouts=layouts, sharded=True), group_key, layouts[0].reduce))
+                                                     layouts=layouts, sharded=True, **sr), group_key,
+                                    layouts[0].reduce))
         phases.run(sharded)
         return loss
 

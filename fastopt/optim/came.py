@@ -85,12 +85,12 @@ class CAME(FastOptimizer):
             spec["exp_avg_sq"] = (here, dt)
         return spec
 
-    def _step_group(self, group, params, grads, states, scaler, layouts=None, sharded=False):
+    def _step_group(self, group, params, grads, states, scaler, layouts=None, sharded=False, sr_ids=None):
         hyper = self._values(group, ("lr", "eps", "clip_threshold", "betas", "weight_decay",
                                      "bf16_stochastic_round", "nbits"))
         return ops.came_phases(params, grads, states, inv_scale=scaler.inv_scale, found_inf=scaler.found_inf,
                                cache=self._plan_cache(group, params, layouts),
-                               layouts=layouts, sharded=sharded, **hyper)
+                               layouts=layouts, sharded=sharded, sr_ids=sr_ids, **hyper)
 
     def _quantized_keys(self, group):
         return {"exp_avg": ("exp_avg_absmax", True, QBLOCK)}

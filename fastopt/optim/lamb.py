@@ -76,9 +76,9 @@ class Lamb(FastOptimizer):
         bs = group["block_size"]
         return {"exp_avg": ("exp_avg_absmax", True, bs), "exp_avg_sq": ("exp_avg_sq_absmax", False, bs)}
 
-    def _step_group(self, group, params, grads, states, scaler, layouts=None, sharded=False):
+    def _step_group(self, group, params, grads, states, scaler, layouts=None, sharded=False, sr_ids=None):
         hyper = self._values(group, ("lr", "betas", "eps", "weight_decay", "bias_correction", "max_trust_ratio",
                                      "bf16_stochastic_round", "block_size"))
         return ops.lamb_phases(params, grads, states, inv_scale=scaler.inv_scale, found_inf=scaler.found_inf,
                                cache=self._plan_cache(group, params, layouts),
-                               layouts=layouts, sharded=sharded, **hyper)
+                               layouts=layouts, sharded=sharded, sr_ids=sr_ids, **hyper)

@@ -25,7 +25,7 @@ import math
 import torch
 from torch import Tensor
 
-from .common import stochastic_round_bf16
+from .common import sr_args, stochastic_round_bf16
 
 
 def is_factored(p: Tensor) -> bool:
@@ -89,13 +89,14 @@ def reduction_sizes(shapes) -> list[tuple[int, torch.dtype]]:
 def adafactor_phases(params: list[Tensor], grads: list[Tensor], states: list[dict], *, lr, eps, clip_threshold,
                      decay_rate, beta1, weight_decay, scale_parameter, relative_step, warmup_init,
                      bf16_stochastic_round: bool = False, inv_scale: Tensor | None = None,
-                     found_inf: Tensor | None = None, sharded: bool = False, layouts: list | None = None):
+                     found_inf: Tensor | None = None, sharded: bool = False, layouts: list | None = None,
+                     sr_ids: list | None = None):
     """One step over a bucket of local tensors, a generator: with `sharded`, it yields each phase's buffer to be summed
     over the ranks that share the params (fastopt.distributed.phases). `layouts[i]` (fastopt.distributed.layout.Layout
     or None) places param i's local elements in its global tensor (flat layouts: `params[i]` holds only the real
     elements, see `layout.real_elements`); the row and column factors are global. `bf16_stochastic_round`: bf16 params
-    are rounded by common.stochastic_round_bf16, its noise a function of (step, index in `params`, element offset)
-    only."""
+    are rounded by common.stochastic_round_bf16, its noise a function of (step, the param's id in `sr_ids` (None:
+    its index in `params`), the element's offset in the global tensor) only."""
     eps1, eps2 = eps
     layouts = layouts or [None] * len(params)
     shapes = [tuple(p.shape) if lay is None else lay.global_shape for p, lay in zip(params, layouts)]
@@ -150,6 +151,8 @@ def adafactor_phases(params: list[Tensor], grads: list[Tensor], states: list[dic
         yield sums
 
     # Phase 3: clip, scale, momentum, decay, write.
+    bf16_sr = bf16_stochastic_round and params[0].dtype == torch.bfloat16
+    sr = sr_args(sr_ids, layouts, params[0].device, len(params)) if bf16_sr else None
     for i, (p, g, s, u, shape) in enumerate(zip(params, gs, states, updates, shapes)):
         numel = math.prod(shape)
         u_sq, p_sq = sums[2 * i].to(g.dtype), sums[2 * i + 1].to(g.dtype)
@@ -165,6 +168,6 @@ def adafactor_phases(params: list[Tensor], grads: list[Tensor], states: list[dic
         p_new = pf - (weight_decay * alpha) * pf - u if weight_decay != 0 else pf - u
         for k, v in new_states[i].items():
             _commit(s[k], v, found_inf)
-        if bf16_stochastic_round and p.dtype == torch.bfloat16:
-            p_new = stochastic_round_bf16(p_new, s["step"], i)
+        if bf16_sr:
+            p_new = stochastic_round_bf16(p_new, s["step"], *sr[i])
         _commit(p, p_new, found_inf)

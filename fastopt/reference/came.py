@@ -34,7 +34,7 @@ from torch import Tensor
 
 from . import quant
 from .adafactor import _commit, factored_sizes, gather_factors, scatter_rows_cols
-from .common import stochastic_round_bf16
+from .common import sr_args, stochastic_round_bf16
 
 QBLOCK = 256  # bitsandbytes' block size for 8-bit optimizer states
 
@@ -79,13 +79,15 @@ def _factors(stats: Tensor, pos: int, row: Tensor, col: Tensor, beta: float, eps
 
 def came_phases(params: list[Tensor], grads: list[Tensor], states: list[dict], *, lr, eps, clip_threshold, betas,
                 weight_decay, bf16_stochastic_round: bool = False, nbits: int = 32, inv_scale: Tensor | None = None,
-                found_inf: Tensor | None = None, sharded: bool = False, layouts: list | None = None):
+                found_inf: Tensor | None = None, sharded: bool = False, layouts: list | None = None,
+                sr_ids: list | None = None):
     """One step over a bucket of params (one device, one dtype), a generator: with `sharded`, it yields each phase's
     buffer to be summed over the ranks that share the params (fastopt.distributed.phases). `layouts[i]`
     (fastopt.distributed.layout.Layout or None) places param i's local elements in its global tensor (flat layouts:
     `params[i]` holds only the real elements, see `layout.real_elements`); the four factors are global, identical on
     every rank. `bf16_stochastic_round`: bf16 params are rounded by common.stochastic_round_bf16, its noise a function
-    of (step, index in `params`, element offset) only."""
+    of (step, the param's id in `sr_ids` (None: its index in `params`), the element's offset in the global tensor)
+    only."""
     eps1, eps2 = eps
     beta1, beta2, beta3 = betas
     layouts = layouts or [None] * len(params)
@@ -136,6 +138,8 @@ def came_phases(params: list[Tensor], grads: list[Tensor], states: list[dict], *
 
     # Phase 4: instability factors, confidence-scaled update, decay, write.
     pos = 0
+    bf16_sr = bf16_stochastic_round and params[0].dtype == torch.bfloat16
+    sr = sr_args(sr_ids, layouts, params[0].device, len(params)) if bf16_sr else None
     for i, (p, g, s, m_new, ns, shape, f, lay) in enumerate(
             zip(params, gs, states, moms, new_states, shapes, factored, layouts)):
         if f:
@@ -150,8 +154,8 @@ def came_phases(params: list[Tensor], grads: list[Tensor], states: list[dict], *
         for k, v in ns.items():
             _commit(s[k], v, found_inf)
         _store_momentum(s, m_new, nbits, found_inf)
-        if bf16_stochastic_round and p.dtype == torch.bfloat16:
-            p_new = stochastic_round_bf16(p_new, s["step"], i)
+        if bf16_sr:
+            p_new = stochastic_round_bf16(p_new, s["step"], *sr[i])
         _commit(p, p_new, found_inf)
 
 

@@ -32,15 +32,18 @@ def philox_randint(key0: int, key1: Tensor, counter: Tensor) -> Tensor:
     return c0
 
 
-def stochastic_round_bf16(x: Tensor, step: Tensor, index: int) -> Tensor:
+def stochastic_round_bf16(x: Tensor, step: Tensor, index: int, emap: tuple | None = None) -> Tensor:
     """Round fp32 `x` to bf16 up or down with probability proportional to the distance (unbiased).
 
     Adds 16 random bits below bf16's mantissa cut, then truncates: E[round(x)] = x. The bits depend only on the
-    param's `step` (its state's step counter), its `index` in the bucket (the list of params one fused step
-    updates) and each element's row-major offset in `x`: Triton's `tl.randint(seed, offset)` with
-    seed = step * 2**32 + index and offset = element offset (mod 2**32), the draw the kernels make. No torch
-    RNG is touched (the user's random stream does not move), replicas of a param on several ranks round
-    identically, and both back ends round bit for bit alike.
+    param's `step` (its state's step counter), its `index` (its position in the optimizer's params, the same
+    under every layout: `FastOptimizer._param_ids`) and each element's offset in the flattened global tensor:
+    Triton's `tl.randint(seed, offset)` with seed = step * 2**32 + index and offset = global element offset
+    (mod 2**32), the draw the kernels make. `emap`: where `x`'s elements lie in the global tensor
+    (`Layout.element_map`: element l is global `table[(l + shift) // width] + (l + shift) % width`); None: `x`
+    is the whole tensor (l itself). So a piece of a sharded param rounds as the whole param would in one
+    process. No torch RNG is touched (the user's random stream does not move), replicas of a param on several
+    ranks round identically, and both back ends round bit for bit alike.
     """
     n = x.numel()
     # Philox is ~120 int64 ops per element: on CPU, in chunks that stay in cache (2-3x faster than in one go).
@@ -49,8 +52,20 @@ def stochastic_round_bf16(x: Tensor, step: Tensor, index: int) -> Tensor:
     noise = torch.empty(n, dtype=torch.int32, device=x.device)
     for start in range(0, n, chunk):
         offs = torch.arange(start, min(start + chunk, n), dtype=torch.int64, device=x.device)
+        if emap is not None:
+            table, width, shift = emap
+            q = offs + shift
+            offs = table[q // width] + q % width
         noise[start:start + chunk] = philox_randint(index, key1, offs) & 0xFFFF
     bits = x.to(torch.float32).view(torch.int32)
     out = ((bits + noise.view(x.shape)) & -65536).view(torch.float32)
     out = torch.where(torch.isfinite(x), out, x.to(torch.float32))
     return out.to(torch.bfloat16)
+
+
+def sr_args(ids: list | None, layouts: list | None, device, n: int) -> list[tuple[int, tuple | None]]:
+    """(index, emap) of `stochastic_round_bf16` for each of a bucket's `n` params: `ids` their positions in the
+    optimizer (None: their positions in the bucket, for direct callers), `layouts` their layouts (None: whole)."""
+    ids = range(n) if ids is None else ids
+    layouts = layouts or [None] * n
+    return [(i, None if lay is None else lay.element_map(device)) for i, lay in zip(ids, layouts)]

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .common import stochastic_round_bf16
+from .common import sr_args, stochastic_round_bf16
 from .quant import dequantize_blockwise, quantize_blockwise
 
 
@@ -90,12 +90,14 @@ def reduction_sizes(shapes, dtype: torch.dtype) -> list[tuple[int, torch.dtype]]
 
 def lamb_phases(params: list[Tensor], grads: list[Tensor], states: list[dict], *, lr, betas, eps, weight_decay,
                 bias_correction, max_trust_ratio=None, bf16_stochastic_round: bool = False, block_size: int = 256,
-                inv_scale: Tensor | None = None, found_inf: Tensor | None = None, sharded: bool = False):
+                inv_scale: Tensor | None = None, found_inf: Tensor | None = None, sharded: bool = False,
+                layouts: list | None = None, sr_ids: list | None = None):
     """One step over a bucket of params (same device and dtype); math in fp64 for fp64 params, else fp32. A
     generator: with `sharded`, it yields the buffer of squared norms to be summed over the ranks that share the
     params (fastopt.distributed.phases).
     `bf16_stochastic_round`: bf16 params are rounded by common.stochastic_round_bf16, its noise a function of
-    (step, index in `params`, element offset) only."""
+    (step, the param's id in `sr_ids` (None: its index in `params`), the element's offset in the global tensor,
+    which `layouts[i]` gives; None: param i is whole) only."""
     beta1, beta2 = betas
     acc = torch.float64 if params[0].dtype == torch.float64 else torch.float32
 
@@ -118,11 +120,13 @@ def lamb_phases(params: list[Tensor], grads: list[Tensor], states: list[dict], *
         yield sums
 
     # Phase 2: trust ratios, write.
+    bf16_sr = bf16_stochastic_round and params[0].dtype == torch.bfloat16
+    sr = sr_args(sr_ids, layouts, params[0].device, len(params)) if bf16_sr else None
     for i, (p, s, (m, v), a) in enumerate(zip(params, states, moments, updates)):
         ratio = trust_ratio(sums[2 * i], sums[2 * i + 1], max_trust_ratio)
         eta = step_size(s["step"], lr=lr, betas=betas, bias_correction=bias_correction)
         p_new = p.to(acc) - (eta * ratio.to(torch.float64)).to(acc) * a
         store_moments(s, m, v, block_size, found_inf)
-        if bf16_stochastic_round and p.dtype == torch.bfloat16:
-            p_new = stochastic_round_bf16(p_new, s["step"], i)
+        if bf16_sr:
+            p_new = stochastic_round_bf16(p_new, s["step"], *sr[i])
         _commit(p, p_new, found_inf)

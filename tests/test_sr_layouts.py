@@ -1,0 +1,176 @@
+"""bf16 stochastic rounding under every layout (4 gloo processes on CPU): a piece of a sharded param draws the
+noise the whole param draws in one process (seeded by the param's position in the optimizer and the step, at
+each element's offset in the global tensor), so bf16 params stepped with `bf16_stochastic_round=True` are bit for
+bit the single process's: DTensor placements (Shard of every dim, uneven, 2-D meshes, FSDP2 over TP's
+_StridedShard), flat ranges cut mid-row, ColossalAI's ZeRO over TP, and fastopt's ZeroRedundancyOptimizer (whose
+ranks hold other params at other positions).
+
+The settings keep every reduction exact, so that only the noise can tell a layout from one process: gradients
+of +-0.5, 1 and 2 (their squares sum exactly in fp32, in any order), no RMS clip (clip_threshold 1e30: the clip
+factor is 1 exactly), Adafactor without parameter scaling, CAME with beta1 = 0 (M_t = U: the instability is
+eps2 alone, and the 8-bit momentum's local blocks never reach the update), Lamb with its trust ratio clamped
+(max_trust_ratio 0.01, below every ||p|| / ||a|| here). The updates (about 2e-3, on params of order 1 whose bf16
+spacing is 4e-3 to 1.6e-2) are below a bf16 ulp, so the noise decides how most elements round."""
+from __future__ import annotations
+
+import itertools
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from test_layouts import (CASES, FLAT_SHAPES, ZERO_TP_SHAPES, _meshes_and_placements, run_flat_ranges, run_placements,
+                          step_all)
+
+import fastopt
+
+STEPS = 6
+OPTS = {
+    "adafactor": ("Adafactor", dict(lr=2e-3, relative_step=False, scale_parameter=False, clip_threshold=1e30,
+                                    beta1=0.9, weight_decay=0.01)),
+    "came": ("CAME", dict(lr=2e-3, betas=(0.0, 0.999, 0.9999), clip_threshold=1e30, weight_decay=0.01)),
+    "came8": ("CAME", dict(lr=2e-3, betas=(0.0, 0.999, 0.9999), clip_threshold=1e30, weight_decay=0.01, nbits=8)),
+    "lamb": ("Lamb", dict(lr=0.2, weight_decay=0.01, max_trust_ratio=0.01)),
+}
+ZERO_SHAPES = [(7, 5), (64, 272), (13,), (3, 4, 5), (2, 9)]  # (64, 272): split over the 4 ranks, cut mid-row
+
+
+def _opt(name, params, sr=True):
+    cls, kw = OPTS[name]
+    return getattr(fastopt, cls)(params, bf16_stochastic_round=sr, **kw)
+
+
+def _problem(shapes, seed):
+    """bf16 params from randn; gradients of +-0.5, 1, 2, fresh each step."""
+    g = torch.Generator().manual_seed(seed)
+    init = [torch.randn(s, generator=g).to(torch.bfloat16) for s in shapes]
+    vals = torch.tensor([-2.0, -1.0, -0.5, 0.5, 1.0, 2.0], dtype=torch.bfloat16)
+    grads = [[vals[torch.randint(len(vals), s, generator=g)] for s in shapes] for _ in range(STEPS)]
+    return init, grads
+
+
+def _single(name, init, grads, sr=True):
+    """The params after STEPS steps of one process."""
+    params = [torch.nn.Parameter(p.clone()) for p in init]
+    step_all(_opt(name, params, sr), params, grads)
+    return [p.detach() for p in params]
+
+
+def _check(where, name, got, init, grads):
+    """On rank 0 (every rank has the same whole params `got`; the single-process runs are the test's cost under
+    the interpreter): every param bit for bit the single process's on this back end, and stochastic rounding
+    did something there (its params differ from a run with round-to-nearest)."""
+    if dist.get_rank() != 0:
+        return
+    want = _single(name, init, grads)
+    for k, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a.view_as(b), b), (where, name, k, int((a.view_as(b) != b).sum()), b.numel())
+    backend = os.environ["FASTOPT_BACKEND"]
+    os.environ["FASTOPT_BACKEND"] = "torch"  # a property of the problem: the quick back end tells
+    try:
+        nearest = _single(name, init, grads, sr=False)
+    finally:
+        os.environ["FASTOPT_BACKEND"] = backend
+    assert any(not torch.equal(a, b) for a, b in zip(want, nearest)), (where, name)
+
+
+# test_layouts.CASES (Shard of every dim, uneven, 2-D meshes, FSDP2 over TP) and _StridedShard alone, whose
+# pieces hold non-consecutive indices of the dim (the element map's one-entry-per-element form when it is the last).
+DTENSOR_CASES = list(CASES.values()) + [((12,), (2, 2), [("SS", 0, 2), ("R",)]),
+                                        ((3, 12), (2, 2), [("SS", 1, 2), ("R",)])]
+
+
+def _dtensor_case(name):
+    init, grads = _problem([c[0] for c in DTENSOR_CASES], seed=11)
+    params, _ = run_placements(init, grads, _meshes_and_placements(DTENSOR_CASES), lambda ps: _opt(name, ps))
+    _check("dtensor", name, [p.detach().full_tensor() for p in params], init, grads)
+
+
+def _flat_case(rank, name):
+    """Flat ranges over the world (mid-row, across the matrices of a 3-D batch, into padding), and ColossalAI's
+    ZeRO over TP (flat ranges of TP pieces), each kind in an optimizer of its own."""
+    from fastopt.distributed import full_tensor
+    shapes = FLAT_SHAPES + ZERO_TP_SHAPES
+    init, grads = _problem(shapes, seed=12)
+    pieces = run_flat_ranges(rank, init, grads, lambda ps: _opt(name, ps))
+    got = [full_tensor(p, opt._layout(p)).view(s) for (p, opt), s in zip(pieces, shapes)]
+    nf = len(FLAT_SHAPES)
+    for where, part in (("flat", slice(0, nf)), ("zero_tp", slice(nf, None))):
+        _check(where, name, got[part], init[part], [gs[part] for gs in grads])
+
+
+def _zero_case(name):
+    """fastopt.ZeroRedundancyOptimizer (ZeRO-2): the (64, 272) param split over the ranks, the others whole on
+    their owners; each rank's wrapped optimizer holds its own params and pieces, at other positions than one
+    process's. Every rank's backward gives the same gradients, which the wrapper averages exactly."""
+    init, grads = _problem(ZERO_SHAPES, seed=13)
+    params = [torch.nn.Parameter(p.clone()) for p in init]
+    zero = fastopt.ZeroRedundancyOptimizer(_opt(name, params), partition_grad=True)
+    assert len(zero._split) == 1 and len(zero.optim.param_groups[0]["params"]) < len(params)
+    for gs in grads:
+        sum((p * g).sum() for p, g in zip(params, gs)).backward()  # each param's gradient: its g, exactly
+        zero.step()
+        zero.zero_grad()
+    _check("zero", name, [p.detach() for p in params], init, grads)
+
+
+def _case(rank, world, name, backend):
+    saved = os.environ.get("FASTOPT_BACKEND")
+    os.environ["FASTOPT_BACKEND"] = backend
+    try:
+        _dtensor_case(name)
+        _flat_case(rank, name)
+        _zero_case(name)
+    finally:
+        os.environ["FASTOPT_BACKEND"] = saved if saved is not None else "torch"
+
+
+def _held(n, kind, g):
+    """A dim's indices held by a piece: all (None), a consecutive range, or a non-consecutive subset."""
+    if kind == "all":
+        return None
+    if kind == "range":
+        a = int(torch.randint(n, (), generator=g))
+        return torch.arange(a, a + 1 + int(torch.randint(n - a, (), generator=g)))
+    keep = torch.randperm(n, generator=g)[:max(2, n // 2)].sort().values
+    return keep if not torch.equal(keep, keep[0] + torch.arange(len(keep))) else keep[[0, -1]]
+
+
+def test_element_map_is_flat_index():
+    """`Layout.element_map` (the compact map the stochastic rounding draws its offsets through) gives every real
+    local element the global offset `Layout.flat_index` gives it: dim layouts of 0 to 4 dims holding all, a
+    consecutive range or a non-consecutive subset of each dim; flat ranges of the global tensor, of such a
+    layout (ZeRO over TP) and of a flat range."""
+    from fastopt.distributed.layout import Layout
+    g = torch.Generator().manual_seed(0)
+
+    def check(lay):
+        table, width, shift = lay.element_map("cpu")
+        q = torch.arange(lay.count) + shift
+        assert torch.equal(table[q // width] + q % width, lay.flat_index("cpu").reshape(-1)), lay
+
+    checked = 0
+    for shape in [(), (7,), (5, 6), (3, 4, 5), (2, 3, 4, 5)]:
+        for kinds in itertools.product(["all", "range", "subset"], repeat=len(shape)):
+            dims = Layout(shape, tuple(_held(n, k, g) for n, k in zip(shape, kinds)), None, ("k",))
+            check(dims)
+            n = dims.count
+            for off, cnt in {(0, n), (1, n - 1), (n // 3, n // 2), (n - 1, 1)}:
+                if cnt > 0:
+                    whole = Layout(shape, (None,) * len(shape), None, ("k",), flat=(off, cnt))
+                    of_dims = Layout(shape, (None,) * len(shape), None, ("k",), flat=(off, cnt), base=dims)
+                    check(whole)
+                    check(of_dims)
+                    if cnt > 1:
+                        check(Layout(shape, (None,) * len(shape), None, ("k",), flat=(1, cnt - 1), base=of_dims))
+                    checked += 3
+    assert checked > 300
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("name", list(OPTS))
+def test_stochastic_rounding_under_every_layout_matches_single_process(pool, name, backend):
+    if backend == "triton" and not (fastopt.ops.triton_available() and fastopt.ops.interpreting()):
+        pytest.skip("the gloo cases hold CPU tensors: the kernels need TRITON_INTERPRET=1")
+    pool.run(_case, name, backend)
