@@ -107,18 +107,20 @@ class TinyLlama(nn.Module):
         return self.lm_head(self.norm(x))
 
 
-def make_optimizer(name: str, model: nn.Module):
+def make_optimizer(name: str, model: nn.Module, stochastic_round: bool = False):
     """Optimizer `name` over the model's params; learning rates picked by a short sweep on this model (100 steps,
-    one process)."""
+    one process). `stochastic_round`: bf16 params of Adafactor, CAME and Lamb rounded stochastically (updates
+    below half a bf16 ulp are not lost; the same draw on every layout as in one process)."""
     import fastopt
     params = list(model.parameters())
+    sr = dict(bf16_stochastic_round=stochastic_round)
     if name == "adafactor":
         # No first moment (transformers' default): factored second moments only, O(rows + columns) state.
-        return fastopt.Adafactor(params, lr=3e-3, relative_step=False, scale_parameter=False)
+        return fastopt.Adafactor(params, lr=3e-3, relative_step=False, scale_parameter=False, **sr)
     if name == "came":
-        return fastopt.CAME(params, lr=5e-4)
+        return fastopt.CAME(params, lr=5e-4, **sr)
     if name == "lamb":
-        return fastopt.Lamb(params, lr=5e-2)
+        return fastopt.Lamb(params, lr=5e-2, **sr)
     if name == "adamw8bit":
         return fastopt.AdamW8bit(params, lr=1e-2)
     if name == "galore":
@@ -229,7 +231,7 @@ def train(name: str, data: torch.Tensor, vocab: int, args, par: Parallel) -> dic
     model = build_model(vocab, args, par)
     n_params = sum(p.numel() for p in model.parameters())  # global sizes, DTensor or not
     try:
-        opt = make_optimizer(name, model)
+        opt = make_optimizer(name, model, stochastic_round=args.stochastic_round)
     except NotImplementedError as e:
         return dict(optim=name, skipped=str(e), params=n_params)
     gen = torch.Generator().manual_seed(args.seed)
@@ -287,7 +289,8 @@ def train(name: str, data: torch.Tensor, vocab: int, args, par: Parallel) -> dic
 def report(results: list[dict], args, par: Parallel, vocab: int, wall_s: float) -> None:
     """The table, the plot and results.json (rank 0 only)."""
     n = results[0]["params"]
-    print(f"\n{par.describe()}; {n} params; {args.steps} steps of {args.batch} x {args.ctx} tokens; {args.dtype}; "
+    sr = " (Adafactor, CAME, Lamb: stochastic rounding)" if args.stochastic_round else ""
+    print(f"\n{par.describe()}; {n} params; {args.steps} steps of {args.batch} x {args.ctx} tokens; {args.dtype}{sr}; "
           f"{wall_s:.1f} s")
     print("| optimizer | final loss (last 5 steps) | state bytes/param (all ranks) | median step ms |")
     print("|---|---|---|---|")
@@ -300,7 +303,8 @@ def report(results: list[dict], args, par: Parallel, vocab: int, wall_s: float) 
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(dict(layout=par.describe(), tp=par.tp, dp=par.dp, device=par.device.type, steps=args.steps,
-                       batch=args.batch, ctx=args.ctx, dtype=args.dtype, seed=args.seed, vocab=vocab,
+                       batch=args.batch, ctx=args.ctx, dtype=args.dtype, stochastic_round=args.stochastic_round,
+                       seed=args.seed, vocab=vocab,
                        uniform_loss=math.log(vocab), wall_s=wall_s, results=results), f, indent=1)
     trained = [r for r in results if "losses" in r]
     try:
@@ -389,6 +393,8 @@ def parse_args(argv=None):
     ap.add_argument("--ctx", type=int, default=64, help="sequence length")
     ap.add_argument("--dtype", choices=("float32", "float64", "bfloat16"), default="float32",
                     help="params and activations (float64: for exact comparisons between layouts)")
+    ap.add_argument("--stochastic-round", action="store_true",
+                    help="with --dtype bfloat16: Adafactor, CAME and Lamb round the params stochastically")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="demo-out", help="folder for loss.png and results.json")
     ap.add_argument("--save-params", action="store_true", help="also write each trained model's full tensors "
@@ -410,6 +416,8 @@ def parse_args(argv=None):
                         ("--ctx", args.ctx)):
         if value is not None and value < 1:
             ap.error(f"{flag} {value}: must be >= 1")
+    if args.stochastic_round and args.dtype != "bfloat16":
+        ap.error(f"--stochastic-round: only with --dtype bfloat16 (rounds bf16 params; these are {args.dtype})")
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -152,6 +152,35 @@ def test_hf_llama_tp_fsdp_matches_single_process(tmp_path):
     assert err <= TOL[torch.float64], err
 
 
+def test_stochastic_round_flag_reaches_the_optimizers(tmp_path, monkeypatch):
+    """--dtype bfloat16 --stochastic-round (one process, 3 steps): Adafactor, CAME and Lamb are built with
+    bf16_stochastic_round=True, their trained bf16 weights differ from those of the same run rounding to nearest,
+    and results.json says which run it was; AdamW is left as it is."""
+    built = {}
+    make = demo.make_optimizer
+
+    def spy(name, model, **kw):
+        opt = make(name, model, **kw)
+        built.setdefault(name, []).append(opt.defaults.get("bf16_stochastic_round"))
+        return opt
+
+    monkeypatch.setattr(demo, "make_optimizer", spy)
+    cpu = demo.Parallel(0, 1, 1, 1, torch.device("cpu"))
+    argv = ["--optim", "adafactor,came,lamb,adamw", "--steps", "3", "--batch", "4", "--ctx", "16", "--dtype",
+            "bfloat16", "--device", "cpu", "--save-params"]
+    for flag, out in (([], "nearest"), (["--stochastic-round"], "sr")):
+        demo.run(demo.parse_args(["--tp", "1", "--dp", "1", "--out", str(tmp_path / out), *argv, *flag]), cpu)
+        with open(tmp_path / out / "results.json") as f:
+            assert json.load(f)["stochastic_round"] is bool(flag)
+    assert built == {"adafactor": [False, True], "came": [False, True], "lamb": [False, True], "adamw": [None, None]}
+    for name in ("adafactor", "came", "lamb"):
+        sr, nearest = _trained(tmp_path / "sr", name), _trained(tmp_path / "nearest", name)
+        assert all(t.dtype == torch.bfloat16 for t in sr.values()), name
+        assert any(not torch.equal(sr[n], nearest[n]) for n in sr), name
+    assert all(torch.equal(a, b) for a, b in zip(_trained(tmp_path / "sr", "adamw").values(),
+                                                 _trained(tmp_path / "nearest", "adamw").values()))
+
+
 def test_optimizer_without_layout_support_is_skipped_not_fatal(tmp_path, monkeypatch, capsys):
     """An optimizer that refuses DTensor params (NotImplementedError on its first step) gets a 'skipped' row;
     the others still train."""
@@ -178,6 +207,7 @@ def test_optimizer_without_layout_support_is_skipped_not_fatal(tmp_path, monkeyp
     (["--steps", "0"], "--steps 0: must be >= 1"),
     (["--tp", "0"], "--tp 0: must be >= 1"),  # before the defaults divide by it (was a ZeroDivisionError)
     (["--dp", "0"], "--dp 0: must be >= 1"),
+    (["--stochastic-round"], "--stochastic-round: only with --dtype bfloat16"),
 ])
 def test_bad_arguments_name_the_flag(argv, needle, capsys):
     with pytest.raises(SystemExit):
