@@ -33,7 +33,7 @@ from . import common
 from .common import (INTERPRET, GradTable, SRTable, aligned, keep_limit, load_ptr, multiples, param_of_program,
                      program_table, ptr_table, round_to, segment_sum, sr_round, to_device, unscale_factor)
 from .factored import (FactoredPlan, col_map, global_numel, in_piece, launch_factors, launch_sq_stats, launch_usq,
-                       matrix_view, row_block, row_map)
+                       matrix_view, row_block, row_map, store_param_tile)
 
 BLOCK_V = 256 if INTERPRET else 1024
 
@@ -109,8 +109,7 @@ def _apply_kernel(g_ptrs, g_ref, p_ptrs, m_ptrs, step_ptrs, meta_ptr, maps_ptr, 
                   inv_scale_ptr, found_inf_ptr, hyper_ptr, sr_ptr,
                   HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr, RELATIVE: tl.constexpr, WARMUP: tl.constexpr,
                   SCALE_PARAM: tl.constexpr, HAS_MOM: tl.constexpr, HAS_WD: tl.constexpr, SR: tl.constexpr,
-                  GMAP: tl.constexpr, MAPPED: tl.constexpr, ALIGNED: tl.constexpr, BLOCK_R: tl.constexpr,
-                  BLOCK_C: tl.constexpr):
+                  MAPPED: tl.constexpr, ALIGNED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     pid = tl.program_id(0)
     i, B, R, C, row_off, col_off, _po, b, rb = row_block(meta_ptr, prog_param_ptr, pid, BLOCK_R, ALIGNED)
     acc_t = stats_ptr.dtype.element_ty
@@ -134,8 +133,8 @@ def _apply_kernel(g_ptrs, g_ref, p_ptrs, m_ptrs, step_ptrs, meta_ptr, maps_ptr, 
         offs = row_base[:, None] + cols[None, :]
         mask = in_piece(offs, rmask[:, None] & cmask[None, :], meta_ptr, i, MAPPED, ALIGNED)
         keep = in_piece(offs, (rows < R_keep)[:, None] & cmask[None, :], meta_ptr, i, MAPPED, ALIGNED)
-        cfac = tl.load(stats_ptr + col_map(meta_ptr, maps_ptr, i, b, cols, cmask, C, col_off, MAPPED), mask=cmask,
-                       other=0.0)
+        cslot = col_map(meta_ptr, maps_ptr, i, b, cols, cmask, C, col_off, MAPPED)
+        cfac = tl.load(stats_ptr + cslot, mask=cmask, other=0.0)
         u = tl.load(g_ptr + offs, mask=mask, other=0.0).to(acc_t) * inv * rfac[:, None] * cfac[None, :]
         if HAS_MOM:
             m_ptr = load_ptr(m_ptrs, i, stats_ptr, ALIGNED)
@@ -146,11 +145,7 @@ def _apply_kernel(g_ptrs, g_ref, p_ptrs, m_ptrs, step_ptrs, meta_ptr, maps_ptr, 
             p = p - (weight_decay * alpha) * p - u
         else:
             p = p - u
-        if SR:  # noise from (step, param id, global offset): reference/common.py's stochastic_round_bf16
-            out = sr_round(p.to(tl.float32), sr_ptr, i, step, offs, keep, GMAP)
-        else:
-            out = round_to(p, g_ref.dtype.element_ty)
-        tl.store(p_ptr + offs, out, mask=keep)
+        store_param_tile(p_ptr, offs, p, keep, meta_ptr, i, rslot, row_off, cslot, col_off, step, sr_ptr, SR, MAPPED)
 
 
 @triton.jit
@@ -205,7 +200,8 @@ class AdafactorPlan:
         vec = [k for k, s in enumerate(gshapes) if len(s) < 2]
         self.order = fac + vec
         self.n_fac = len(fac)
-        self.sr = SRTable([layouts[k] for k in self.order], self.order, device)
+        self.sr = SRTable([layouts[k] for k in self.order], [params[k].numel() for k in self.order], self.order,
+                          device)
         views = [matrix_view(tuple(params[k].shape), layouts[k], device) for k in fac]
         shapes = [v.view_shape for v in views]
         self.fplan = FactoredPlan.build(views, device) if fac else None
@@ -301,9 +297,9 @@ def adafactor_phases(params, grads, states, *, lr, eps, clip_threshold, decay_ra
     if sharded:
         yield from common.sum_fp64(plan.sums)
     sr = bool(bf16_stochastic_round) and params[0].dtype == torch.bfloat16
-    sr_arg, gmap = plan.sr(sr_ids) if sr else (dummy, False)
+    sr_arg, gmap = plan.sr(sr_ids) if sr else (dummy, 0)
     consts = dict(RELATIVE=relative_step, WARMUP=warmup_init, SCALE_PARAM=scale_parameter, HAS_MOM=beta1 is not None,
-                  HAS_WD=weight_decay != 0, SR=sr, GMAP=gmap, **flags)
+                  HAS_WD=weight_decay != 0, SR=sr, **flags)
     if fp is not None:
         _apply_kernel[(fp.n_progs,)](g_ptrs, g_ref, plan.p_ptrs, plan.m_ptrs, plan.step_ptrs, fp.meta, fp.maps,
                                      fp.prog_param, plan.stats, plan.sums, inv_arg, inf_arg, hyper, sr_arg,
@@ -312,4 +308,4 @@ def adafactor_phases(params, grads, states, *, lr, eps, clip_threshold, decay_ra
     if plan.n_vprogs:
         _vec_apply_kernel[(plan.n_vprogs,)](*vec_args, plan.v_ptrs, plan.m_ptrs[nf:], plan.step_ptrs[nf:], plan.vmeta,
                                             plan.vprog_param, plan.sums, nf, inv_arg, inf_arg, hyper, sr_arg,
-                                            BLOCK=BLOCK_V, ALIGNED=al and plan.vec_sizes_aligned, **consts)
+                                            BLOCK=BLOCK_V, ALIGNED=al and plan.vec_sizes_aligned, GMAP=gmap, **consts)

@@ -49,7 +49,7 @@ from .common import (INTERPRET, GradTable, SRTable, aligned, keep_limit, load_pt
                      nearest_code, param_of_program, program_table, ptr_table, round_to, search_table, segment_sum,
                      sr_round, to_device, unscale_factor)
 from .factored import (FactoredPlan, col_map, global_numel, in_piece, launch_col_reduce, launch_factors,
-                       launch_sq_stats, launch_usq, load_meta, matrix_view, row_block, row_map)
+                       launch_sq_stats, launch_usq, load_meta, matrix_view, row_block, row_map, store_param_tile)
 
 BLOCK_V = 256 if INTERPRET else 1024
 QBLOCK = tl.constexpr(QBLOCK_)  # elements per 8-bit quantization block (one fp32 absmax each)
@@ -160,8 +160,7 @@ def _res_stats_kernel(g_ptrs, g_ref, m_ptrs, m_ref, absmax_ptrs, qmap_ptr, meta_
 @triton.jit
 def _apply_kernel(p_ptrs, p_ref, m_ptrs, step_ptrs, meta_ptr, maps_ptr, prog_param_ptr, res_ptr, found_inf_ptr,
                   hyper_ptr, sr_ptr, HAS_INF: tl.constexpr, HAS_WD: tl.constexpr, SR: tl.constexpr,
-                  GMAP: tl.constexpr, MAPPED: tl.constexpr, ALIGNED: tl.constexpr, BLOCK_R: tl.constexpr,
-                  BLOCK_C: tl.constexpr):
+                  MAPPED: tl.constexpr, ALIGNED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """X_t = X - lr wd X - lr M_t rsqrt(R'_t / mean R'_t) rsqrt(C'_t)."""
     pid = tl.program_id(0)
     i, B, R, C, row_off, col_off, _po, b, rb = row_block(meta_ptr, prog_param_ptr, pid, BLOCK_R, ALIGNED)
@@ -181,16 +180,16 @@ def _apply_kernel(p_ptrs, p_ref, m_ptrs, step_ptrs, meta_ptr, maps_ptr, prog_par
         cmask = cols < C
         offs = row_base[:, None] + cols[None, :]
         mask = in_piece(offs, rmask[:, None] & cmask[None, :], meta_ptr, i, MAPPED, ALIGNED)
-        cfac = tl.load(res_ptr + col_map(meta_ptr, maps_ptr, i, b, cols, cmask, C, col_off, MAPPED), mask=cmask,
-                       other=0.0)
+        cslot = col_map(meta_ptr, maps_ptr, i, b, cols, cmask, C, col_off, MAPPED)
+        cfac = tl.load(res_ptr + cslot, mask=cmask, other=0.0)
         u = tl.load(m_ptr + offs, mask=mask, other=0.0) * rfac[:, None] * cfac[None, :]
         p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(acc_t)
         if HAS_WD:
             p = p - lr_wd * p - u
         else:
             p = p - u
-        _store_param(p_ptr, offs, p, in_piece(offs, (rows < R_keep)[:, None] & cmask[None, :], meta_ptr, i, MAPPED, ALIGNED),
-                     step, sr_ptr, i, SR, GMAP)
+        keep = in_piece(offs, (rows < R_keep)[:, None] & cmask[None, :], meta_ptr, i, MAPPED, ALIGNED)
+        store_param_tile(p_ptr, offs, p, keep, meta_ptr, i, rslot, row_off, cslot, col_off, step, sr_ptr, SR, MAPPED)
 
 
 @triton.jit
@@ -325,7 +324,8 @@ class CAMEPlan:
         vec = [k for k, s in enumerate(gshapes) if len(s) < 2]
         self.order = fac + vec
         self.n_fac = len(fac)
-        self.sr = SRTable([layouts[k] for k in self.order], self.order, device)
+        self.sr = SRTable([layouts[k] for k in self.order], [params[k].numel() for k in self.order], self.order,
+                          device)
         views = [matrix_view(tuple(params[k].shape), layouts[k], device) for k in fac]
         shapes = [v.view_shape for v in views]
         self.fplan = FactoredPlan.build(views, device) if fac else None
@@ -436,7 +436,7 @@ def came_phases(params, grads, states, *, lr, eps, clip_threshold, betas, weight
     m_ref = states[plan.order[0]]["exp_avg"]
     absmax_ptrs = plan.absmax_ptrs if q8 else plan.m_ptrs
     qmap = plan.qmap if q8 else plan.sums
-    sr_arg, gmap = plan.sr(sr_ids) if sr else (plan.sums, False)
+    sr_arg, gmap = plan.sr(sr_ids) if sr else (plan.sums, 0)
     consts = dict(HAS_WD=weight_decay != 0, SR=sr, GMAP=gmap, **flags)
     if plan.n_vprogs and not q8:
         _vec_apply_kernel[(plan.n_vprogs,)](g_ptrs[nf:], g_ref, plan.p_ptrs[nf:], p_ref, plan.v_ptrs, plan.m_ptrs[nf:],
@@ -471,6 +471,6 @@ def came_phases(params, grads, states, *, lr, eps, clip_threshold, betas, weight
         else:
             _apply_kernel[(fp.n_progs,)](plan.p_ptrs, p_ref, plan.m_ptrs, plan.step_ptrs, fp.meta, fp.maps,
                                          fp.prog_param, plan.res, inf_arg, hyper, sr_arg,
-                                         HAS_INF=flags["HAS_INF"], HAS_WD=weight_decay != 0, SR=sr, GMAP=gmap,
+                                         HAS_INF=flags["HAS_INF"], HAS_WD=weight_decay != 0, SR=sr,
                                          MAPPED=fp.mapped,
                                          ALIGNED=al and fp.sizes_aligned, **blocks)

@@ -188,55 +188,72 @@ def stochastic_round_bf16(x, seed, offs):
 # tables follow.
 SR_WIDTH = 4
 SR_COLS = tl.constexpr(SR_WIDTH)
+_INT32_MAX = 2 ** 31 - 1
 
 
 class SRTable:
     """A bucket's `sr_table`, made when a step first rounds stochastically and again when the ids change.
-    `layouts` in the kernels' order; `order[k]`: the bucket position of the kernels' param k."""
+    `layouts` and `counts` (real local elements) in the kernels' order; `order[k]`: the bucket position of the
+    kernels' param k."""
 
-    def __init__(self, layouts: list, order: list[int], device):
-        self.layouts, self.order, self.device = layouts, order, device
+    def __init__(self, layouts: list, counts: list[int], order: list[int], device):
+        self.layouts, self.counts, self.order, self.device = layouts, counts, order, device
         self._key = self._table = None
 
-    def __call__(self, ids: list[int] | None) -> tuple[torch.Tensor, bool]:
+    def __call__(self, ids: list[int] | None) -> tuple[torch.Tensor, int]:
         ids = [k if ids is None else ids[k] for k in self.order]
         if ids != self._key:
-            self._table = sr_table(ids, self.layouts, self.device)
+            self._table = sr_table(ids, self.layouts, self.counts, self.device)
             self._key = ids
         return self._table
 
 
-def sr_table(ids: list[int], layouts: list, device) -> tuple[torch.Tensor, bool]:
-    """(table, GMAP) for `sr_round`: `ids` and `layouts` of the bucket's params in kernel order. GMAP is False
-    when no param is sharded (every local offset is the global one; the table then holds the ids' rows only)."""
-    gmap = any(lay is not None for lay in layouts)
+def sr_table(ids: list[int], layouts: list, counts: list[int], device) -> tuple[torch.Tensor, int]:
+    """(table, GMAP) for `sr_round`: `ids`, `layouts` and `counts` (real local elements) of the bucket's params
+    in kernel order. GMAP 0: no param is sharded (every local offset is the global one; the table holds the ids'
+    rows only); 1: every shifted offset fits int32, so the kernels find the row with an int32 division; 2: int64.
+    A whole param, or a flat range (one row), gets a width no offset reaches."""
+    if all(lay is None for lay in layouts):
+        return to_device([x for i in ids for x in (i, 0, 1, 0)], torch.int64, device), 0
+    maps = [(torch.zeros(1, dtype=torch.int64, device=device), 1 << 62, 0) if lay is None else lay.element_map(device)
+            for lay in layouts]
+    narrow = all(shift + n < _INT32_MAX and (width == 1 << 62 or width < _INT32_MAX)
+                 for (_t, width, shift), n in zip(maps, counts))
     rows, tables, at = [], [], SR_WIDTH * len(ids)
-    for i, lay in zip(ids, layouts):
-        table, width, shift = (None, 1 << 62, 0) if lay is None else lay.element_map(device)
-        if not gmap:
-            rows += [i, 0, width, shift]
-            continue
-        table = torch.zeros(1, dtype=torch.int64, device=device) if table is None else table
-        rows += [i, at, width, shift]
+    for i, (table, width, shift) in zip(ids, maps):
+        rows += [i, at, _INT32_MAX if narrow and width == 1 << 62 else width, shift]
         tables.append(table)
         at += table.numel()
     head = to_device(rows, torch.int64, device)
-    return (torch.cat([head] + [t.to(device=device, dtype=torch.int64) for t in tables]) if tables else head), gmap
+    return torch.cat([head] + [t.to(device=device, dtype=torch.int64) for t in tables]), 1 if narrow else 2
 
 
 @triton.jit
 def sr_round(x, sr_ptr, k, step, offs, mask, GMAP: tl.constexpr):
     """`stochastic_round_bf16` of param k's local elements at `offs`, as fastopt.reference.common's: the seed is
     step * 2**32 + the param's id; the noise offset the element's in the global tensor (with GMAP, through the
-    param's element map: table[q // width] + q % width, q = offs + shift; else `offs` itself)."""
+    param's element map: table[q // width] + q % width, q = offs + shift, in int32 where GMAP is 1; else `offs`
+    itself). `mask`: the elements stored (the others may index anywhere)."""
     row = sr_ptr + k * SR_COLS
     seed = (step.to(tl.int64) << 32) + tl.load(row)
-    if GMAP:
+    if GMAP == 1:
+        width = tl.load(row + 2).to(tl.int32)
+        q = (offs + tl.load(row + 3)).to(tl.int32)
+        r = q // width
+        offs = tl.load(sr_ptr + tl.load(row + 1) + r, mask=mask, other=0) + (q - r * width)
+    elif GMAP == 2:
         width = tl.load(row + 2)
         q = offs + tl.load(row + 3)
         r = q // width
         offs = tl.load(sr_ptr + tl.load(row + 1) + r, mask=mask, other=0) + (q - r * width)
     return stochastic_round_bf16(x, seed, offs)
+
+
+@triton.jit
+def sr_round_at(x, sr_ptr, k, step, goffs):
+    """`sr_round` where the kernel has each element's global offset `goffs` already (the factored kernels: from
+    their row and column maps)."""
+    return stochastic_round_bf16(x, (step.to(tl.int64) << 32) + tl.load(sr_ptr + k * SR_COLS), goffs)
 
 
 @triton.jit

@@ -33,8 +33,8 @@ import triton
 import triton.language as tl
 
 from . import common
-from .common import (INTERPRET, load16, keep_limit, load_ptr, multiples, program_table, tile_shape, to_device,
-                     unscale_factor)
+from .common import (INTERPRET, load16, keep_limit, load_ptr, multiples, program_table, round_to, sr_round_at,
+                     tile_shape, to_device, unscale_factor)
 
 # Columns of the int64 meta table, one row per factored param (the jit functions below spell them as numbers).
 # B, R, C: the (local view) matrix batch the row-block programs sweep; *_OFF: offsets into the stats and
@@ -81,6 +81,32 @@ def col_map(meta_ptr, maps_ptr, i, b, cols, cmask, C, col_off, MAPPED: tl.conste
         return col_off + tl.load(maps_ptr + tl.load(meta_ptr + i * 16 + 15) + b * C + cols, mask=cmask, other=0)
     else:
         return col_off + b * C + cols
+
+
+@triton.jit
+def global_offsets(meta_ptr, i, rslot, row_off, cslot, col_off, offs, MAPPED: tl.constexpr):
+    """The offset of each element of a tile in its param's flattened global tensor, for stochastic rounding:
+    (global row in the (B R) rows) * GC + global column, read off the rows' and columns' stats slots (MAPPED);
+    else the local offsets `offs`, which are the global ones. Modulo 2**32, as the noise takes them: the tile
+    adds int32 (wrapping) per-row and per-column terms."""
+    if MAPPED:
+        gc = tl.load(meta_ptr + i * 16 + 10)
+        return ((rslot - row_off) * gc).to(tl.int32)[:, None] + ((cslot - col_off) % gc).to(tl.int32)[None, :]
+    else:
+        return offs
+
+
+@triton.jit
+def store_param_tile(p_ptr, offs, p, keep, meta_ptr, i, rslot, row_off, cslot, col_off, step, sr_ptr,
+                     SR: tl.constexpr, MAPPED: tl.constexpr):
+    """Store a tile of param i rounded to its dtype; SR: stochastically, with noise from (step, param id, global
+    offset) (common.sr_round_at at `global_offsets`), as reference/common.py's stochastic_round_bf16."""
+    if SR:
+        goffs = global_offsets(meta_ptr, i, rslot, row_off, cslot, col_off, offs, MAPPED)
+        out = sr_round_at(p.to(tl.float32), sr_ptr, i, step, goffs)
+    else:
+        out = round_to(p, p_ptr.dtype.element_ty)
+    tl.store(p_ptr + offs, out, mask=keep)
 
 
 @triton.jit

@@ -85,7 +85,7 @@ def _trust_scale(step, k, hyper_ptr, sums_ptr, BIAS_CORRECTION: tl.constexpr, HA
 @triton.jit
 def _store_param(p_ptr, offs, p, keep, step, sr_ptr, k, SR: tl.constexpr, GMAP: tl.constexpr):
     """Store p rounded to the param's dtype; SR: stochastically, with noise from (step, param id, global offset)
-    (common.sr_round: row k, the param's index in the bucket, of its sr_table), as reference/common.py's
+    (common.sr_round: row k of the bucket's sr_table, k the param's index in the bucket), as reference/common.py's
     stochastic_round_bf16."""
     if SR:
         out = sr_round(p.to(tl.float32), sr_ptr, k, step, offs, keep, GMAP)
@@ -279,7 +279,8 @@ class LambPlan:
     """Everything about a bucket that stays fixed between steps: tables and scratch buffers."""
 
     def __init__(self, params, states, device, acc_dtype, block_size, layouts=None):
-        self.sr = SRTable(layouts or [None] * len(params), list(range(len(params))), device)
+        self.sr = SRTable(layouts or [None] * len(params), [p.numel() for p in params], list(range(len(params))),
+                          device)
         idx32 = [k for k, s in enumerate(states) if not is_8bit(s)]
         idx8 = [k for k, s in enumerate(states) if is_8bit(s)]
         self.t32 = _Tables(idx32, params, states, BLOCK, device, ("exp_avg", "exp_avg_sq")) if idx32 else None
@@ -357,7 +358,7 @@ def lamb_phases(params, grads, states, *, lr, betas, eps, weight_decay, bias_cor
     inf_arg = found_inf if found_inf is not None else dummy
     flags = dict(HAS_WD=weight_decay != 0)
     sr = bool(bf16_stochastic_round) and params[0].dtype == torch.bfloat16
-    sr_arg, gmap = plan.sr(sr_ids) if sr else (dummy, False)
+    sr_arg, gmap = plan.sr(sr_ids) if sr else (dummy, 0)
     apply_flags = dict(BIAS_CORRECTION=bool(bias_correction), HAS_MAX=max_trust_ratio is not None, SR=sr, GMAP=gmap,
                        HAS_INF=found_inf is not None, **flags)
     # A kind with no programs (only empty local pieces of sharded params) launches nothing; its sums are 0.

@@ -211,6 +211,8 @@ def workloads(group, quick: bool):
                     ps := mk(), lr=1e-3, nbits=8, bf16_stochastic_round=True), ps, 2, False)))
                 W.append((f"Lamb stochastic-round bf16 {lay}", lambda mk=mk: (fastopt.Lamb(
                     ps := mk(), bf16_stochastic_round=True), ps, 2, False)))
+                W.append((f"Lamb 8-bit stochastic-round bf16 {lay}", lambda mk=mk: (fastopt.Lamb(
+                    ps := mk(), nbits=8, min_8bit_size=1, bf16_stochastic_round=True), ps, 2, False)))
     return W
 
 

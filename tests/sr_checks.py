@@ -95,9 +95,9 @@ def rng_states(device):
 def sr_steps_under_seed(make_opt, init, grads, device, seed):
     """bf16 params stepped with stochastic rounding after torch.manual_seed(seed) (as ranks seeded differently
     would be). At each step: step() leaves torch's global generators as they were, and each param is
-    fastopt.reference's stochastic_round_bf16 (noise from the step, the param's index in the bucket and the
-    element's offset) of the fp32 value it rounds, read off a twin optimizer over fp32 copies of the params
-    (the same math up to the store). Returns the params."""
+    fastopt.reference's stochastic_round_bf16 (noise from the step, the param's position in the optimizer, here
+    its index in `init`, and the element's offset) of the fp32 value it rounds, read off a twin optimizer over
+    fp32 copies of the params (the same math up to the store). Returns the params."""
     params = [x.to(device=device, dtype=torch.bfloat16).requires_grad_() for x in init]
     twins = [torch.zeros_like(p, dtype=torch.float32).requires_grad_() for p in params]
     opt, twin_opt = make_opt(params), make_opt(twins)

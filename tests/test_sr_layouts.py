@@ -174,3 +174,104 @@ def test_stochastic_rounding_under_every_layout_matches_single_process(pool, nam
     if backend == "triton" and not (fastopt.ops.triton_available() and fastopt.ops.interpreting()):
         pytest.skip("the gloo cases hold CPU tensors: the kernels need TRITON_INTERPRET=1")
     pool.run(_case, name, backend)
+
+
+def _schedule_case(rank, world, name, backend):
+    """What training loops do between steps, under fastopt.ZeroRedundancyOptimizer (ZeRO-1 with overlapped
+    all-reduces, and ZeRO-2) and under FSDP2's fully_shard, against one process doing the same: a param group
+    added after 2 steps (existing params keep their positions, new ones are appended; the (64, 272) param among
+    them is split), a frozen param, a param without a gradient on some steps. Every element bit for bit."""
+    import fastopt
+    from torch.distributed.fsdp import fully_shard
+    saved = os.environ.get("FASTOPT_BACKEND")
+    os.environ["FASTOPT_BACKEND"] = backend
+    try:
+        init, grads = _problem(ZERO_SHAPES, seed=14)
+        first = 3  # ZERO_SHAPES[:3] from the start, the others added after ADD_AT steps
+        add_at, frozen, gradless = 2, 2, (4, {1, 3})
+
+        def train(wrap):
+            params = [torch.nn.Parameter(p.clone(), requires_grad=k != frozen) for k, p in enumerate(init)]
+            opt = wrap(_opt(name, params[:first]))
+            for t, gs in enumerate(grads):
+                if t == add_at:
+                    opt.add_param_group({"params": params[first:]})
+                live = params if t >= add_at else params[:first]
+                loss = sum((p * g).sum() for k, (p, g) in enumerate(zip(live, gs))
+                           if p.requires_grad and not (k == gradless[0] and t in gradless[1]))
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+            return [p.detach() for p in params], opt
+
+        want, _ = train(lambda o: o)
+        for kw in (dict(overlap_communication=True), dict(partition_grad=True)):
+            got, zero = train(lambda o, kw=kw: fastopt.ZeroRedundancyOptimizer(o, **kw))
+            assert len(zero._split) == 1, (kw, zero._split)
+            for k, (a, b) in enumerate(zip(got, want)):
+                assert torch.equal(a, b), (name, kw, k, int((a != b).sum()), b.numel())
+
+        # FSDP2: dims of 7 and 3 over 4 ranks (uneven, empty local pieces)
+        def model():
+            torch.manual_seed(0)
+            return torch.nn.Sequential(torch.nn.Linear(6, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3)).to(
+                torch.bfloat16)
+
+        def fit(m):
+            opt = _opt(name, list(m.parameters()))
+            g = torch.Generator().manual_seed(1)
+            for _ in range(STEPS):
+                x, y = torch.randn(8, 6, generator=g).bfloat16(), torch.randn(8, 3, generator=g).bfloat16()
+                ((m(x).float() - y.float()) ** 2).sum().backward()
+                opt.step()
+                opt.zero_grad()
+
+        ref = model()
+        fit(ref)
+        m = model()
+        for layer in (m[0], m[2], m):
+            fully_shard(layer)
+        fit(m)
+        for k, (a, b) in enumerate(zip(m.parameters(), ref.parameters())):
+            a = a.full_tensor()
+            assert torch.equal(a, b.detach()), (name, "fsdp2", k, int((a != b).sum()), b.numel())
+    finally:
+        os.environ["FASTOPT_BACKEND"] = saved if saved is not None else "torch"
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", ["adafactor", "lamb"])
+def test_stochastic_rounding_through_a_training_schedule_matches_single_process(pool, name):
+    """On the torch back end: the ids are the optimizer's (fastopt/optim/base.py, zero.py), whichever back end
+    draws with them (the kernels' use of them: the test above)."""
+    pool.run(_schedule_case, name, "torch")
+
+
+def _int64_case(rank, world, name):
+    """The kernels' int64 path (GMAP 2, for pieces whose offsets pass 2**31): taken here by lowering the int32
+    limit, on the DTensor placements, the flat ranges and ZeRO over TP (whose maps are shifted)."""
+    from fastopt.kernels import common
+    saved, real, seen = common._INT32_MAX, common.sr_table, []
+
+    def spy(*args):
+        out = real(*args)
+        seen.append(out[1])
+        return out
+
+    common._INT32_MAX, common.sr_table = 8, spy
+    os.environ["FASTOPT_BACKEND"] = "triton"
+    try:
+        _dtensor_case(name)
+        _flat_case(rank, name)
+    finally:
+        common._INT32_MAX, common.sr_table = saved, real
+        os.environ["FASTOPT_BACKEND"] = "torch"
+    assert 2 in seen and 1 not in seen, seen
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", ["came8", "lamb"])  # sr_round's callers: 8-bit factored, element-wise
+def test_stochastic_rounding_int64_offsets_match_single_process(pool, name):
+    if not (fastopt.ops.triton_available() and fastopt.ops.interpreting()):
+        pytest.skip("the gloo cases hold CPU tensors: the kernels need TRITON_INTERPRET=1")
+    pool.run(_int64_case, name)
