@@ -189,7 +189,7 @@ def test_optimizer_without_layout_support_is_skipped_not_fatal(tmp_path, monkeyp
             raise NotImplementedError("Refuses does not support sharded (DTensor) parameters yet")
 
     real = demo.make_optimizer
-    monkeypatch.setattr(demo, "make_optimizer", lambda name, model: Refuses(model.parameters(), lr=0.1)
+    monkeypatch.setattr(demo, "make_optimizer", lambda name, model, **kw: Refuses(model.parameters(), lr=0.1)
                         if name == "lamb" else real(name, model))
     args = demo.parse_args(["--tp", "1", "--dp", "1", "--device", "cpu", "--optim", "lamb,adamw", "--steps", "2",
                             "--batch", "2", "--ctx", "8", "--out", str(tmp_path)])
