@@ -31,7 +31,11 @@ cmd=${1:-}
 case "$cmd" in
   demo)  setup; exec "$py" -m fastopt.demo "$@" ;;
   test)  setup; cd "$here"; export TRITON_INTERPRET=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-         exec "$py" -m pytest tests -q -ra --durations=15 "$@" ;;
+         # FASTOPT_TEST_WORKERS (default 2, 0: one process) pytest-xdist workers: the tests on the gloo pool
+         # run in one of them (tests/conftest.py), the single-process tests beside them.
+         par=(); w=${FASTOPT_TEST_WORKERS:-2}
+         if [ "$w" != 0 ] && "$py" -c "import xdist" 2>/dev/null; then par=(-n "$w" --dist loadgroup); fi
+         exec "$py" -m pytest tests -q -ra --durations=15 "${par[@]}" "$@" ;;
   bench) setup; exec "$py" -m fastopt.bench "$@" ;;
   setup) setup ;;
   *) echo "usage: ./run.sh demo|test|bench|setup [args]" >&2; exit 2 ;;

@@ -6,6 +6,7 @@ from setuptools import setup
 
 TEST = [
     "pytest>=8",
+    "pytest-xdist>=3",
     "numpy",
     "triton>=3.6",
     "transformers>=4.40",

@@ -48,6 +48,13 @@ def pytest_configure(config):
 COMPILE_TEST = "test_compile.py::test_every_kernel_compiles_for_sm90_without_spills_and_streams_in_vectors"
 
 
+def pytest_itemcollected(item):
+    # With pytest-xdist (`./run.sh test` passes -n 2 --dist loadgroup where it is installed), every test on the
+    # shared gloo pool runs in one worker, whose pool is the only one started.
+    if "pool" in getattr(item, "fixturenames", ()):
+        item.add_marker(pytest.mark.xdist_group("pool"))
+
+
 @pytest.hookimpl(trylast=True)  # after -k / -m deselection
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs CUDA")
@@ -55,7 +62,8 @@ def pytest_collection_modifyitems(config, items):
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
     # The sm_90 compile check (minutes with a cold Triton cache, one core) runs last; its process starts when
-    # the tests do (`pytest_runtestloop`), beside the rest of the suite (tests/test_compile.py).
+    # the tests do (`pytest_runtestloop`), beside the rest of the suite (tests/test_compile.py). Under
+    # pytest-xdist a worker runs it as any other test, beside the other worker.
     last = [it for it in items if it.nodeid.endswith(COMPILE_TEST)]
     if last:
         items[:] = [it for it in items if it not in last] + last

@@ -9,7 +9,8 @@ says which ranks never answered.
 
 Starting processes costs seconds (each imports torch), so the tests share one `DistPool` of 4 ranks (the
 session-scoped `pool` fixture of tests/conftest.py): the same processes and process group serve every call,
-and the pool restarts itself after a failure, so one failing test cannot poison the next.
+and the pool restarts itself after a failure, so one failing test cannot poison the next, and once its ranks
+hold more than MAX_GROUPS process groups (below).
 
 Children run with one intra-op thread and with the parent's environment plus `env`; `FASTOPT_BACKEND` can
 also be set by `fn` itself, since fastopt reads it at every call.
@@ -52,9 +53,24 @@ def _worker(rank: int, world_size: int, init_file: str, tasks, results, coll_tim
                 out = (task_id, rank, True, pickle.dumps(fn(rank, world_size, *args)))
             except BaseException:  # the parent re-raises it with this traceback
                 out = (task_id, rank, False, traceback.format_exc())
-            results.put(out)
+            results.put(out + (_groups_alive(),))
     finally:
         dist.destroy_process_group()
+
+
+def _groups_alive() -> int:
+    """The process groups this rank belongs to (the default one, and those that DeviceMeshes and new_group made)."""
+    from torch.distributed import distributed_c10d as c10d
+    world = getattr(c10d, "_world", None)
+    return len(getattr(world, "pg_map", ()))
+
+
+# A gloo process group keeps a thread polling its sockets (and two work threads) until the process ends; groups
+# cannot be destroyed from task to task (torch caches DTensor sharding and flattened meshes by equal meshes, which
+# would hand a later task an earlier task's destroyed group). Tasks that build meshes leave groups behind: 150 per
+# rank over the suite, whose polling made its later tests 1.4x slower on 2 cores. Past this many groups on a rank
+# the pool restarts its processes (a few seconds) before the next task.
+MAX_GROUPS = 32
 
 
 class DistPool:
@@ -68,6 +84,7 @@ class DistPool:
         self.env = dict(env or {})
         self._procs: list = []
         self._task_id = 0
+        self.starts = 0  # how many times the processes were started
 
     def __enter__(self) -> "DistPool":
         return self
@@ -76,6 +93,7 @@ class DistPool:
         self.close()
 
     def _start(self) -> None:
+        self.starts += 1
         ctx = mp.get_context("spawn")
         self._dir = tempfile.mkdtemp(prefix="fastopt-dist-")
         init_file = os.path.join(self._dir, "rendezvous")
@@ -129,10 +147,11 @@ class DistPool:
             q.put((tid, payload))
         ok: dict = {}
         failed: dict = {}
+        crowded = False
         deadline = time.monotonic() + self.timeout + 30.0  # collectives time out first; this catches the rest
         while len(ok) + len(failed) < self.world_size:
             try:
-                task_id, rank, success, data = self._results.get(timeout=1.0)
+                task_id, rank, success, data, groups = self._results.get(timeout=1.0)
             except queue.Empty:
                 dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
                 if not dead and time.monotonic() < deadline:
@@ -147,10 +166,13 @@ class DistPool:
             if task_id != tid:
                 continue
             (ok if success else failed)[rank] = data
+            crowded = crowded or groups > MAX_GROUPS
         if failed:
             self._kill()  # ranks may disagree on where they are in the collective sequence: start afresh
             msg = "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(failed.items()))
             raise DistError(f"{getattr(fn, '__name__', fn)} failed on ranks {sorted(failed)}:{msg}")
+        if crowded:
+            self.close()  # the next run starts fresh processes
         return [pickle.loads(ok[r]) for r in range(self.world_size)]
 
 

@@ -80,9 +80,9 @@ DTENSOR_CASES = list(CASES.values()) + [((12,), (2, 2), [("SS", 0, 2), ("R",)]),
                                         ((3, 12), (2, 2), [("SS", 1, 2), ("R",)])]
 
 
-def _dtensor_case(name):
-    init, grads = _problem([c[0] for c in DTENSOR_CASES], seed=11)
-    params, _ = run_placements(init, grads, _meshes_and_placements(DTENSOR_CASES), lambda ps: _opt(name, ps))
+def _dtensor_case(name, cases=DTENSOR_CASES):
+    init, grads = _problem([c[0] for c in cases], seed=11)
+    params, _ = run_placements(init, grads, _meshes_and_placements(cases), lambda ps: _opt(name, ps))
     _check("dtensor", name, [p.detach().full_tensor() for p in params], init, grads)
 
 
@@ -247,9 +247,15 @@ def test_stochastic_rounding_through_a_training_schedule_matches_single_process(
     pool.run(_schedule_case, name, "torch")
 
 
+# The element maps' forms, one DTensor param each: rows cut unevenly by columns, rows of a 2-D mesh cut by
+# columns, rows in two runs (FSDP2 over TP), non-consecutive indices of the last dim (one entry per element).
+INT64_CASES = [CASES["tp_cols_uneven"], CASES["fsdp_rows_tp_cols"], CASES["fsdp_x_tp_strided"], DTENSOR_CASES[-1]]
+
+
 def _int64_case(rank, world, name):
     """The kernels' int64 path (GMAP 2, for pieces whose offsets pass 2**31): taken here by lowering the int32
-    limit, on the DTensor placements, the flat ranges and ZeRO over TP (whose maps are shifted)."""
+    limit, on DTensor pieces of every element-map form (`INT64_CASES`), the flat ranges and ZeRO over TP (whose
+    maps are shifted). The int32 path: the test above, on every case."""
     from fastopt.kernels import common
     saved, real, seen = common._INT32_MAX, common.sr_table, []
 
@@ -261,7 +267,7 @@ def _int64_case(rank, world, name):
     common._INT32_MAX, common.sr_table = 8, spy
     os.environ["FASTOPT_BACKEND"] = "triton"
     try:
-        _dtensor_case(name)
+        _dtensor_case(name, INT64_CASES)
         _flat_case(rank, name)
     finally:
         common._INT32_MAX, common.sr_table = saved, real
