@@ -84,7 +84,6 @@ class DistPool:
         self.env = dict(env or {})
         self._procs: list = []
         self._task_id = 0
-        self.starts = 0  # how many times the processes were started
 
     def __enter__(self) -> "DistPool":
         return self
@@ -93,7 +92,6 @@ class DistPool:
         self.close()
 
     def _start(self) -> None:
-        self.starts += 1
         ctx = mp.get_context("spawn")
         self._dir = tempfile.mkdtemp(prefix="fastopt-dist-")
         init_file = os.path.join(self._dir, "rendezvous")
