@@ -192,6 +192,25 @@ def placement(spec):
     return _StridedShard(spec[1], split_factor=spec[2])
 
 
+def whole(t):
+    """The whole tensor of DTensor `t` on every rank (a plain `t` as it is): torch's `full_tensor()`, but for
+    placements that hold a `_StridedShard`, which fastopt's layout assembles from the pieces
+    (`fastopt.distributed.layout.full_tensor`): torch 2.11, the GPU machine's, cannot redistribute a
+    `_StridedShard` that no Shard of its dim follows (`_StridedShard(0, split_factor=2)` alone, or beside a
+    Replicate: "unable to be interpreted into a corresponding shard_order"), where torch 2.13 can. Not circular
+    where the tests step such params: their pieces come from torch's `distribute_tensor`, so a layout that misread
+    them would put their elements in the wrong places here and fail the comparison."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from fastopt.distributed import layout_of
+    from fastopt.distributed.layout import full_tensor, is_dtensor
+    if not is_dtensor(t):
+        return t
+    if any(isinstance(pl, _StridedShard) for pl in t.placements):
+        return full_tensor(t.to_local(), layout_of(t))
+    return t.full_tensor()
+
+
 def scaled_dtensor_step(scaler, opt, params, grads, plc, all_inf: bool) -> None:
     """One `scaler.step(opt)` of torch.amp.GradScaler over DTensor params: each whole gradient of `grads`
     multiplied by the current scale (or, with `all_inf`, every element inf, so on every rank) and distributed

@@ -1324,6 +1324,7 @@ def _strided_galore(rank, world, backend, init, grads, proj_type):
     from torch.distributed.tensor import distribute_tensor
     from torch.distributed.tensor.placement_types import _StridedShard
 
+    from dist_utils import whole
     from fastopt.distributed import layout_of
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     pl = [_StridedShard(0, split_factor=2)]
@@ -1338,9 +1339,8 @@ def _strided_galore(rank, world, backend, init, grads, proj_type):
     finally:
         os.environ["FASTOPT_BACKEND"] = "torch"
     held = [layout_of(p).dim_index(0, "cpu").tolist() for p in params]  # the global rows of each local piece
-    return ([p.detach().full_tensor() for p in params],
-            [{k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone() for k, v in opt.state[p].items()}
-             for p in params], held)
+    return ([whole(p.detach()) for p in params],
+            [{k: whole(v).clone() for k, v in opt.state[p].items()} for p in params], held)
 
 
 @pytest.mark.dist

@@ -19,6 +19,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from dist_utils import whole
 from test_layouts import (CASES, FLAT_SHAPES, ZERO_TP_SHAPES, _meshes_and_placements, run_flat_ranges, run_placements,
                           step_all)
 
@@ -83,7 +84,7 @@ DTENSOR_CASES = list(CASES.values()) + [((12,), (2, 2), [("SS", 0, 2), ("R",)]),
 def _dtensor_case(name, cases=DTENSOR_CASES):
     init, grads = _problem([c[0] for c in cases], seed=11)
     params, _ = run_placements(init, grads, _meshes_and_placements(cases), lambda ps: _opt(name, ps))
-    _check("dtensor", name, [p.detach().full_tensor() for p in params], init, grads)
+    _check("dtensor", name, [whole(p.detach()) for p in params], init, grads)
 
 
 def _flat_case(rank, name):
