@@ -47,15 +47,14 @@ def _flat(shape, off, cnt, base=None):
     return Layout(shape, (None,) * len(shape), None, ("v",), flat=(off, cnt), base=base)
 
 
-def _run(x, ids, layouts, counts, step, block):
-    """sr_round over the concatenated pieces of `x`; returns (bf16 out, the table's GMAP)."""
-    table, gmap = common.sr_table(ids, layouts, counts, x.device)
+def _run(x, table, gmap, counts, step, block):
+    """sr_round over the concatenated pieces of `x` (`counts` elements each) with an sr_table's (table, GMAP)."""
     out = torch.empty_like(x, dtype=torch.bfloat16)
     start = 0
     for k, n in enumerate(counts):
         _sr_kernel[(1,)](x, out, table, step, start, n, k, GMAP=gmap, BLOCK=block)
         start += n
-    return out, gmap
+    return out
 
 
 @pytest.mark.parametrize("wide", [False, True], ids=["int32", "int64"])
@@ -77,9 +76,9 @@ def test_sr_round_draws_the_reference_noise(kernel_device, wide):
     counts = [10 if lay is None else lay.count for lay in lays]
     x = 1 + torch.rand(sum(counts), generator=torch.Generator().manual_seed(3)).to(kernel_device) * 0.5
     step = torch.tensor(5.0, device=kernel_device)
-    # before any launch: an int32 path taken past int32 reads the table out of bounds
-    assert common.sr_table(ids, lays, counts, kernel_device)[1] == (2 if wide else 1)
-    out, _ = _run(x, ids, lays, counts, step, 32)
+    table, gmap = common.sr_table(ids, lays, counts, kernel_device)
+    assert gmap == (2 if wide else 1)  # before any launch: an int32 path past int32 reads out of the table
+    out = _run(x, table, gmap, counts, step, 32)
     bad, start = [], 0
     for k, (lay, n) in enumerate(zip(lays, counts)):
         emap = None if lay is None else lay.element_map(kernel_device)
@@ -98,7 +97,7 @@ def test_stochastic_rounding_keeps_inf_and_every_nan(kernel_device):
     x = torch.cat([bits.view(torch.float32), torch.tensor([1.0, -3.5])]).repeat(8).to(kernel_device)
     for step in range(1, 4):
         st = torch.tensor(float(step), device=kernel_device)
-        out, _ = _run(x, [4], [None], [x.numel()], st, 128)
+        out = _run(x, *common.sr_table([4], [None], [x.numel()], kernel_device), [x.numel()], st, 128)
         for name, y in (("kernel", out.float()), ("reference", stochastic_round_bf16(x, st, 4).float())):
             assert torch.equal(torch.isnan(y), torch.isnan(x)), (name, step, int((y.isnan() != x.isnan()).sum()))
             assert torch.equal(y[x.isinf()], x[x.isinf()]), (name, step)
