@@ -58,11 +58,8 @@ def _single(name, init, grads, sr=True):
 
 
 def _check(where, name, got, init, grads):
-    """On rank 0 (every rank has the same whole params `got`; the single-process runs are the test's cost under
-    the interpreter): every param bit for bit the single process's on this back end, and stochastic rounding
-    did something there (its params differ from a run with round-to-nearest)."""
-    if dist.get_rank() != 0:
-        return
+    """Every param of `got` bit for bit the single process's on this back end, and stochastic rounding did
+    something there (its params differ from a run with round-to-nearest)."""
     want = _single(name, init, grads)
     for k, (a, b) in enumerate(zip(got, want)):
         assert torch.equal(a.view_as(b), b), (where, name, k, int((a.view_as(b) != b).sum()), b.numel())
@@ -75,6 +72,15 @@ def _check(where, name, got, init, grads):
     assert any(not torch.equal(a, b) for a, b in zip(want, nearest)), (where, name)
 
 
+def _verify(checks):
+    """`_check` of each (where, name, got, init, grads) of `checks` on one rank each, in turn (every rank has the
+    same whole params `got`): the single-process runs are the test's cost under the interpreter, and the ranks
+    make them side by side once every collective of the cases is done."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for c in checks[rank::world]:
+        _check(*c)
+
+
 # test_layouts.CASES (Shard of every dim, uneven, 2-D meshes, FSDP2 over TP) and _StridedShard alone, whose
 # pieces hold non-consecutive indices of the dim (the element map's one-entry-per-element form when it is the last).
 DTENSOR_CASES = list(CASES.values()) + [((12,), (2, 2), [("SS", 0, 2), ("R",)]),
@@ -84,7 +90,7 @@ DTENSOR_CASES = list(CASES.values()) + [((12,), (2, 2), [("SS", 0, 2), ("R",)]),
 def _dtensor_case(name, cases=DTENSOR_CASES):
     init, grads = _problem([c[0] for c in cases], seed=11)
     params, _ = run_placements(init, grads, _meshes_and_placements(cases), lambda ps: _opt(name, ps))
-    _check("dtensor", name, [whole(p.detach()) for p in params], init, grads)
+    return [("dtensor", name, [whole(p.detach()) for p in params], init, grads)]
 
 
 def _flat_case(rank, name):
@@ -96,8 +102,8 @@ def _flat_case(rank, name):
     pieces = run_flat_ranges(rank, init, grads, lambda ps: _opt(name, ps))
     got = [full_tensor(p, opt._layout(p)).view(s) for (p, opt), s in zip(pieces, shapes)]
     nf = len(FLAT_SHAPES)
-    for where, part in (("flat", slice(0, nf)), ("zero_tp", slice(nf, None))):
-        _check(where, name, got[part], init[part], [gs[part] for gs in grads])
+    return [(where, name, got[part], init[part], [gs[part] for gs in grads])
+            for where, part in (("flat", slice(0, nf)), ("zero_tp", slice(nf, None)))]
 
 
 def _zero_case(name):
@@ -112,16 +118,14 @@ def _zero_case(name):
         sum((p * g).sum() for p, g in zip(params, gs)).backward()  # each param's gradient: its g, exactly
         zero.step()
         zero.zero_grad()
-    _check("zero", name, [p.detach() for p in params], init, grads)
+    return [("zero", name, [p.detach() for p in params], init, grads)]
 
 
 def _case(rank, world, name, backend):
     saved = os.environ.get("FASTOPT_BACKEND")
     os.environ["FASTOPT_BACKEND"] = backend
     try:
-        _dtensor_case(name)
-        _flat_case(rank, name)
-        _zero_case(name)
+        _verify(_dtensor_case(name) + _flat_case(rank, name) + _zero_case(name))
     finally:
         os.environ["FASTOPT_BACKEND"] = saved if saved is not None else "torch"
 
@@ -268,8 +272,7 @@ def _int64_case(rank, world, name):
     common._INT32_MAX, common.sr_table = 8, spy
     os.environ["FASTOPT_BACKEND"] = "triton"
     try:
-        _dtensor_case(name, INT64_CASES)
-        _flat_case(rank, name)
+        _verify(_dtensor_case(name, INT64_CASES) + _flat_case(rank, name))
     finally:
         common._INT32_MAX, common.sr_table = saved, real
         os.environ["FASTOPT_BACKEND"] = "torch"
