@@ -31,10 +31,11 @@ cmd=${1:-}
 case "$cmd" in
   demo)  setup; exec "$py" -m fastopt.demo "$@" ;;
   test)  setup; cd "$here"; export TRITON_INTERPRET=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-         # FASTOPT_TEST_WORKERS (default 2, 0: one process) pytest-xdist workers: the tests on the gloo pool
-         # run in one of them (tests/conftest.py), the single-process tests beside them.
+         # FASTOPT_TEST_WORKERS (default 2, 0: one process) pytest-xdist workers, each test to whichever is free
+         # (worksteal: the tests take from 0.01 s to a minute); a worker starts its own gloo pool at its first
+         # test on one (tests/conftest.py).
          par=(); w=${FASTOPT_TEST_WORKERS:-2}
-         if [ "$w" != 0 ] && "$py" -c "import xdist" 2>/dev/null; then par=(-n "$w" --dist loadgroup); fi
+         if [ "$w" != 0 ] && "$py" -c "import xdist" 2>/dev/null; then par=(-n "$w" --dist worksteal); fi
          exec "$py" -m pytest tests -q -ra --durations=15 "${par[@]}" "$@" ;;
   bench) setup; exec "$py" -m fastopt.bench "$@" ;;
   setup) setup ;;

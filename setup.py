@@ -6,7 +6,7 @@ from setuptools import setup
 
 TEST = [
     "pytest>=8",
-    "pytest-xdist>=3",
+    "pytest-xdist>=3.2",  # --dist worksteal
     "numpy",
     "triton>=3.6",
     "transformers>=4.40",

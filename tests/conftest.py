@@ -3,7 +3,8 @@
 - `backend`: "torch" (the reference) and "triton" (the real kernels: compiled on CUDA, through Triton's
   interpreter on CPU when TRITON_INTERPRET=1 was set before Python started, as `./run.sh test` does).
 - `device`: "cpu", plus "cuda" when a GPU is present.
-- `pool`: 4 gloo processes (tests/dist_utils.py's DistPool) shared by every test module that asks for them.
+- `pool`: 4 gloo processes (tests/dist_utils.py's DistPool) shared by every test of a pytest process that asks
+  for them (each pytest-xdist worker starts its own).
 - markers: `gpu` (skipped without CUDA), `dist` (spawns gloo processes).
 """
 from __future__ import annotations
@@ -48,13 +49,6 @@ def pytest_configure(config):
 COMPILE_TEST = "test_compile.py::test_every_kernel_compiles_for_sm90_without_spills_and_streams_in_vectors"
 
 
-def pytest_itemcollected(item):
-    # With pytest-xdist (`./run.sh test` passes -n 2 --dist loadgroup where it is installed), every test on the
-    # shared gloo pool runs in one worker, whose pool is the only one started.
-    if "pool" in getattr(item, "fixturenames", ()):
-        item.add_marker(pytest.mark.xdist_group("pool"))
-
-
 @pytest.hookimpl(trylast=True)  # after -k / -m deselection
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs CUDA")
@@ -94,10 +88,11 @@ DIST_WORLD = 4
 
 @pytest.fixture(scope="session")
 def pool():
-    """One DistPool of DIST_WORLD gloo ranks for the whole run: starting 4 processes that import torch and
-    fastopt costs seconds each time (about 5 s on the 2-core CI machine), and the pool restarts itself after a
-    failure. Functions run on it set FASTOPT_BACKEND themselves where they need another than "torch", and put
-    back what they change."""
+    """One DistPool of DIST_WORLD gloo ranks for the whole run of this pytest process (each pytest-xdist worker
+    starts its own at its first test on the pool): starting 4 processes that import torch and fastopt costs
+    seconds each time (about 5 s on the 2-core CI machine), and the pool restarts itself after a failure.
+    Functions run on it set FASTOPT_BACKEND themselves where they need another than "torch", and put back what
+    they change."""
     from dist_utils import DistPool
     with DistPool(DIST_WORLD, timeout=120.0, env={"FASTOPT_BACKEND": "torch"}) as p:
         yield p
