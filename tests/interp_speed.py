@@ -11,6 +11,16 @@ of test_layouts' came8 placements case: 51005 sweeps, 13.0 s of 31 s).
 `install()` makes a nested call skip `_patch_lang` when a launch is running whose own patch already covers
 the language modules the helper sees (the same module objects: they are patched in place), and otherwise
 leaves the call as Triton has it. The helper then runs exactly as before; the kernels compute the same thing.
+
+It also memoizes three functions of types that interpreted operations call again and again (`_memoize`): the
+NumPy dtype of a Triton type (a 20-entry dict built at each call), and the block types the builder and
+`block_type.with_element_ty` construct (each a new object whose constructor validates and formats its shape),
+keyed by the identity of the scalar type and the shape, for scalar types of the plain `tl.dtype` class only
+(pointer and block types are not hashable). Nothing mutates a type after construction, and Triton compares
+block types by value, never by `is`. Six steps of one process's CAME 8-bit and Adafactor with bf16 stochastic
+rounding (tests/test_sr_layouts.py's shapes) under the interpreter, this memo on and off: 17-23% faster, the
+same bits.
+
 It does nothing where Triton's interpreter lacks the pieces it relies on (another Triton version), and
 nothing unless TRITON_INTERPRET is set. `installed()` says whether it took effect; tests/test_interp_speed.py
 checks that it did and that kernels give the same bits with and without it.
@@ -84,15 +94,67 @@ def install() -> bool:
         except Exception as e:
             raise it.InterpreterError(repr(e)) from e
 
-    _state["calls"] = {"patched": (launch, nested), "triton": (grid_call, nested_call)}
+    memoized = _memoize(it, tl)
+    if memoized is None:
+        return False
+    ours, theirs = memoized
+    _state["calls"] = {"patched": (launch, nested, *ours), "triton": (grid_call, nested_call, *theirs)}
     _use("patched")
     _state["installed"] = True
     return True
 
 
+def _memoize(it, tl):
+    """((memoized np dtype, builder block type, with_element_ty), (Triton's three)), or None where they do not
+    have the shapes relied on."""
+    np_dtype = getattr(it, "_get_np_dtype", None)
+    block_ty = getattr(getattr(it, "InterpreterBuilder", None), "get_block_ty", None)
+    with_elt = getattr(tl.block_type, "with_element_ty", None)
+    try:
+        srcs = [inspect.getsource(f) for f in (np_dtype, block_ty, with_elt)]
+    except (OSError, TypeError):
+        return None
+    if ("np_types" not in srcs[0] or "return tl.block_type(dtype, shape)" not in srcs[1]
+            or "return block_type(scalar_ty, self.shape)" not in srcs[2]):
+        return None
+    plain = tl.dtype
+    dtypes: dict = {}
+    blocks: dict = {}  # (id(scalar type), shape) -> (block type, the scalar type: kept alive, its id not reused)
+
+    def np_dtype_memo(t):
+        if type(t) is tl.block_type:  # its element type's (block types are not hashable)
+            t = t.element_ty
+        if type(t) is not plain:
+            return np_dtype(t)
+        try:
+            return dtypes[t]
+        except KeyError:
+            r = dtypes[t] = np_dtype(t)
+            return r
+
+    def block(make, scalar, shape):
+        if type(scalar) is not plain or not all(type(n) is int for n in shape):
+            return make()
+        key = (id(scalar), tuple(shape))
+        hit = blocks.get(key)
+        if hit is None:
+            hit = blocks[key] = (make(), scalar)
+        return hit[0]
+
+    def get_block_ty(self, dtype, shape):
+        return block(lambda: block_ty(self, dtype, shape), dtype, shape)
+
+    def with_element_ty(self, scalar_ty):
+        return block(lambda: with_elt(self, scalar_ty), scalar_ty, self.shape)
+
+    return (np_dtype_memo, get_block_ty, with_element_ty), (np_dtype, block_ty, with_elt)
+
+
 def _use(which: str) -> None:
+    import triton.language as tl
     from triton.runtime import interpreter as it
-    it.GridExecutor.__call__, it.InterpretedFunction.__call__ = _state["calls"][which]
+    (it.GridExecutor.__call__, it.InterpretedFunction.__call__, it._get_np_dtype, it.InterpreterBuilder.get_block_ty,
+     tl.block_type.with_element_ty) = _state["calls"][which]
 
 
 @contextlib.contextmanager

@@ -1,5 +1,6 @@
 """tests/interp_speed.py (installed by conftest under TRITON_INTERPRET=1): kernels whose nested @triton.jit calls
-skip Triton's re-patch give the same bits as under Triton's own interpreter, and the re-patch is skipped."""
+skip Triton's re-patch, with the interpreter's type functions memoized, give the same bits as under Triton's own
+interpreter, and the re-patch is skipped."""
 from __future__ import annotations
 
 import contextlib
@@ -48,6 +49,20 @@ def _kernel(x_ptr, out_ptr, red_ptr, n, BLOCK: tl.constexpr):
     tl.store(red_ptr + 3 * pid + 2, tl.reduce(tl.where(mask, x, -1e30), 0, _pick_max))
 
 
+@triton.jit
+def _shapes_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, W: tl.constexpr):
+    """Blocks of several shapes and element types: [BLOCK] fp32, [W] int32 and fp16, [BLOCK, W] by broadcasting,
+    reduced along either axis."""
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n, other=1.0)
+    w = tl.arange(0, W)
+    t = x[:, None] * (w[None, :] + 1).to(tl.float16) + tl.where(w[None, :] % 2 == 0, x[:, None], -x[:, None])
+    rows = tl.sum(t, axis=1)
+    cols = tl.max(t, axis=0)
+    tl.store(out_ptr + offs, rows + tl.sum(cols, axis=0), mask=offs < n)
+    tl.store(out_ptr + BLOCK + w, cols.to(tl.float16).to(tl.float32) * (w < W - 1))
+
+
 def _run(x):
     out, red = torch.empty_like(x), torch.empty(3 * triton.cdiv(x.numel(), 32), dtype=torch.float32)
     _kernel[(triton.cdiv(x.numel(), 32),)](x, out, red, x.numel(), BLOCK=32)
@@ -71,15 +86,24 @@ def _counting_patches(counts):
 
 
 def test_nested_calls_give_the_same_bits_and_skip_the_repatch():
+    from triton.runtime import interpreter as it
     assert interp_speed.installed(), "tests/interp_speed.py did not install on this Triton"
     x = torch.randn(100, generator=torch.Generator().manual_seed(0))
     ours, theirs = [], []
+    memoized = it._get_np_dtype, it.InterpreterBuilder.get_block_ty, tl.block_type.with_element_ty
     with _counting_patches(ours):
         fast = _run(x)
     with interp_speed.triton_as_it_is(), _counting_patches(theirs):
+        assert all(a is not b for a, b in zip(memoized, (it._get_np_dtype, it.InterpreterBuilder.get_block_ty,
+                                                          tl.block_type.with_element_ty)))
         slow = _run(x)
     for a, b in zip(fast, slow):
         assert torch.equal(a, b)
+    shaped = [torch.zeros(48), torch.zeros(48)]
+    _shapes_kernel[(1,)](x, shaped[0], 30, BLOCK=32, W=16)
+    with interp_speed.triton_as_it_is():
+        _shapes_kernel[(1,)](x, shaped[1], 30, BLOCK=32, W=16)
+    assert torch.equal(shaped[0], shaped[1]) and shaped[0].abs().sum() > 0
     # 4 programs, each 3 x (_outer + 2 _inner) user calls and triton.language's helpers: Triton patches at each;
     # here the launch patches once and the first call of triton.language's own helpers once more.
     assert len(theirs) > 4 * 9 and len(ours) <= 2, (len(ours), len(theirs))
