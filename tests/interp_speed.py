@@ -132,20 +132,21 @@ def _memoize(it, tl):
             r = dtypes[t] = np_dtype(t)
             return r
 
-    def block(make, scalar, shape):
+    def block(make, args, scalar, shape):
+        """make(*args): a block type of `scalar` and `shape`, built once per pair."""
         if type(scalar) is not plain or not all(type(n) is int for n in shape):
-            return make()
+            return make(*args)
         key = (id(scalar), tuple(shape))
         hit = blocks.get(key)
         if hit is None:
-            hit = blocks[key] = (make(), scalar)
+            hit = blocks[key] = (make(*args), scalar)
         return hit[0]
 
     def get_block_ty(self, dtype, shape):
-        return block(lambda: block_ty(self, dtype, shape), dtype, shape)
+        return block(block_ty, (self, dtype, shape), dtype, shape)
 
     def with_element_ty(self, scalar_ty):
-        return block(lambda: with_elt(self, scalar_ty), scalar_ty, self.shape)
+        return block(with_elt, (self, scalar_ty), scalar_ty, self.shape)
 
     return (np_dtype_memo, get_block_ty, with_element_ty), (np_dtype, block_ty, with_elt)
 
