@@ -492,6 +492,23 @@ def test_invalid_arguments(kw, name, monkeypatch):
     assert opt.state[a]["state1"].dtype == torch.uint8  # and was all along: the check compares dtypes
 
 
+def test_bitsandbytes_arguments_taken_at_its_defaults_and_refused_otherwise(monkeypatch):
+    """Every argument of bitsandbytes' AdamW8bit, by keyword at its default, builds the same optimizer as
+    without it (bitsandbytes' calls run unchanged); amsgrad, optim_bits (bitsandbytes refuses all but its
+    default too), args and is_paged at any other value are refused with a ValueError naming them."""
+    import inspect
+    bnb = pytest.importorskip("bitsandbytes")
+    monkeypatch.setenv("FASTOPT_BACKEND", "torch")
+    theirs = {k: v.default for k, v in inspect.signature(bnb.optim.AdamW8bit).parameters.items() if k != "params"}
+    p = torch.nn.Parameter(torch.randn(3))
+    assert fastopt.AdamW8bit([p], **theirs).defaults == fastopt.AdamW8bit([p]).defaults
+    assert fastopt.AdamW8bit([p], **theirs).defaults["min_8bit_size"] == theirs["min_8bit_size"]
+    for name, bad in (("amsgrad", True), ("optim_bits", 8), ("args", object()), ("is_paged", True)):
+        assert name in theirs
+        with pytest.raises(ValueError, match=re.escape(f"AdamW8bit: {name}={bad!r} is not supported")):
+            fastopt.AdamW8bit([p], **{name: bad})
+
+
 def test_refuses_sparse_grads(impl):
     p = torch.nn.Parameter(torch.randn(5000))
     opt = fastopt.AdamW8bit([p])

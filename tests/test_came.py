@@ -236,7 +236,8 @@ def test_own_state_dict_loads_with_its_bf16_stochastic_round(backend, device):
 
 def test_defaults_are_came_pytorch():
     """Every argument of came-pytorch's CAME, in its order, with its default (eps too, which only tiny gradients
-    or a vanishing instability would show); the fastopt-only options are off by default."""
+    or a vanishing instability would show); the fastopt-only options are off by default; its answers to
+    fairseq's optimizer interface (memory-efficient fp16, flat params)."""
     import inspect
     theirs = inspect.signature(RefCAME).parameters
     ours = inspect.signature(fastopt.CAME).parameters
@@ -245,6 +246,8 @@ def test_defaults_are_came_pytorch():
     p = torch.zeros(2, 2, requires_grad=True)
     ref = RefCAME([p], lr=1e-3).defaults
     assert fastopt.CAME([p], lr=1e-3).defaults == {**ref, "bf16_stochastic_round": False, "nbits": 32}
+    for name in ("supports_memory_efficient_fp16", "supports_flat_params"):
+        assert getattr(fastopt.CAME([p], lr=1e-3), name) is getattr(RefCAME([p], lr=1e-3), name), name
 
 
 @pytest.mark.parametrize("nbits", [32, 8])

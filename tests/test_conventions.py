@@ -67,11 +67,15 @@ def make_params(device, dtype=F64, seed=0):
     return [torch.randn(s, generator=g).to(device=device, dtype=dtype).requires_grad_() for s in SHAPES]
 
 
-def set_grads(ps, t, seed=1):
+def grads_at(ps, t, seed=1):
     """Fresh full-rank gradients for step t, the same for any params of the same shapes (in their dtype)."""
     g = torch.Generator().manual_seed(1000 * seed + t)
-    for p in ps:
-        p.grad = torch.randn(p.shape, generator=g, dtype=F64).to(device=p.device, dtype=p.dtype)
+    return [torch.randn(p.shape, generator=g, dtype=F64).to(device=p.device, dtype=p.dtype) for p in ps]
+
+
+def set_grads(ps, t, seed=1):
+    for p, grad in zip(ps, grads_at(ps, t, seed)):
+        p.grad = grad
 
 
 def run(opt, ps, steps):
@@ -338,6 +342,34 @@ def test_deepcopy_and_pickle_step_like_the_original(case, wrapped, backend, devi
         assert c is opt or not any(q is p for q in cps for p in ps)
         _run_in_order(c, range(3, 8))
         assert_same(c, twin)
+
+
+@pytest.mark.parametrize("wrapped", [False, True], ids=["plain", "zero"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_step_runs_the_closure_with_grad_and_returns_its_loss(case, wrapped, backend, device):
+    """step(closure), called under torch.no_grad() as training loops with a closure (L-BFGS style) may: the
+    closure runs once per step with grad enabled, step returns the loss it returned, and the gradients its
+    backward made are the ones stepped (the params and states equal, bit for bit, a twin's given the same
+    gradients directly). `wrapped`: the single-process ZeRO wrapper around the optimizer."""
+    def build(ps):
+        opt = make(case, ps)
+        return fastopt.ZeroRedundancyOptimizer(opt) if wrapped else opt
+    ps, tw = make_params(device), make_params(device)
+    opt, twin = build(ps), build(tw)
+    for t in range(3):
+        calls = []
+
+        def closure():
+            opt.zero_grad()
+            loss = sum((p * g).sum() for p, g in zip(ps, grads_at(ps, t)))  # each p.grad: its g, exactly
+            loss.backward()
+            calls.append((torch.is_grad_enabled(), loss))
+            return loss
+        with torch.no_grad():
+            got = opt.step(closure)
+        assert len(calls) == 1 and calls[0][0] and got is calls[0][1]
+        run(twin, tw, [t])
+        assert_same(opt, twin)
 
 
 def _zero_copy_case(rank, world, case, partition_grad):

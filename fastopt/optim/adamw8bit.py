@@ -27,7 +27,11 @@ class AdamW8bit(FastOptimizer):
         eps: added to sqrt(v) / sqrt(1 - beta2^t).
         weight_decay: decoupled decay, p <- p (1 - lr weight_decay).
         block_size: elements per quantization block, a power of two from 64 to 4096.
-        min_8bit_size: tensors with fewer elements keep full-precision state.
+        min_8bit_size: tensors with fewer elements keep full-precision state (a group key: bitsandbytes'
+            `GlobalOptimManager` overrides are not read; to keep a param's state in 32 bits, e.g. an embedding's,
+            give it a group of its own with a `min_8bit_size` above its size).
+        amsgrad, optim_bits, args, is_paged: bitsandbytes' `AdamW8bit` arguments, keyword-only here, accepted at
+            its defaults (False, 32, None, False) so that its calls run unchanged; any other value is refused.
 
     State per param (tensors only; loads with `torch.load(weights_only=True)`), with bitsandbytes' key names:
     `step` (fp32 scalar on the param's device); 8-bit: `state1`, `state2` (uint8, the param's shape),
@@ -48,7 +52,16 @@ class AdamW8bit(FastOptimizer):
                         min_8bit_size=MIN_8BIT_SIZE)
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, block_size=256,
-                 min_8bit_size=4096):
+                 min_8bit_size=4096, *, amsgrad=False, optim_bits=32, args=None, is_paged=False):
+        for name, value, default, why in (
+                ("amsgrad", amsgrad, False, "AMSGrad is not implemented"),
+                ("optim_bits", optim_bits, 32, "as in bitsandbytes, only its default is accepted (the moments of "
+                 "tensors with at least min_8bit_size elements are 8-bit)"),
+                ("args", args, None, "pass the settings as arguments"),
+                ("is_paged", is_paged, False, "paged (unified-memory) states are not implemented")):
+            if (value is not None) if default is None else (value != default):
+                raise ValueError(f"{self._name}: {name}={value!r} is not supported ({why}); bitsandbytes' "
+                                 f"default {default!r} is accepted")
         defaults = self._check_hyper(dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                           block_size=block_size, min_8bit_size=min_8bit_size))
         super().__init__(params, defaults)

@@ -59,6 +59,16 @@ class CAME(FastOptimizer):
                                           nbits=nbits))
         super().__init__(params, defaults)
 
+    # came-pytorch's answers to fairseq's optimizer interface: fp16 params step as they are (fp32 states); one
+    # flattened param would lose the matrix shapes the factored moments need.
+    @property
+    def supports_memory_efficient_fp16(self) -> bool:
+        return True
+
+    @property
+    def supports_flat_params(self) -> bool:
+        return False
+
     def _check_hyper(self, hp: dict, where: str | None = None) -> dict:
         """The base class's rules; the constructor's lr must also be > 0."""
         if where is None and "lr" in hp:

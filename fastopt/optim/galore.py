@@ -51,8 +51,10 @@ class GaLoreAdamW(FastOptimizer):
     moments: the result then agrees with one process to the quantization error, as AdamW8bit's does.
 
     The defaults are those of the distributed-optimizers documentation (eps=1e-6, weight_decay=0.01), for both
-    classes. galore-torch's differ: its `GaLoreAdamW` has weight_decay=0.0, its `GaLoreAdamW8bit` eps=1e-8; pass
-    them to reproduce its runs.
+    classes. galore-torch's `GaLoreAdamW` has weight_decay=0.0: pass it to reproduce its runs. Its
+    `GaLoreAdamW8bit` steps with bitsandbytes' 8-bit Adam instead (eps=1e-8, added to sqrt(v / (1 - beta2^t)) as
+    in torch.optim.AdamW; an unprojected param's weight decay before its update), which no argument here
+    reproduces: fastopt's `GaLoreAdamW8bit` is its `GaLoreAdamW` with 8-bit moments.
 
     Args:
         params: iterable of params or param-group dicts (see `get_galore_param_groups`), or of (name, param)
