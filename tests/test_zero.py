@@ -12,6 +12,7 @@ import copy
 import importlib
 import inspect
 import os
+import re
 import sys
 
 import pytest
@@ -1468,13 +1469,15 @@ def _state_dict_roundtrip(rank, world, name, partition_grad, model_cls=None):
     out["dequantized_form"] = bool(nested) == bool(codes) and all(
         set(v) == {ckpt.DEQUANTIZED} and v[ckpt.DEQUANTIZED].dtype == torch.float32 for v in nested)
     # torch's idiom: consolidate_state_dict(to=0) on every rank, then state_dict() on rank 0 is the whole state
-    # (once); a step in between makes it stale: the shard again.
+    # (until the state changes); a step in between makes it stale: the shard again.
     opt.consolidate_state_dict(to=0)
     got = opt.state_dict()
     out["idiom"] = ("zero" not in got and got["param_groups"] == full["param_groups"] and got["state"].keys() ==
                     full["state"].keys() and all(torch.equal(v, full["state"][i][k]) for i, st in got["state"].items()
                                                  for k, v in st.items())) if rank == 0 else "zero" in got
-    out["idiom_once"] = "zero" in opt.state_dict()
+    again = opt.state_dict()  # until the state changes: the consolidated dict again, a new one
+    out["idiom_again"] = ("zero" not in again and again is not got and again["param_groups"] == got["param_groups"]
+                          and again["state"].keys() == got["state"].keys()) if rank == 0 else "zero" in again
     opt.consolidate_state_dict(to=0)
     if rank == 0:
         full = save_load(full)
@@ -1550,7 +1553,7 @@ def check_state_dict_roundtrip(results: list) -> None:
     """The verdicts of `_state_dict_roundtrip` on every rank (test_checkpoint.py runs it for every optimizer)."""
     for res in results:
         assert res["full_elsewhere_is_none"]
-        assert res["idiom"] and res["idiom_once"] and res["idiom_stale"], res
+        assert res["idiom"] and res["idiom_again"] and res["idiom_stale"], res
         assert res["sharded"], "reloading the shard changed the continuation"
         assert res["deepcopy"], "a deepcopy did not continue like the original"
         assert res["consolidated"], "reloading the consolidated state changed the continuation"
@@ -1677,6 +1680,72 @@ def test_not_an_optimizer():
         ZeroRedundancyOptimizer(torch.optim.AdamW(model.parameters()), bucket_size_mb=0)
     with pytest.raises(ValueError, match="torch.distributed is not initialized"):
         ZeroRedundancyOptimizer(torch.optim.AdamW(model.parameters()), process_group=object())
+    # torch's form goes by keyword (its third positional argument is process_group, here partition_grad)
+    with pytest.raises(TypeError, match=re.escape("process_group=AdamW is a class; torch's form takes it by keyword: "
+                                                  "ZeroRedundancyOptimizer(params, optimizer_class=AdamW")):
+        ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW)
+    with pytest.raises(TypeError, match=re.escape("optimizer_class=<class 'object'> must be a torch.optim.Optimizer")):
+        ZeroRedundancyOptimizer(model.parameters(), optimizer_class=object)
+    with pytest.raises(TypeError, match="either an optimizer instance or params with optimizer_class"):
+        ZeroRedundancyOptimizer(torch.optim.AdamW(model.parameters()), optimizer_class=torch.optim.AdamW)
+    with pytest.raises(TypeError, match=re.escape("unexpected keyword arguments ['lr']: hyperparameters go to")):
+        ZeroRedundancyOptimizer(torch.optim.AdamW(model.parameters()), lr=1e-3)
+    with pytest.raises(ValueError, match="overlap_with_ddp=True"):
+        ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, overlap_with_ddp=True)
+
+
+def test_torch_form_steps_as_the_instance_form():
+    """torch's `ZeroRedundancyOptimizer(params, optimizer_class=..., **defaults)` (parameters_as_bucket_view
+    too) builds the optimizer it names: 4 steps bit for bit those of the wrapper around that optimizer."""
+    ref_model = Net()
+    model = copy.deepcopy(ref_model)
+    ref = ZeroRedundancyOptimizer(torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.1))
+    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-2,
+                                  weight_decay=0.1, parameters_as_bucket_view=True)
+    assert type(opt.optim) is torch.optim.AdamW and opt.process_group is None
+    for step in range(4):
+        x, y = batch(step, 1)
+        for m, o in ((ref_model, ref), (model, opt)):
+            o.zero_grad()
+            loss_fn(m, x, y).backward()
+            o.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref_model.parameters()))
+    assert opt.param_groups[0]["lr"] == 1e-2 and opt.param_groups[0]["weight_decay"] == 0.1
+
+
+def test_torch_conventions_of_the_wrapper():
+    """What torch's ZeroRedundancyOptimizer does: a set of params in add_param_group is refused (its order can
+    differ between ranks) and adds nothing; step's keyword arguments reach the wrapped optimizer's step; Join
+    (uneven inputs) is refused, naming the wrapper, when it is built; a state_dict held by
+    consolidate_state_dict is returned until load_state_dict or add_param_group changes the state."""
+    from torch.distributed.algorithms import Join
+    seen = []
+
+    class Spy(torch.optim.SGD):
+        def step(self, closure=None, **kw):
+            seen.append(kw)
+            return super().step(closure)
+
+    model = Net()
+    opt = ZeroRedundancyOptimizer(Spy(model.parameters(), lr=0.1))
+    extra = torch.nn.Parameter(torch.randn(3))
+    with pytest.raises(TypeError, match="ordered collections"):
+        opt.add_param_group({"params": {extra}})
+    assert len(opt.param_groups) == 1 and len(opt.optim.param_groups) == 1
+    with pytest.raises(NotImplementedError, match="ZeroRedundancyOptimizer does not support torch.distributed"):
+        Join([opt])
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step(scale=2)
+    assert seen == [{"scale": 2}]
+    sd = opt.state_dict()
+    opt.consolidate_state_dict()
+    assert "zero" in sd and "zero" not in opt.state_dict() and "zero" not in opt.state_dict()
+    opt.load_state_dict(sd)
+    assert "zero" in opt.state_dict()
+    opt.consolidate_state_dict()
+    opt.add_param_group({"params": [extra]})
+    assert "zero" in opt.state_dict()
 
 
 # ---- one rank (no process group): a pass-through, on both back ends ----------------------------------------

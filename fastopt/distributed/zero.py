@@ -132,7 +132,8 @@ per step (LBFGS: the wrapper runs the closure once, then reduces), DTensor param
 shard them already: use the optimizer directly), params declared shards by hand (`declare_shard`) when the
 wrapped optimizer is a fastopt one (its pieces would be declared over this group alone; torch's element-wise
 optimizers step them exactly; ZeRO over tensor parallelism: the optimizer's `setup_distributed`), and params
-of one group spread over devices whose backward hooks run in different threads.
+of one group spread over devices whose backward hooks run in different threads, and
+`torch.distributed.algorithms.Join` (uneven inputs: refused by `join_hook`).
 """
 from __future__ import annotations
 
@@ -359,6 +360,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             `step()`. ZeRO-2 (which always reduces from backward's hooks): let the reductions run asynchronously
             while backward goes on, instead of waiting for each one in the hook that launched it.
         bucket_size_mb: upper bound of one flat communication bucket, in MiB.
+        optimizer_class, **defaults: torch's form, `ZeroRedundancyOptimizer(params, optimizer_class=AdamW,
+            lr=...)`: `optimizer` is then the params, and the optimizer is `optimizer_class(params, **defaults)`.
+        parameters_as_bucket_view: accepted for torch's signature (a memory layout there; it changes no result).
+        overlap_with_ddp: torch's DDP-hook mode; only False (this wrapper reduces the gradients itself:
+            `overlap_communication`).
 
     Construction is collective: it checks that every rank passes the same params (count, shapes, dtypes and
     values) and the same hyperparameters (all but tensor values; `add_param_group` checks its group too), and
@@ -379,10 +385,33 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     _step_supports_amp_scaling = True
 
     def __init__(self, optimizer: torch.optim.Optimizer, process_group=None, partition_grad: bool = False,
-                 overlap_communication: bool = False, bucket_size_mb: float = 25):
+                 overlap_communication: bool = False, bucket_size_mb: float = 25, *, optimizer_class=None,
+                 parameters_as_bucket_view: bool = False, overlap_with_ddp: bool = False, **defaults):
+        if isinstance(process_group, type):
+            raise TypeError(f"{_NAME}: process_group={process_group.__name__} is a class; torch's form takes it by "
+                            f"keyword: {_NAME}(params, optimizer_class={process_group.__name__}, **hyperparameters)")
+        if overlap_with_ddp:
+            raise ValueError(f"{_NAME}: overlap_with_ddp=True (torch's DDP communication hook) is not supported: "
+                             "this wrapper reduces the gradients itself (no DDP), overlapped with backward by "
+                             "overlap_communication=True")
+        if optimizer_class is not None:
+            # torch's form: the params and the class with its hyperparameters. parameters_as_bucket_view, a
+            # memory layout of torch's, changes no result: the communication here is bucketed either way.
+            if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+                raise TypeError(f"{_NAME}: optimizer_class={optimizer_class!r} must be a torch.optim.Optimizer "
+                                "subclass")
+            if isinstance(optimizer, torch.optim.Optimizer):
+                raise TypeError(f"{_NAME}: pass either an optimizer instance or params with optimizer_class, "
+                                "not both")
+            optimizer = optimizer_class(optimizer, **defaults)
+        elif defaults:
+            raise TypeError(f"{_NAME}: unexpected keyword arguments {sorted(defaults)}: hyperparameters go to the "
+                            f"optimizer, {_NAME}(fastopt.Adafactor(params, ...)), or with torch's form to "
+                            f"{_NAME}(params, optimizer_class=..., **hyperparameters)")
         if isinstance(optimizer, type):
             raise TypeError(f"{_NAME}: optimizer={optimizer.__name__} is a class; pass an instance, e.g. "
-                            f"{_NAME}({optimizer.__name__}(model.parameters(), ...))")
+                            f"{_NAME}({optimizer.__name__}(model.parameters(), ...)), or torch's form "
+                            f"{_NAME}(model.parameters(), optimizer_class={optimizer.__name__}, ...)")
         if isinstance(optimizer, ZeroRedundancyOptimizer):
             raise TypeError(f"{_NAME}: optimizer is already a {_NAME}; wrap the inner optimizer once")
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -820,12 +849,28 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         return (f"{_NAME}(stage={stage}, rank={self.rank}, world_size={self.world_size}, "
                 f"overlap_communication={self.overlap_communication}, optimizer={self.optim!r})")
 
+    @property
+    def process_group(self):
+        """The data-parallel group (None without an initialized process group), as torch's wrapper names it."""
+        return self._pg
+
+    def join_hook(self, **kwargs):
+        """torch.distributed.algorithms.Join (uneven inputs) is not supported: refused when a Join is built."""
+        raise NotImplementedError(
+            f"{_NAME} does not support torch.distributed.algorithms.Join: its gradient reductions run from "
+            "backward's hooks and in step(), and a joined rank would have to stand in for each of them; give "
+            "every rank the same number of batches (e.g. DistributedSampler(drop_last=True))")
+
     def add_param_group(self, param_group: dict) -> None:
         """Add a group on every rank (collective after construction): its params are partitioned like the rest."""
         if not getattr(self, "_initialized", False):
             super().add_param_group(param_group)
             return
+        self.__dict__.pop("_held", None)  # a consolidated state_dict held for state_dict() is stale from now on
         params = param_group["params"]
+        if isinstance(params, set):  # torch refuses it too: a set's order may differ between ranks
+            raise TypeError("optimizer parameters need to be organized in ordered collections, but the ordering of "
+                            "tensors in sets will change between runs. Please use a list instead.")
         params = [params] if isinstance(params, Tensor) else list(params)
         self._check_params(params, self.optim)
         if self.world_size > 1:
@@ -868,7 +913,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
     @torch.compiler.disable  # eager under torch.compile, like the wrapped optimizer's step (collectives, hooks)
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None):
+    def step(self, closure: Callable[[], Any] | None = None, **kwargs):
+        """The optimizer step on this rank's params and pieces, then the params' broadcast (collective).
+        `closure` runs once, before the reductions; `kwargs` go to the wrapped optimizer's step, as in torch."""
         loss = None
         self.__dict__.pop("_held", None)  # a consolidated state_dict held for state_dict() is stale from now on
         if closure is not None:
@@ -900,7 +947,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         # A FastOptimizer seeds its stochastic rounding with each param's position before the groups were cut.
         self.optim.__dict__["_zero_ids"] = self._local_to_global()
         try:
-            self.optim.step()
+            self.optim.step(**kwargs)
         finally:
             for p, g in hidden:
                 p.grad = g
@@ -1471,11 +1518,12 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         (world size, rank, owner of every param) and reloads only on the same partition. The wrapper's
         `register_state_dict_pre_hook` hooks run first, its post hooks on the dict returned (on the ranks that
         get one), as in torch; the wrapped optimizer's own hooks run on its part. torch's idiom works too: after
-        `consolidate_state_dict(to=r)`, the next plain `state_dict()` on rank r returns that consolidated dict
-        (once, and only if no step came in between)."""
-        held = self.__dict__.pop("_held", None)
-        if held is not None and not consolidated:
-            return held
+        `consolidate_state_dict(to=r)`, a plain `state_dict()` on rank r returns that consolidated dict until a
+        step, `load_state_dict` or `add_param_group` changes the state (then this rank's shard again)."""
+        held = self.__dict__.get("_held")
+        if held is not None and not consolidated:  # new dicts, as every state_dict() call gives
+            return {**held, "state": {i: dict(st) for i, st in held["state"].items()},
+                    "param_groups": [{**g, "params": list(g["params"])} for g in held["param_groups"]]}
         if consolidated and to is not None and not (isinstance(to, int) and 0 <= to < self.world_size):
             raise ValueError(f"{_NAME}.consolidate_state_dict: to={to!r} must be a rank in [0, {self.world_size}) "
                              "or None")
@@ -1511,9 +1559,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
     def consolidate_state_dict(self, to: int | None = 0) -> dict | None:
         """The whole optimizer state as the unwrapped optimizer would save it (CPU tensors), on rank `to`
-        (None: every rank); None on the other ranks. Collective. `state_dict(consolidated=True, to=to)`, which the
-        next plain `state_dict()` on those ranks returns as well (torch's ZeroRedundancyOptimizer idiom: consolidate
-        on every rank, then save `state_dict()` on rank `to`) unless a step comes first."""
+        (None: every rank); None on the other ranks. Collective. `state_dict(consolidated=True, to=to)`, which a
+        plain `state_dict()` on those ranks returns as well (torch's ZeroRedundancyOptimizer idiom: consolidate
+        on every rank, then save `state_dict()` on rank `to`) until a step, `load_state_dict` or
+        `add_param_group`."""
         sd = self.state_dict(consolidated=True, to=to)
         self._held = sd
         return sd
@@ -1547,6 +1596,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         """Load a consolidated state_dict (also one saved by the unwrapped optimizer) or this rank's shard. The
         wrapper's `register_load_state_dict_pre_hook` hooks see (and may replace) a shallow copy of it first, its
         post hooks run once it is loaded, as in torch."""
+        self.__dict__.pop("_held", None)
         if isinstance(state_dict, dict):
             state_dict = state_dict.copy()
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
