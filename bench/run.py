@@ -45,8 +45,8 @@ def _error_rows(args, stem: str, msg: str) -> list[dict]:
     return [common._result(args, stem, "(bench)", ps, common.dtypes(args)[0], status="error", reason=msg[:300])]
 
 
-def main(argv=None) -> dict:
-    p = common.parser("fastopt benchmark suite: every bench/bench_*.py")
+def main(argv=None, prog: str | None = None) -> dict:
+    p = common.parser("fastopt benchmark suite: every bench/bench_*.py", prog=prog)
     p.add_argument("--benches", type=common._csv, default=None, help="stems to run (default: all present)")
     p.add_argument("--first", type=common._csv, default=None,
                    help="stems to run before the others, in this order (e.g. those a change touched, when the "

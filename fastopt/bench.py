@@ -47,7 +47,7 @@ def load_suite(path: Path | None = None):
 
 
 def main(argv=None):
-    return load_suite().main(argv)
+    return load_suite().main(argv, prog="python -m fastopt.bench")
 
 
 if __name__ == "__main__":

@@ -291,7 +291,7 @@ def report(results: list[dict], args, par: Parallel, vocab: int, wall_s: float) 
     n = results[0]["params"]
     sr = " (Adafactor, CAME, Lamb: stochastic rounding)" if args.stochastic_round else ""
     print(f"\n{par.describe()}; {n} params; {args.steps} steps of {args.batch} x {args.ctx} tokens; {args.dtype}{sr}; "
-          f"{wall_s:.1f} s")
+          f"trained in {wall_s:.1f} s (start-up not counted)")
     print("| optimizer | final loss (last 5 steps) | state bytes/param (all ranks) | median step ms |")
     print("|---|---|---|---|")
     for r in results:
@@ -416,6 +416,18 @@ def parse_args(argv=None):
                         ("--ctx", args.ctx)):
         if value is not None and value < 1:
             ap.error(f"{flag} {value}: must be >= 1")
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        ap.error(f"--timeout {args.timeout}: must be a number of seconds > 0")
+    n_chars = len(corpus())
+    if args.ctx >= n_chars - 1:
+        ap.error(f"--ctx {args.ctx}: must be below the corpus's {n_chars} characters less one (a sequence and its "
+                 "next-character targets are cut from it)")
+    try:  # before training: a folder that cannot be written would otherwise fail only at the end
+        os.makedirs(args.out, exist_ok=True)
+        if not os.access(args.out, os.W_OK):
+            raise PermissionError("not writable")
+    except OSError as e:
+        ap.error(f"--out {args.out}: cannot be created or written ({e.strerror or e})")
     if args.stochastic_round and args.dtype != "bfloat16":
         ap.error(f"--stochastic-round: only with --dtype bfloat16 (rounds bf16 params; these are {args.dtype})")
     if args.device == "auto":
@@ -463,7 +475,11 @@ def main(argv=None) -> list[dict] | None:
     import torch.multiprocessing as mp
     with tempfile.TemporaryDirectory(prefix="fastopt-demo-") as tmp:
         # file:// rendezvous: no port to pick or to collide with.
-        mp.spawn(_spawned, args=(world, args, f"file://{os.path.join(tmp, 'rendezvous')}"), nprocs=world)
+        try:
+            mp.spawn(_spawned, args=(world, args, f"file://{os.path.join(tmp, 'rendezvous')}"), nprocs=world)
+        except KeyboardInterrupt:  # Ctrl-C reached every process of the group: they have stopped
+            print("\ninterrupted", file=sys.stderr)
+            raise SystemExit(130) from None
     with open(os.path.join(args.out, "results.json")) as f:
         return json.load(f)["results"]
 

@@ -156,6 +156,17 @@ def test_help_still_works(capsys):
         assert e.value.code == 0
         out = capsys.readouterr().out
         assert "--layers-7b" in out and "1 to 32" in out and "--benches" in out
+        assert out.startswith("usage: python -m fastopt.bench ")
+
+
+def test_out_that_cannot_be_written_is_refused_before_timing(tmp_path, capsys):
+    """--out under a plain file: refused before anything is timed, naming the flag (it failed with a traceback
+    after the first bench's timing)."""
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(SystemExit) as e:
+        fbench.main(["--device", "cpu", "--benches", "adafactor", "--out", str(tmp_path / "afile" / "sub")])
+    assert f"--out {tmp_path / 'afile' / 'sub'}: cannot be created or written" in str(e.value.code)
+    assert "copy bandwidth" not in capsys.readouterr().out
 
 
 def test_param_sets_have_llama_shapes(suite):
@@ -578,6 +589,11 @@ def test_targets_judge_each_issue_target(suite):
     assert got[("speed", "adafactor", "fastopt.Adafactor")]["met"] is None
     md = "\n".join(common.targets_table(common.targets(rows), cpu_numbers=False))
     assert "6 of 13 met (3 did not run)" in md and "| **no** |" in md
+    # CPU numbers judge nothing: no count, every verdict "–" (the same 13 rows, measured values still shown)
+    md = common.targets_table(common.targets(rows), cpu_numbers=True)
+    assert any("none is judged" in line for line in md) and not any(" met (" in line for line in md)
+    verdicts = [line.rsplit("|", 2)[1].strip() for line in md if line.startswith("| ") and "---" not in line][1:]
+    assert len(verdicts) == 13 and set(verdicts) == {"–"}
 
 
 def test_speedup_is_the_fastest_other_ok_rows_median_over_ours(suite):

@@ -208,11 +208,25 @@ def test_optimizer_without_layout_support_is_skipped_not_fatal(tmp_path, monkeyp
     (["--tp", "0"], "--tp 0: must be >= 1"),  # before the defaults divide by it (was a ZeroDivisionError)
     (["--dp", "0"], "--dp 0: must be >= 1"),
     (["--stochastic-round"], "--stochastic-round: only with --dtype bfloat16"),
+    (["--timeout", "-1"], "--timeout -1.0: must be a number of seconds > 0"),  # was gloo's error from every rank
+    (["--timeout", "nan"], "--timeout nan: must be a number of seconds > 0"),
+    (["--ctx", "50000"], "--ctx 50000: must be below the corpus's"),  # was torch.randint's error mid-run
 ])
 def test_bad_arguments_name_the_flag(argv, needle, capsys):
     with pytest.raises(SystemExit):
         demo.parse_args(["--device", "cpu", *argv])
     assert needle in capsys.readouterr().err
+
+
+def test_out_that_cannot_be_written_is_refused_before_training(tmp_path, capsys):
+    """--out under a plain file: refused by the parser, naming the flag (it failed after training, with an error
+    from whichever rank reached it first)."""
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(SystemExit):
+        demo.parse_args(["--device", "cpu", "--out", str(tmp_path / "afile" / "sub")])
+    assert f"--out {tmp_path / 'afile' / 'sub'}: cannot be created or written" in capsys.readouterr().err
+    args = demo.parse_args(["--device", "cpu", "--out", str(tmp_path / "new" / "sub")])
+    assert (tmp_path / "new" / "sub").is_dir() and args.out == str(tmp_path / "new" / "sub")
 
 
 def test_run_sh_setup_follows_fastopt_torch(tmp_path):
