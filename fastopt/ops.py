@@ -236,9 +236,14 @@ def use_extension() -> bool:
     return backend() != "torch"
 
 
-def _ext_ops():
+def load_extension() -> None:
+    """Build (first use) or load the compiled extension; its error, the same at every call, when it cannot be."""
     from . import ext
     ext.load()
+
+
+def _ext_ops():
+    load_extension()
     return torch.ops.fastopt
 
 

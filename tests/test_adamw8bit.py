@@ -11,8 +11,8 @@ import re
 
 import pytest
 import torch
-from conftest import (TOL, adam_8bit_reference, assert_matches_8bit_reference, check_bad_key_refused_after_a_step,
-                      group_key, rel_update_error, save_load)
+from conftest import (TOL, adam_8bit_reference, assert_matches_8bit_reference, assert_unchanged,
+                      check_bad_key_refused_after_a_step, group_key, rel_update_error, save_load, snapshot)
 
 import fastopt
 
@@ -507,6 +507,40 @@ def test_bitsandbytes_arguments_taken_at_its_defaults_and_refused_otherwise(monk
         assert name in theirs
         with pytest.raises(ValueError, match=re.escape(f"AdamW8bit: {name}={bad!r} is not supported")):
             fastopt.AdamW8bit([p], **{name: bad})
+
+
+@pytest.mark.parametrize("failure", ["extension", "backend"])
+def test_a_step_that_cannot_run_changes_nothing(failure, monkeypatch):
+    """The extension cannot be built (no compiler: its error, raised by ext.load) or FASTOPT_BACKEND is not a
+    back end: step() raises before any state is made or step counter advanced, again at a second call, and
+    once the user takes the error's advice (FASTOPT_BACKEND=torch) the first step is a first step (it was the
+    third: the counters had advanced at each failed call, and the bias corrections with them)."""
+    from fastopt import ext
+    if failure == "extension":
+        def no_compiler(verbose=None):
+            raise RuntimeError("fastopt.ext: building the C++ extension needs a C++17 compiler")
+        monkeypatch.setattr(ext, "load", no_compiler)
+        monkeypatch.setenv("FASTOPT_BACKEND", "auto")
+    else:
+        monkeypatch.setenv("FASTOPT_BACKEND", "tritn")
+    init, grads = _problem(seed=3, steps=1, shapes=[(128, 64), (10,)])
+    ps = [torch.nn.Parameter(t.clone()) for t in init]
+    opt = fastopt.AdamW8bit(ps, min_8bit_size=64)
+    for p, g in zip(ps, grads[0]):
+        p.grad = g.clone()
+    before = snapshot(opt)
+    for _ in range(2):
+        with pytest.raises((RuntimeError, ValueError), match="C\\+\\+17 compiler|FASTOPT_BACKEND='tritn'"):
+            opt.step()
+        assert_unchanged(opt, before)
+    monkeypatch.setenv("FASTOPT_BACKEND", "torch")
+    opt.step()
+    twin_ps = [torch.nn.Parameter(t.clone()) for t in init]
+    twin = fastopt.AdamW8bit(twin_ps, min_8bit_size=64)
+    for p, g in zip(twin_ps, grads[0]):
+        p.grad = g.clone()
+    twin.step()
+    assert all(torch.equal(a, b) for a, b in zip(ps, twin_ps)) and float(opt.state[ps[0]]["step"]) == 1
 
 
 def test_refuses_sparse_grads(impl):

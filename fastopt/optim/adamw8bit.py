@@ -46,6 +46,7 @@ class AdamW8bit(FastOptimizer):
     # the local piece (so they differ from a single process's blocks by the quantization error alone).
     _supports_layouts = True
     _triton_seam = False
+    _extension_seam = True
     _elementwise_state = ("state1", "state2")
     _layout_keys = ("block_size", "min_8bit_size")
     _hyper_rules = dict(lr=lr_rule(">= 0"), betas=betas_rule(2), eps=NONNEG, weight_decay=NONNEG, block_size=BLOCK_SIZE,

@@ -440,8 +440,10 @@ class FastOptimizer(torch.optim.Optimizer):
     # Subclasses whose `_step_group` takes `layouts=` and `sharded=` are exact on sharded params (DTensor,
     # declared shards, flat ZeRO ranges).
     _supports_layouts = False
-    # Steps through fastopt.ops' Triton seam (`ops.use_triton`); AdamW8bit steps in the extension alone.
+    # Steps through fastopt.ops' Triton seam (`ops.use_triton`); AdamW8bit steps in the extension alone
+    # (`_extension_seam`). Either is checked before a step changes anything.
     _triton_seam = True
+    _extension_seam = False
 
     def _layout(self, p: Tensor):
         """p's Layout (fastopt.distributed.layout): set by `setup_distributed`, else `layout_of(p)`, which
@@ -625,6 +627,8 @@ class FastOptimizer(torch.optim.Optimizer):
                     self._check_declarations(group, params, layouts)
                 if self._triton_seam:
                     ops.use_triton(params[0])  # a FASTOPT_BACKEND that cannot step these params raises here
+                elif self._extension_seam and ops.use_extension():
+                    ops.load_extension()  # the extension's build error (no compiler, no ninja) raises here
                 buckets.append((group, device, group_key, params, layouts))
         scalers: dict = {}
         sharded = []  # the steps of the sharded buckets, run together: one collective per phase and groups
