@@ -146,6 +146,14 @@ def dequantized_8bit(*optimizers):
     nested under the codes' key as {DEQUANTIZED: values} (as DTensor params always do): what an optimizer of
     plain params (single process, DDP) saves for a checkpoint that DTensor params (FSDP2, TP) will load, and its
     DCP template for a checkpoint that DTensor params saved; also a checkpoint meant for other block sizes."""
+    from .distributed.zero import ZeroRedundancyOptimizer
+    from .optim.base import FastOptimizer
+    if not optimizers:
+        raise TypeError("dequantized_8bit: name the optimizers, e.g. `with dequantized_8bit(opt):`")
+    for o in optimizers:  # another object would take the flag and read it nowhere: no error, no dequantized state
+        if not isinstance(o, (FastOptimizer, ZeroRedundancyOptimizer)):
+            raise TypeError(f"dequantized_8bit: {type(o).__name__} is not a fastopt optimizer or "
+                            "ZeroRedundancyOptimizer (other optimizers keep no 8-bit states of fastopt's)")
     saved = [o.__dict__.get("_dequantize_8bit", False) for o in optimizers]
     for o in optimizers:
         o._dequantize_8bit = True
@@ -185,6 +193,8 @@ def requantize(x: Tensor, block_size: int, signed: bool) -> tuple[Tensor, Tensor
     is the block's largest magnitude over the map value that coded it: 1, or (signed map) -map[0] = 0.99297,
     which codes a negative absmax and may code the largest positive value too (map[254] = -map[0]), so both are
     tried whatever the sign. Other blocks get the nearest quantization."""
+    q.check_float(x, "requantize")  # before the cast below would take 8-bit codes for values
+    q.check_block_size(block_size, "requantize")
     x = x.to(torch.float32)
     codes, absmax = q.quantize_blockwise(x, block_size, signed)
     if x.numel() == 0:

@@ -695,6 +695,25 @@ def test_requantize_gives_back_the_dequantized_values(block, signed, monkeypatch
     assert ((back - shifted).abs() <= step * scale * (1 + 1e-5)).all()
 
 
+def test_checkpoint_helpers_refuse_what_they_cannot_use():
+    """requantize of 8-bit codes (not values) or with a bad block size, and dequantized_8bit of no optimizer or of
+    one that keeps no fastopt 8-bit state (a torch optimizer, a model): errors naming the helper, where the codes
+    were quantized as values and the flag was set on anything (DCP then missed a key, far from the cause)."""
+    codes, _ = fastopt.quantize_blockwise(torch.randn(300), 64)
+    with pytest.raises(ValueError, match=re.escape("requantize: x has dtype torch.uint8; expected a floating")):
+        ckpt.requantize(codes, 64, True)
+    with pytest.raises(ValueError, match=re.escape("requantize: block_size=100 must be a power of two")):
+        ckpt.requantize(torch.randn(300), 100, True)
+    model = torch.nn.Linear(4, 4)
+    for bad, what in ((torch.optim.SGD(model.parameters(), lr=0.1), "SGD"), (model, "Linear")):
+        with pytest.raises(TypeError, match=f"dequantized_8bit: {what} is not a fastopt optimizer"):
+            with ckpt.dequantized_8bit(fastopt.Adafactor(model.parameters()), bad):
+                pass
+    with pytest.raises(TypeError, match="dequantized_8bit: name the optimizers"):
+        with ckpt.dequantized_8bit():
+            pass
+
+
 # ---- 8-bit and 32-bit state of the same optimizer (nbits, min_8bit_size) --------------------------------------
 def _nbits_side(case, bits):
     """(model, optimizer) of the 8-bit `case` with 8-bit state, or with 32-bit state (`TWIN_32`)."""

@@ -454,6 +454,39 @@ def test_get_galore_param_groups():
     assert st["exp_avg"].numel() == 8 * 16 and st["proj_left"].numel() == 32 * 8  # left: P is m x rank
 
 
+def test_get_galore_param_groups_tied_weights_and_nothing_projected():
+    """An embedding tied to the output Linear is not projected, whichever module comes first (it was projected
+    when the Linear came first: GaLore then ran on the embedding); a model with nothing to project warns (GaLoreAdamW
+    would step it as plain AdamW without a word)."""
+    for head_first in (False, True):
+        emb, head = torch.nn.Embedding(40, 16), torch.nn.Linear(16, 40, bias=False)
+        head.weight = emb.weight
+        mid = torch.nn.Linear(16, 16)
+        model = torch.nn.Sequential(*([head, mid, emb] if head_first else [emb, mid, head]))
+        groups = fastopt.get_galore_param_groups(model, weight_decay=0.1, rank=4)
+        assert [id(p) for p in groups[0]["params"]] == [id(mid.weight)] and "rank" in groups[0], head_first
+        assert [id(p) for p in groups[1]["params"]] == [id(emb.weight)], head_first
+    with pytest.warns(UserWarning, match="no param is projected .* rank=8"):
+        groups = fastopt.get_galore_param_groups(torch.nn.Sequential(torch.nn.Conv1d(4, 4, 3), torch.nn.Linear(4, 2)),
+                                                 weight_decay=0.1, rank=8)
+    assert not any("rank" in g for g in groups)
+
+
+def test_galore_torch_8bit_arguments_taken_at_their_defaults():
+    """galore-torch's GaLoreAdamW8bit takes bitsandbytes' arguments: every one of them by keyword at its default
+    builds the same optimizer as without it; another value is refused, naming it."""
+    import inspect
+    galore_torch = pytest.importorskip("galore_torch")
+    theirs = {k: v.default for k, v in inspect.signature(galore_torch.GaLoreAdamW8bit).parameters.items()
+              if k not in ("params", "lr", "betas", "eps", "weight_decay", "min_8bit_size")}
+    assert set(theirs) == {"amsgrad", "optim_bits", "args", "percentile_clipping", "block_wise", "is_paged"}
+    p = torch.nn.Parameter(torch.randn(6, 5))
+    assert fastopt.GaLoreAdamW8bit([p], **theirs).defaults == fastopt.GaLoreAdamW8bit([p]).defaults
+    for name, bad in (("percentile_clipping", 5), ("block_wise", False), ("amsgrad", True)):
+        with pytest.raises(ValueError, match=re.escape(f"GaLoreAdamW8bit: {name}={bad!r} is not supported")):
+            fastopt.GaLoreAdamW8bit([p], **{name: bad})
+
+
 def test_skips_params_without_grad_and_empty_params(backend, device):
     check_skips_params_without_grad(
         lambda a, b, e: fastopt.GaLoreAdamW([{"params": [a, b], "rank": 2}, {"params": [e]}], lr=LR), device,

@@ -1539,8 +1539,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
     def _shard(self) -> dict:
         self._push_hyper()
-        # fastopt.checkpoint.dequantized_8bit(wrapper) reaches the wrapped optimizer's 8-bit states
-        with ckpt.dequantized_8bit(self.optim) if self.__dict__.get("_dequantize_8bit") else contextlib.nullcontext():
+        # fastopt.checkpoint.dequantized_8bit(wrapper) reaches the wrapped optimizer's 8-bit states (a fastopt one's)
+        from ..optim.base import FastOptimizer
+        deq = self.__dict__.get("_dequantize_8bit") and isinstance(self.optim, FastOptimizer)
+        with ckpt.dequantized_8bit(self.optim) if deq else contextlib.nullcontext():
             inner = self.optim.state_dict()
         l2g = self._local_to_global()
         groups = []

@@ -54,15 +54,7 @@ class AdamW8bit(FastOptimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, block_size=256,
                  min_8bit_size=4096, *, amsgrad=False, optim_bits=32, args=None, is_paged=False):
-        for name, value, default, why in (
-                ("amsgrad", amsgrad, False, "AMSGrad is not implemented"),
-                ("optim_bits", optim_bits, 32, "as in bitsandbytes, only its default is accepted (the moments of "
-                 "tensors with at least min_8bit_size elements are 8-bit)"),
-                ("args", args, None, "pass the settings as arguments"),
-                ("is_paged", is_paged, False, "paged (unified-memory) states are not implemented")):
-            if (value is not None) if default is None else (value != default):
-                raise ValueError(f"{self._name}: {name}={value!r} is not supported ({why}); bitsandbytes' "
-                                 f"default {default!r} is accepted")
+        bnb_defaults_only(self._name, amsgrad=amsgrad, optim_bits=optim_bits, args=args, is_paged=is_paged)
         defaults = self._check_hyper(dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                           block_size=block_size, min_8bit_size=min_8bit_size))
         super().__init__(params, defaults)
@@ -109,6 +101,28 @@ class AdamW8bit(FastOptimizer):
                                             "block_size": ours["block_size"], "min_8bit_size": ours["min_8bit_size"]}
                                            for g, ours in zip(groups, self.param_groups)]}
         return state_dict
+
+
+# bitsandbytes' 8-bit optimizer arguments that fastopt takes at their defaults only: name -> (default, why).
+_BNB_ARGS = {
+    "amsgrad": (False, "AMSGrad is not implemented"),
+    "optim_bits": (32, "as in bitsandbytes, only its default is accepted (the moments of tensors with at least "
+                   "min_8bit_size elements are 8-bit)"),
+    "args": (None, "pass the settings as arguments"),
+    "percentile_clipping": (100, "gradient clipping by percentile is not implemented"),
+    "block_wise": (True, "the states are always quantized block-wise"),
+    "is_paged": (False, "paged (unified-memory) states are not implemented"),
+}
+
+
+def bnb_defaults_only(owner: str, **given) -> None:
+    """Refuse, naming it, any of bitsandbytes' arguments (`_BNB_ARGS`) given another value than its default:
+    bitsandbytes' calls (AdamW8bit's, galore-torch's GaLoreAdamW8bit's) then run unchanged."""
+    for name, value in given.items():
+        default, why = _BNB_ARGS[name]
+        if (value is not None) if default is None else (value != default):
+            raise ValueError(f"{owner}: {name}={value!r} is not supported ({why}); bitsandbytes' default "
+                             f"{default!r} is accepted")
 
 
 # Group keys of bitsandbytes' 8-bit Adam family that fastopt's AdamW8bit does not have.

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -13,6 +14,7 @@ from ..distributed.layout import layout_of, local
 from ..reference.galore import (LEFT, PROJ_TYPES, basis_shapes, keeps_local_bases, moment_cut, moment_dim,
                                 projected_shape, projection_side)
 from ..reference.quant import num_blocks
+from .adamw8bit import bnb_defaults_only
 from .base import (BLOCK_SIZE, FLAG, MIN_8BIT_SIZE, NBITS, NONNEG, FastOptimizer, betas_rule, check, host_value,
                    is_int, is_number, lr_rule)
 
@@ -366,7 +368,11 @@ class GaLoreAdamW8bit(GaLoreAdamW):
     _name = "GaLoreAdamW8bit"
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01, min_8bit_size=4096,
-                 block_size=256, correct_bias=True):
+                 block_size=256, correct_bias=True, *, amsgrad=False, optim_bits=32, args=None,
+                 percentile_clipping=100, block_wise=True, is_paged=False):
+        # galore-torch's GaLoreAdamW8bit takes bitsandbytes' arguments: accepted at their defaults
+        bnb_defaults_only(self._name, amsgrad=amsgrad, optim_bits=optim_bits, args=args,
+                          percentile_clipping=percentile_clipping, block_wise=block_wise, is_paged=is_paged)
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, nbits=8,
                          min_8bit_size=min_8bit_size, block_size=block_size, correct_bias=correct_bias)
 
@@ -382,11 +388,16 @@ def get_galore_param_groups(model: torch.nn.Module, weight_decay: float, rank: i
     other params of two or more dims plain AdamW with `weight_decay`, and biases, norms' params and every
     other vector or scalar plain AdamW without decay. A Linear weight with a dim smaller than `rank` stays
     plain (its projection would keep no fewer numbers). Params without requires_grad are left out; a param
-    shared by several modules appears once. Empty groups are dropped. Shapes are the whole params' (`layout_of`:
-    an FSDP1 piece is 1-D, a shard declared by hand smaller), so that every rank makes the same groups."""
+    shared by several modules appears once, and one that is also another module's than a Linear's weight (an
+    embedding tied to the output layer) is not projected, whichever module comes first. Empty groups are dropped;
+    a UserWarning says when no param is projected (GaLoreAdamW then steps as plain AdamW). Shapes are the whole
+    params' (`layout_of`: an FSDP1 piece is 1-D, a shard declared by hand smaller), so that every rank makes the
+    same groups."""
     check(is_int(rank) and rank >= 1, "rank", "get_galore_param_groups", rank, "be an int >= 1")
     projected, decayed, plain = [], [], []
     seen: set = set()
+    not_linear = {id(p) for m in model.modules() for n, p in m.named_parameters(recurse=False)
+                  if not (isinstance(m, torch.nn.Linear) and n == "weight")}
     for module in model.modules():
         for name, p in module.named_parameters(recurse=False):
             if not p.requires_grad or id(p) in seen:
@@ -394,7 +405,8 @@ def get_galore_param_groups(model: torch.nn.Module, weight_decay: float, rank: i
             seen.add(id(p))
             lay = layout_of(p, owner="get_galore_param_groups")
             shape = tuple(p.shape) if lay is None else lay.global_shape
-            if isinstance(module, torch.nn.Linear) and name == "weight" and min(shape) >= rank:
+            if (isinstance(module, torch.nn.Linear) and name == "weight" and min(shape) >= rank
+                    and id(p) not in not_linear):
                 projected.append(p)
             elif len(shape) >= 2 and not _is_norm(module):
                 decayed.append(p)
@@ -404,4 +416,7 @@ def get_galore_param_groups(model: torch.nn.Module, weight_decay: float, rank: i
                "proj_type": proj_type, "weight_decay": weight_decay},
               {"params": decayed, "weight_decay": weight_decay},
               {"params": plain, "weight_decay": 0.0}]
+    if not projected and (decayed or plain):
+        warnings.warn(f"get_galore_param_groups: no param is projected (no trainable nn.Linear weight with both "
+                      f"dims >= rank={rank}): GaLoreAdamW will step every param as plain AdamW", stacklevel=2)
     return [g for g in groups if g["params"]]
