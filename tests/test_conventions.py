@@ -217,6 +217,38 @@ def test_change_that_keeps_the_layout_steps(case, key, new, backend, device):
     assert_same(opt, twin)
 
 
+def test_galore_scale_and_gap_changed_between_steps_take_effect(backend, device):
+    """GaLore's `scale` and `update_proj_gap` are read at every step (galore-torch keeps those of the param's
+    first step): after two equal steps, the step with scale 1.0 moves each projected param by 4 times the step
+    with the default 0.25 (no weight decay, the same moments), the plain group's param alike; a gap changed from
+    3 to 1 refreshes the bases at step 3, which gap 3 keeps."""
+    from fastopt.reference.galore import LEFT, RIGHT
+    ps, tw = make_params(device), make_params(device)
+    opt, twin = make("galore32", ps, weight_decay=0.0), make("galore32", tw, weight_decay=0.0)
+    run(opt, ps, range(2))
+    run(twin, tw, range(2))
+    before = [p.detach().clone() for p in ps]
+    bases = [{k: v.clone() for k, v in opt.state[p].items() if k in (LEFT, RIGHT)} for p in ps]
+    opt.param_groups[0]["scale"] = 1.0
+    opt.param_groups[0]["update_proj_gap"] = 1
+    twin.param_groups[0]["update_proj_gap"] = 1
+    run(opt, ps, [2])
+    run(twin, tw, [2])
+    for k, (p, q, b) in enumerate(zip(ps, tw, before)):
+        factor = 1.0 if k == 1 else 4.0
+        err = rel_update_error([p], [b + factor * (q.detach() - b)], [b])
+        assert err < 1e-12, (k, err)
+        if k != 1:
+            assert bases[k] and all(not torch.equal(opt.state[p][key], v) for key, v in bases[k].items()), k
+    for k, p in enumerate(tw):  # the gap alone, in the twin: refreshed too; a gap of 3 would not have
+        assert all(not torch.equal(twin.state[p][key], v) for key, v in bases[k].items()), k
+    keep_ps = make_params(device)
+    keep = make("galore32", keep_ps, weight_decay=0.0)
+    run(keep, keep_ps, range(3))
+    for p, b in zip(keep_ps, bases):
+        assert all(torch.equal(keep.state[p][key], v) for key, v in b.items())
+
+
 @pytest.mark.parametrize("reloaded", [False, True], ids=["stepped", "loaded"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_param_dtype_changed_between_steps_is_refused(case, reloaded, backend, device):

@@ -36,6 +36,9 @@ class GaLoreAdamW(FastOptimizer):
     AdamW. Transformers-style AdamW throughout: eps added to the uncorrected sqrt(v), step size
     lr sqrt(1 - beta2^t) / (1 - beta1^t) (lr with correct_bias=False), decoupled weight decay
     p -= lr weight_decay p after the update.
+    Group keys are read at every step, as torch's optimizers read theirs: an `update_proj_gap` or `scale`
+    changed between steps (by hand or by a scheduler) takes effect at the next step, where galore-torch keeps
+    the values its projector was built with at the param's first step.
 
     Sharded params (DTensor Shard / _StridedShard placements: tensor parallelism, FSDP2, both on a 2-D mesh;
     `fastopt.distributed.declare_shard`; flat ZeRO ranges, also through `setup_distributed`) give the
