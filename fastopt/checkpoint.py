@@ -320,8 +320,9 @@ def import_state(st, p: Tensor, spec: dict, quantized: dict, forms: dict, where:
         if dtype != torch.uint8 and not here.is_floating_point():
             raise ValueError(f"{where}[{key!r}] has dtype {here.dtype}, expected a floating-point tensor")
         # Float state takes the dtype the optimizer keeps for this param (fp32 saved for an fp64 param, or the
-        # reverse): the kernels read it with the param's state dtype.
-        t = here.detach().to(device=device, dtype=dtype, copy=True)
+        # reverse), and row-major strides (transformers' and torch's states are zeros_like(grad), which keeps a
+        # transposed or channels_last grad's): the kernels read it with the param's state dtype, as row-major.
+        t = here.detach().to(device=device, dtype=dtype, memory_format=torch.contiguous_format, copy=True)
         if t.is_floating_point() and not torch.isfinite(t).all():
             cast = f" as {dtype}" if t.dtype != here.dtype else ""
             problem = problem or f"{where}[{key!r}] holds non-finite values{cast}"

@@ -800,6 +800,10 @@ class FastOptimizer(torch.optim.Optimizer):
             p, group, own = id_map[pid]
             if isinstance(st, dict) and not st:
                 continue  # no state (DCP's flattened form gives {} to a trainable param without any): fresh
+            if ((lay := self._layout(p)) is None and p.numel() == 0) or (lay is not None and lay.numel == 0):
+                # A param of no elements never steps and keeps no state here; transformers' and came-pytorch's
+                # keep one, whose column factor is a mean over no rows (NaN): dropped, whatever it holds.
+                continue
             spec = self._state_spec(p, group)
             quantized = self._quantized_keys(group)
             try:
