@@ -82,6 +82,7 @@ cannot reshard; save those with their own layout.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections import defaultdict
 
 import torch
@@ -92,19 +93,34 @@ from . import ops
 from .distributed.layout import is_dtensor, local
 from .reference import quant as q
 
-__all__ = ["StateDict", "dequantized_8bit", "DEQUANTIZED", "requantize", "is_dtensor"]
+__all__ = ["StateDict", "state_of", "dequantized_8bit", "DEQUANTIZED", "requantize", "is_dtensor"]
 
 
 class StateDict(defaultdict):
-    """torch.optim's `state` mapping (param -> dict), truthy even when empty.
+    """torch.optim's `state` mapping (param -> dict), truthy even when empty; its truth test first makes the
+    zero state of its optimizer's trainable params that have none (`FastOptimizer._make_zero_states`).
 
-    `torch.distributed.checkpoint.state_dict._init_optim_state` steps an optimizer whose state is empty with
-    zero grads and lr=0 to create its state; that step is not harmless here (Adafactor's relative step size
-    ignores lr, and refuses lr=0 with relative_step=True). `FastOptimizer.state_dict()` provides the zero state
-    instead."""
+    `torch.distributed.checkpoint.state_dict._init_optim_state`, which DCP's get_ and set_optimizer_state_dict
+    run first, tests the state and, when it is empty, steps the optimizer with zero grads and lr=0 to create it;
+    that step is not harmless here (Adafactor's relative step size ignores lr, and refuses lr=0 with
+    relative_step=True), so the test makes the zero state instead. DCP's flattened form
+    (`flatten_optimizer_state_dict=True`) is then rebuilt from the keys of each param's state, as it is after
+    torch's step: a fresh optimizer would otherwise take no state from it, silently."""
+
+    _owner = None  # weakref of the optimizer (not copied or pickled: the optimizer sets it again)
 
     def __bool__(self) -> bool:
+        opt = self._owner() if self._owner is not None else None
+        if opt is not None:
+            opt._make_zero_states()
         return True
+
+
+def state_of(opt, state) -> StateDict:
+    """`state` as the StateDict of optimizer `opt`."""
+    out = StateDict(dict, state)
+    out._owner = weakref.ref(opt)
+    return out
 
 
 def local_state(st: dict, p: Tensor) -> dict:

@@ -159,7 +159,7 @@ class FastOptimizer(torch.optim.Optimizer):
         self._plans: dict = {}  # (id(group), device, dtype) -> the kernels' cache of that bucket
         self._layout_sigs: dict = {}  # see _check_state_layouts
         super().__init__(params, defaults)
-        self.state = ckpt.StateDict(dict, self.state)
+        self.state = ckpt.state_of(self, self.state)
 
     def __getstate__(self) -> dict:
         """torch's state (defaults, state, param_groups) plus the layouts of the params sharded by hand
@@ -193,7 +193,7 @@ class FastOptimizer(torch.optim.Optimizer):
         # torch adds defaults["differentiable"]; a group of a state_dict would then "lack" it on the next load.
         if not differentiable:
             self.defaults.pop("differentiable", None)
-        self.state = ckpt.StateDict(dict, self.state)  # torch.optim's load_state_dict hands a plain defaultdict
+        self.state = ckpt.state_of(self, self.state)  # torch.optim's load_state_dict hands a plain defaultdict
         self._plans = {}
         self._layout_sigs = {}
         if declared is not None:
@@ -677,14 +677,10 @@ class FastOptimizer(torch.optim.Optimizer):
             groups.append(packed)
             quantized = self._quantized_keys(group)
             for p in group["params"]:
-                if (p in self.state and self.state[p]) or (p.requires_grad and p.numel() > 0
-                                                           and self._state_known(p, group)):
-                    # A trainable param without state gets its zero state here, kept (as torch's DCP makes it with
-                    # a step at lr=0): DCP's flattened form rebuilds a param's state from the keys it has. Until a
-                    # step, it is made again if the param changes (`model.double()`; torch's AdamW takes that).
-                    if not self.state.get(p):
-                        self.__dict__.setdefault("_unstepped", {})[id(p)] = self.state[p]
-                    state[index] = ckpt.export_state(self._init_state(p, group), quantized, force)
+                if self._zero_state_due(p, group):
+                    self._make_zero_state(p, group)
+                if self.state.get(p):
+                    state[index] = ckpt.export_state(self.state[p], quantized, force)
                 index += 1
         sd = {"state": state, "param_groups": groups}
         for post_hook in self._optimizer_state_dict_post_hooks.values():
@@ -692,6 +688,24 @@ class FastOptimizer(torch.optim.Optimizer):
             if out is not None:
                 sd = out
         return sd
+
+    def _zero_state_due(self, p: Tensor, group: dict) -> bool:
+        return not self.state.get(p) and p.requires_grad and p.numel() > 0 and self._state_known(p, group)
+
+    def _make_zero_state(self, p: Tensor, group: dict) -> None:
+        """Zero state for trainable param `p`, which has none, kept (as torch's DCP makes it with a step at lr=0):
+        DCP's flattened form rebuilds a param's state from the keys it has. Until a step, it is made again if the
+        param changes (`model.double()`; torch's AdamW takes that)."""
+        self.__dict__.setdefault("_unstepped", {})[id(p)] = self.state[p]
+        self._init_state(p, group)
+
+    def _make_zero_states(self) -> None:
+        """`_make_zero_state` for every trainable param without state: what `state_dict()` lists, and what the
+        truth test of `self.state` makes (fastopt/checkpoint.py's StateDict: DCP's `_init_optim_state`)."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if self._zero_state_due(p, group):
+                    self._make_zero_state(p, group)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load after checking everything; on any mismatch raise and leave the optimizer as it was (on every
