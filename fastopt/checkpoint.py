@@ -285,14 +285,14 @@ def import_state(st, p: Tensor, spec: dict, quantized: dict, forms: dict, where:
     out, problem = {}, None
     step = st["step"]
     if isinstance(step, Tensor) and step.numel() == 1 and not step.is_complex():
-        step = step.detach().reshape(()).to(device=device, dtype=torch.float32, copy=True)
+        step = step.detach().reshape(()).to(dtype=torch.float32, copy=True)
     elif isinstance(step, (int, float)) and not isinstance(step, bool):
-        step = torch.tensor(float(step), dtype=torch.float32, device=device)
+        step = torch.tensor(float(step), dtype=torch.float32)
     else:
         raise ValueError(f"{where}['step'] must be a scalar tensor or number, got {type(step).__name__}")
-    if not torch.isfinite(step) or step < 0:
+    if not step.is_meta and (not torch.isfinite(step) or step < 0):  # checked where it is: params may be on meta
         raise ValueError(f"{where}['step']={float(step)} must be a finite number >= 0")
-    out["step"] = step
+    out["step"] = step.to(device)
     for key, (shape, dtype) in spec.items():
         if key in akeys and akeys[key] in dequantized:
             continue  # rebuilt from the dequantized codes below
@@ -339,7 +339,8 @@ def import_state(st, p: Tensor, spec: dict, quantized: dict, forms: dict, where:
         # reverse), and row-major strides (transformers' and torch's states are zeros_like(grad), which keeps a
         # transposed or channels_last grad's): the kernels read it with the param's state dtype, as row-major.
         t = here.detach().to(device=device, dtype=dtype, memory_format=torch.contiguous_format, copy=True)
-        if t.is_floating_point() and not torch.isfinite(t).all():
+        checked = here.detach().to(dtype) if t.is_meta else t  # on meta params: the saved values, cast
+        if checked.is_floating_point() and not checked.is_meta and not torch.isfinite(checked).all():
             cast = f" as {dtype}" if t.dtype != here.dtype else ""
             problem = problem or f"{where}[{key!r}] holds non-finite values{cast}"
         out[key] = as_dtensor(t, p, forms[key]) if elem else t

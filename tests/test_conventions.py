@@ -580,6 +580,26 @@ def test_meta_params_step_as_torch_adamw_steps_them(case, forced, monkeypatch):
     assert sorted(opt.state_dict()["state"]) == list(range(len(ps)))
 
 
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_state_dict_loads_onto_meta_params_as_torch_adamw_loads_it(case, monkeypatch):
+    """A CPU state_dict loaded into an optimizer over meta params (a shape-only dry run of a resume): the state
+    is on meta, with the keys and dtypes of the CPU optimizer's, and the next step runs (torch.optim.AdamW does
+    both). Before, the checks of the saved values ran on the meta copies and raised from `Tensor.item()`, and
+    GaLore read its step counters with it."""
+    monkeypatch.setenv("FASTOPT_BACKEND", "auto")
+    ps = make_params("cpu")
+    opt = make(case, ps)
+    run(opt, ps, range(2))
+    ms = [torch.empty(s, device="meta", dtype=F64, requires_grad=True) for s in SHAPES]
+    on_meta = make(case, ms)
+    on_meta.load_state_dict(opt.state_dict())
+    for p, m in zip(ps, ms):
+        assert {k: v.dtype for k, v in on_meta.state[m].items()} == {k: v.dtype for k, v in opt.state[p].items()}
+        assert {v.device.type for v in on_meta.state[m].values()} == {"meta"}
+        m.grad = torch.empty_like(m)
+    on_meta.step()
+
+
 # ---- 7. duplicate params ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("case", list(CASES))
 def test_duplicate_params_are_refused(case):
@@ -708,6 +728,35 @@ def test_state_dict_with_a_bad_hyperparameter_is_refused_unchanged(case, backend
     run(opt, ps, [2])
     run(twin, tw, [2])
     assert_same(opt, twin)
+
+
+# Every fastopt optimizer class over one group of the test params (GaLore's also with projected groups).
+CLASS_CASES = {"adafactor": "adafactor", "came": "came32", "lamb": "lamb32", "galore": "galore32",
+               "galore_plain": None, "adamw8bit": "adamw8bit"}
+CROSS = [(a, b) for a in CLASS_CASES for b in CLASS_CASES
+         if a != b and {a, b} != {"galore", "galore_plain"}]
+
+
+def _class_case(name, ps):
+    return fastopt.GaLoreAdamW(ps, lr=1e-2) if name == "galore_plain" else make(CLASS_CASES[name], ps)
+
+
+@pytest.mark.parametrize("src, dst", CROSS, ids=[f"{a}-into-{b}" for a, b in CROSS])
+def test_a_state_dict_of_another_optimizer_class_is_refused_unchanged(src, dst):
+    """A stepped state_dict of one fastopt optimizer class, loaded into another: a ValueError names what tells it
+    apart, and the loading optimizer keeps its groups and state. Before, Lamb's loaded into a GaLoreAdamW of
+    plain groups (its groups hold every key of those, correct_bias having a default): Lamb's bias_correction
+    and max_trust_ratio were kept unread, and the run went on as AdamW's."""
+    sp, dp = make_params("cpu"), make_params("cpu")
+    saved, opt = _class_case(src, sp), _class_case(dst, dp)
+    run(saved, sp, range(2))
+    run(opt, dp, range(2))
+    before, groups = snapshot(opt), copy.deepcopy([{k: v for k, v in g.items() if k != "params"}
+                                                   for g in opt.param_groups])
+    with pytest.raises(ValueError, match=re.escape(f"{type(opt).__name__}.load_state_dict: ")):
+        opt.load_state_dict(saved.state_dict())
+    assert_unchanged(opt, before)
+    assert [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] == groups
 
 
 # The group keys only fastopt has: without them a group reads as another library's (transformers' Adafactor,

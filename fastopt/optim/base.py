@@ -134,6 +134,23 @@ class ScalerArgs:
 _TORCH_OPTIM_FLAGS = frozenset({"foreach", "maximize", "capturable", "differentiable", "fused"})
 
 
+def _other_classes_keys(cls: type, keys: set) -> dict:
+    """{key: names of the fastopt optimizer classes that have it} for the `keys` that are hyperparameters of
+    other fastopt optimizer classes (their `_hyper_rules`) and not of `cls`: a state_dict with such a key is
+    theirs. Other keys (a scheduler's `initial_lr`, another library's own) say nothing."""
+    mine = set(cls._hyper_rules)
+    found: dict = {}
+    todo = list(FastOptimizer.__subclasses__())
+    while todo:
+        other = todo.pop()
+        todo.extend(other.__subclasses__())
+        if issubclass(cls, other) or issubclass(other, cls):
+            continue
+        for k in (set(other._hyper_rules) & keys) - mine:
+            found.setdefault(k, set()).add(other._name)
+    return found
+
+
 class FastOptimizer(torch.optim.Optimizer):
     _name = "FastOptimizer"
 
@@ -794,6 +811,11 @@ class FastOptimizer(torch.optim.Optimizer):
             if not ours <= theirs:
                 raise ValueError(f"{where}: param_groups[{gi}] lacks {sorted(ours - theirs)}: "
                                  f"not {'an' if name[0] in 'AEIOU' else 'a'} {name} state_dict")
+            others = _other_classes_keys(type(self), theirs)
+            if others:  # Lamb's groups hold every key of GaLoreAdamW's plain groups (correct_bias has a default)
+                raise ValueError(f"{where}: param_groups[{gi}] has {', '.join(sorted(others))}: not "
+                                 f"{'an' if name[0] in 'AEIOU' else 'a'} {name} state_dict, but one of "
+                                 f"{', '.join(sorted({c for cs in others.values() for c in cs}))}")
             merged = {**g, **{k: plain(v) for k, v in sg.items() if k not in ("params", "param_names")}}
             try:  # the saved hyperparameters, checked as a step would, before anything changes
                 self._check_hyper(merged, f"param_groups[{gi}]")

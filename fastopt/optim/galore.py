@@ -24,6 +24,12 @@ __all__ = ["GaLoreAdamW", "GaLoreAdamW8bit", "get_galore_param_groups"]
 GROUP_DEFAULTS = dict(update_proj_gap=200, scale=0.25, proj_type="std")
 
 
+def _host_value(t: Tensor) -> int:
+    """A counter's or flag's value on the host; 0 on meta, which holds none (a step of meta params computes
+    shapes alone)."""
+    return 0 if t.is_meta else int(t.item())
+
+
 class GaLoreAdamW(FastOptimizer):
     """GaLore-AdamW (Zhao et al., 2024) with the semantics of galore-torch's `GaLoreAdamW`.
 
@@ -130,7 +136,7 @@ class GaLoreAdamW(FastOptimizer):
         """After unpickling, deepcopy and load_state_dict: the host's mirror of the step counters, read once
         here from the (copied or loaded) state, so that step() never needs a read."""
         super().__setstate__(state)
-        self._host_steps = {id(s["step"]): [s["step"], int(s["step"].item())] for s in self.state.values()
+        self._host_steps = {id(s["step"]): [s["step"], _host_value(s["step"])] for s in self.state.values()
                             if "step" in s}
         self._pending = []
 
@@ -330,7 +336,7 @@ class GaLoreAdamW(FastOptimizer):
         if e is None or e[0] is not state["step"]:
             # State set from outside (not created nor loaded here): read it once. The device counter already
             # counts this step unless found_inf is set.
-            before = int(state["step"].item()) - (1 if found_inf is None else 1 - int(found_inf.item()))
+            before = _host_value(state["step"]) - (1 if found_inf is None else 1 - _host_value(found_inf))
             e = self._host_steps[id(state["step"])] = [state["step"], before]
         return e
 
