@@ -608,7 +608,7 @@ def _bad_state_dicts(case, good):
     o_model = MLP()
     o_opt = make_opt(other, o_model)
     _run(o_model, o_opt, range(2))
-    yield "other optimizer", o_opt.state_dict(), "lacks|keys|param groups"
+    yield "other optimizer", o_opt.state_dict(), "lacks|keys|param groups|state_dict, but one of"
     sd = copy.deepcopy(good)
     sd["param_groups"][-1]["params"] = sd["param_groups"][-1]["params"][:-1]
     yield "param count", sd, r"has \d+ params in the state_dict"
