@@ -61,6 +61,8 @@ from typing import Callable
 
 import torch
 
+from fastopt._cli import unwritable_folder
+
 SCHEMA = 1
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_DIR = BENCH_DIR.parent
@@ -745,12 +747,9 @@ def finish_args(args) -> argparse.Namespace:
         if getattr(args, name) is None:
             setattr(args, name, gpu if cuda else cpu)
     out = Path(args.out) if args.out else RESULTS_DIR
-    try:  # before any timing: a folder that cannot be written would otherwise fail after the first bench
-        out.mkdir(parents=True, exist_ok=True)
-        if not os.access(out, os.W_OK):
-            raise PermissionError("not writable")
-    except OSError as e:
-        raise SystemExit(f"--out {out}: cannot be created or written ({e.strerror or e})") from None
+    why = unwritable_folder(out)  # before any timing, not after the first bench
+    if why:
+        raise SystemExit(f"--out {out}: cannot be created or written ({why})")
     args.deadline = None if args.budget_s is None else time.monotonic() + args.budget_s
     if args.tf32:  # for the whole process, as a training script would set it; the JSON's machine.fp32_matmul.
         # The legacy setter: code that reads the legacy flags (allow_tf32) fails after the new API's setter.

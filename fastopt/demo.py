@@ -37,6 +37,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ._cli import unwritable_folder
 from .distributed.layout import local
 
 WORDS = ("the optimizer keeps row and column factors of the second moment so memory grows with rows plus "
@@ -422,12 +423,9 @@ def parse_args(argv=None):
     if args.ctx >= n_chars - 1:
         ap.error(f"--ctx {args.ctx}: must be below the corpus's {n_chars} characters less one (a sequence and its "
                  "next-character targets are cut from it)")
-    try:  # before training: a folder that cannot be written would otherwise fail only at the end
-        os.makedirs(args.out, exist_ok=True)
-        if not os.access(args.out, os.W_OK):
-            raise PermissionError("not writable")
-    except OSError as e:
-        ap.error(f"--out {args.out}: cannot be created or written ({e.strerror or e})")
+    why = unwritable_folder(args.out)  # before training, not at its end
+    if why:
+        ap.error(f"--out {args.out}: cannot be created or written ({why})")
     if args.stochastic_round and args.dtype != "bfloat16":
         ap.error(f"--stochastic-round: only with --dtype bfloat16 (rounds bf16 params; these are {args.dtype})")
     if args.device == "auto":

@@ -134,6 +134,11 @@ class ScalerArgs:
 _TORCH_OPTIM_FLAGS = frozenset({"foreach", "maximize", "capturable", "differentiable", "fused"})
 
 
+def _whole_numel(p: Tensor, lay) -> int:
+    """Elements of the whole param of which `p` (with layout `lay`, or None) is this rank's piece."""
+    return p.numel() if lay is None else lay.numel
+
+
 def _other_classes_keys(cls: type, keys: set) -> dict:
     """{key: names of the fastopt optimizer classes that have it} for the `keys` that are hyperparameters of
     other fastopt optimizer classes (their `_hyper_rules`) and not of `cls`: a state_dict with such a key is
@@ -529,7 +534,7 @@ class FastOptimizer(torch.optim.Optimizer):
         for p in params:
             lay = self._layout(p)
             if ((not fsdp[id(p)] if lay is not None and lay.fsdp else p.grad is None)
-                    or (p.numel() if lay is None else lay.numel) == 0 or (lay is not None and lay.outside)):
+                    or _whole_numel(p, lay) == 0 or (lay is not None and lay.outside)):
                 continue
             out[(p.device, p.dtype, None if lay is None else lay.group_key)].append(p)
         return out
@@ -836,9 +841,9 @@ class FastOptimizer(torch.optim.Optimizer):
             p, group, own = id_map[pid]
             if isinstance(st, dict) and not st:
                 continue  # no state (DCP's flattened form gives {} to a trainable param without any): fresh
-            if ((lay := self._layout(p)) is None and p.numel() == 0) or (lay is not None and lay.numel == 0):
-                # A param of no elements never steps and keeps no state here; transformers' and came-pytorch's
-                # keep one, whose column factor is a mean over no rows (NaN): dropped, whatever it holds.
+            if _whole_numel(p, self._layout(p)) == 0:
+                # A param of no elements never steps (`_buckets`) and keeps no state here; transformers' and
+                # came-pytorch's keep one, whose column factor is a mean over no rows (NaN): dropped, whatever it holds.
                 continue
             spec = self._state_spec(p, group)
             quantized = self._quantized_keys(group)
