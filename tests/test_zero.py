@@ -1591,6 +1591,44 @@ def test_add_param_group_distributed(pool):
     assert max(err for err, _ in results) <= TOL[DT]
 
 
+def _add_group_refused(rank, world):
+    """Wide's matrices (the big param among them, split when added) added to a wrapper of Lamb over the vectors,
+    first with an lr Lamb refuses, then with a non-leaf tensor torch refuses: each refusal leaves the wrapper as
+    it was (it kept the params and the group before: the corrected group was refused as "a param appears twice",
+    and the wrapper's groups no longer matched the wrapped optimizer's); the corrected group then trains as in
+    one process."""
+    os.environ["FASTOPT_BACKEND"] = "torch"
+    ref_model = Wide()
+    model = copy.deepcopy(ref_model)
+    init = [p.detach().clone() for p in ref_model.parameters()]
+    (ref_mats, ref_vecs), (mats, vecs) = ref_model.groups(), model.groups()
+    ref_opt = fastopt.Lamb(ref_vecs, lr=1e-2)
+    ref_opt.add_param_group({"params": ref_mats, "weight_decay": 0.1})
+    opt = ZeroRedundancyOptimizer(fastopt.Lamb(vecs, lr=1e-2), partition_grad=True, bucket_size_mb=BUCKET_MB)
+
+    def unchanged():
+        assert len(opt.param_groups) == len(opt.optim.param_groups) == 1 and not opt._split
+        assert len(opt._params) == len(opt._owner) == len(opt._gidx) == len(vecs)
+        assert sum(opt._loads) == sum(p.numel() for p in vecs)
+
+    with pytest.raises(ValueError, match=re.escape("Lamb: param_groups[1]['lr']=-1.0")):
+        opt.add_param_group({"params": mats, "weight_decay": 0.1, "lr": -1.0})
+    unchanged()
+    with pytest.raises(ValueError, match="non-leaf"):
+        opt.add_param_group({"params": mats[1:] + [mats[0] * 1.0]})
+    unchanged()
+    opt.add_param_group({"params": mats, "weight_decay": 0.1})
+    _reference(ref_model, ref_opt, world, 0, STEPS)
+    _continue(model, opt, rank, world, 0, STEPS)
+    return rel_update_error(list(model.parameters()), list(ref_model.parameters()), init), sorted(opt._split)
+
+
+def test_refused_add_param_group_changes_nothing(pool):
+    results = pool.run(_add_group_refused)
+    assert all(split == [len(Wide().groups()[1])] for _, split in results), results  # the big param is split
+    assert max(err for err, _ in results) <= TOL[DT]
+
+
 # ---- bad input -------------------------------------------------------------------------------------------
 def _bad_input(rank, world, case):
     os.environ["FASTOPT_BACKEND"] = "torch"
@@ -1790,6 +1828,9 @@ def test_add_param_group_single_rank():
     model = Net()
     mats, vecs = model.groups()
     opt = ZeroRedundancyOptimizer(torch.optim.AdamW(mats, lr=1e-2))
+    with pytest.raises(ValueError, match="non-leaf"):  # refused by torch, after the wrapper's checks: undone
+        opt.add_param_group({"params": vecs[1:] + [vecs[0] * 1.0], "lr": 1e-3})
+    assert len(opt.param_groups) == len(opt.optim.param_groups) == 1 and len(opt._params) == len(mats)
     opt.add_param_group({"params": vecs, "lr": 1e-3})
     assert len(opt.param_groups) == len(opt.optim.param_groups) == 2
     assert opt.optim.param_groups[1]["lr"] == 1e-3

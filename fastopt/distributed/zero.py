@@ -875,11 +875,25 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._check_params(params, self.optim)
         if self.world_size > 1:
             self._check_replicas(params, self.optim, [len(params)], [param_group], len(self.param_groups))
-        self._assign(params, self.world_size > 1 and _can_split(self.optim))
-        super().add_param_group({**param_group, "params": params})
-        gi = len(self.param_groups) - 1
-        full = self.param_groups[gi]
-        self.optim.add_param_group({**full, "params": list(full["params"])})
+        # What _assign and the two add_param_group change, put back if either refuses the group (the wrapped
+        # optimizer checks its hyperparameters there; torch's, that every param is a leaf): nothing stays changed,
+        # and the group can be added again once corrected. Each rank refuses the same group the same way.
+        base, loads, groups = len(self._params), list(self._loads), len(self.param_groups)
+        split = dict(self.__dict__.get("_split", {}))
+        try:
+            self._assign(params, self.world_size > 1 and _can_split(self.optim))
+            super().add_param_group({**param_group, "params": params})
+            gi = len(self.param_groups) - 1
+            full = self.param_groups[gi]
+            self.optim.add_param_group({**full, "params": list(full["params"])})
+        except BaseException:
+            for p in self._params[base:]:
+                self._gidx.pop(id(p), None)
+            del self._params[base:], self._owner[base:], self.param_groups[groups:]
+            self._loads[:] = loads
+            self._split.clear()
+            self._split.update(split)
+            raise
         self._restrict_inner_group(gi)
         self.param_groups[gi] = self._wrap_group(full, gi)
         self._rebuild()  # carries ZeRO-2's sums and views over, and redoes ZeRO-1's reduction
