@@ -57,10 +57,12 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
     # The sm_90 compile check (minutes with a cold Triton cache, one core) runs last; its process starts when
     # the tests do (`pytest_runtestloop`), beside the rest of the suite (tests/test_compile.py). Under
-    # pytest-xdist a worker runs it as any other test, beside the other worker.
-    last = [it for it in items if it.nodeid.endswith(COMPILE_TEST)]
-    if last:
-        items[:] = [it for it in items if it not in last] + last
+    # pytest-xdist it runs first, on the first worker, beside the other: run last, it came in the last tests a
+    # worker steals (from the end of the other's queue), and its minutes were the run's tail, on one core.
+    compile_test = [it for it in items if it.nodeid.endswith(COMPILE_TEST)]
+    if compile_test:
+        rest = [it for it in items if it not in compile_test]
+        items[:] = compile_test + rest if os.environ.get("PYTEST_XDIST_WORKER") else rest + compile_test
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -5,7 +5,8 @@ tests/compile_check.py for how (a compile-only driver, every optimizer's Triton 
 The compile takes minutes with a cold Triton cache, in a process of its own on one core: when this test is
 collected with others, tests/conftest.py runs this test last and starts that process (`Compile`) when the tests
 start, so the compile runs beside the rest of the suite (which mostly keeps one core busy) and this test only
-collects its report. Under pytest-xdist (`./run.sh test`) a worker runs it as any other test."""
+collects its report. Under pytest-xdist (`./run.sh test`) it is the first test, run by the first worker beside
+the other."""
 from __future__ import annotations
 
 import json
