@@ -558,6 +558,17 @@ def test_rank_set_on_a_plain_group_later(backend, device):
     with pytest.raises(ValueError, match=re.escape("GaLoreAdamW: param_groups[0]['rank']=2")):
         opt.step()
     assert_unchanged(opt, before)
+    # A rank the param cannot take, set on a plain group: refused, and the group is left as the user set it (it
+    # took galore-torch's defaults for the other keys first, which stayed once the user took `rank` out, and made
+    # the group one that add_param_group refuses: "'update_proj_gap' must come with 'rank'").
+    p = torch.randn(6, 4, device=device, requires_grad=True)
+    opt = fastopt.GaLoreAdamW([p], lr=LR)
+    opt.param_groups[0]["rank"] = 7
+    keys = set(opt.param_groups[0])
+    p.grad = torch.randn_like(p)
+    with pytest.raises(ValueError, match=re.escape("param_groups[0]['rank']=7 must be at most min(m, n) = 4")):
+        opt.step()
+    assert set(opt.param_groups[0]) == keys and not opt.state[p]
 
 
 def test_non_finite_gradient_at_a_refresh_is_refused_before_any_change(backend, device):

@@ -972,7 +972,8 @@ def test_grad_scaler_fails_on_every_rank(pool, partition_grad):
 
 def _under_ddp(rank, world, partition_grad, overlap, ddp_first):
     """The model also wrapped in DistributedDataParallel (as torch's own ZeroRedundancyOptimizer is used), before
-    or after the wrapper is made: its first step raises on every rank."""
+    or after the wrapper is made: its first step raises on every rank, and so does a second try while the DDP
+    module lives (the first refusal marked the check done, and the second step reduced every gradient twice)."""
     model = Net()
     ddp = torch.nn.parallel.DistributedDataParallel(model) if ddp_first else None
     opt = ZeroRedundancyOptimizer(make_opt("AdamW", model), partition_grad=partition_grad,
@@ -980,9 +981,10 @@ def _under_ddp(rank, world, partition_grad, overlap, ddp_first):
     ddp = ddp or torch.nn.parallel.DistributedDataParallel(model)
     x, y = batch(0, world)
     loss_fn(ddp, *_mine(rank, x, y)).backward()
-    with pytest.raises(RuntimeError, match=r"params #0 \(11, 6\) .* and 6 more are also reduced by a "
-                                           r"DistributedDataParallel module"):
-        opt.step()
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match=r"params #0 \(11, 6\) .* and 6 more are also reduced by a "
+                                               r"DistributedDataParallel module"):
+            opt.step()
     return True
 
 
@@ -996,15 +998,16 @@ def test_ddp_wrapped_model_is_refused_on_every_rank(pool, partition_grad, overla
 
 def _late_grad(rank, world, overlap):
     """ZeRO-2: gradients set by hand after a backward pass (on every rank) are refused on every rank, the owners'
-    too; after zero_grad(), gradients set by hand (fresh, full rank, a different one on each rank) are averaged
+    too, and again on a second try (it stepped, dropping the backward's sum); after zero_grad(), gradients set by hand (fresh, full rank, a different one on each rank) are averaged
     and stepped like one process stepping on their mean, over several steps."""
     ref_model, ref_opt, model, opt, init = _ref_and_zero("AdamW", True, overlap)
     x, y = batch(0, world)
     _local_backward(model, x, y, rank, 1, False)
     for p in model.parameters():
         p.grad = torch.randn_like(p)
-    with pytest.raises(RuntimeError, match=r"got a gradient after backward had handed theirs to the wrapper"):
-        opt.step()
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match=r"got a gradient after backward had handed theirs to the wrapper"):
+            opt.step()
     for step in range(4):
         opt.zero_grad()
         ref_opt.zero_grad()
@@ -1627,6 +1630,86 @@ def test_refused_add_param_group_changes_nothing(pool):
     results = pool.run(_add_group_refused)
     assert all(split == [len(Wide().groups()[1])] for _, split in results), results  # the big param is split
     assert max(err for err, _ in results) <= TOL[DT]
+
+
+def _refused_steps(rank, world, partition_grad):
+    """Steps refused before anything changes, then corrected, against a run that never saw them, bit for bit
+    (an embedding and a linear layer, Lamb, one param per bucket):
+    - an lr of -1 set between steps: Lamb refuses it, and the gradients stay this rank's own (they were averaged
+      first, and the corrected retry averaged the averages again);
+    - ZeRO-1: a sparse gradient (nn.Embedding(sparse=True)), refused before any reduction, its backward's round
+      dropped; the user makes it dense, clears the gradients through the model (p.grad = None) and runs
+      backward again (the linear layer was stepped on zeros: the open round re-sent the buckets it had marked
+      filled). ZeRO-2's hooks refuse it in backward."""
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.Embedding(10, 4).double(), torch.nn.Linear(4, 3).double()
+
+    def backward(emb, lin, t):
+        idx = torch.randint(0, 10, (5,), generator=torch.Generator().manual_seed(100 * t + rank))
+        lin(emb(idx)).pow(2).sum().backward()
+
+    out = []
+    for refuse in (False, True):
+        emb, lin = build()
+        params = list(emb.parameters()) + list(lin.parameters())
+        opt = ZeroRedundancyOptimizer(fastopt.Lamb(params, lr=0.1), partition_grad=partition_grad,
+                                      bucket_size_mb=1e-5)
+        for t in range(6):
+            opt.zero_grad()
+            backward(emb, lin, t)
+            if refuse and t == 2:
+                mine = [None if p.grad is None else p.grad.clone() for p in params]
+                opt.param_groups[0]["lr"] = -1.0
+                with pytest.raises(ValueError, match=re.escape("Lamb: param_groups[0]['lr']=-1.0")):
+                    opt.step()
+                opt.param_groups[0]["lr"] = 0.1
+                if not partition_grad:  # ZeRO-2's hooks took the gradients during backward
+                    assert all(torch.equal(p.grad, g) for p, g in zip(params, mine))
+            if refuse and t == 4 and not partition_grad:  # ZeRO-2's hooks refuse it in backward
+                emb.sparse = True
+                for p in params:
+                    p.grad = None
+                backward(emb, lin, 99)
+                with pytest.raises(RuntimeError, match="has a torch.sparse_coo gradient"):
+                    opt.step()
+                emb.sparse = False
+                for p in params:
+                    p.grad = None
+                backward(emb, lin, t)
+            opt.step()
+        out.append([p.detach().clone() for p in params])
+    return all(torch.equal(a, b) for a, b in zip(*out))
+
+
+@pytest.mark.parametrize("partition_grad", [False, True])
+def test_refused_steps_change_nothing(pool, partition_grad):
+    assert pool.run(_refused_steps, partition_grad) == [True] * WORLD
+
+
+def test_refusals_keep_the_consolidated_state_dict():
+    """consolidate_state_dict() holds the consolidated state_dict for the next state_dict(); a refused
+    load_state_dict, add_param_group or step changes no state and drops it no more (state_dict() gave the
+    shard form instead)."""
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(4, 3, dtype=torch.float64))
+    opt = ZeroRedundancyOptimizer(fastopt.Lamb([w], lr=1e-2))
+    for _ in range(2):
+        w.grad = torch.randn_like(w)
+        opt.step()
+    opt.consolidate_state_dict(to=0)
+    assert "zero" not in opt.state_dict()
+    with pytest.raises(ValueError, match="state_dict has 0 param groups"):
+        opt.load_state_dict({"state": {}, "param_groups": []})
+    with pytest.raises(ValueError, match=re.escape("param_groups[1]['lr']=-1.0")):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(3))], "lr": -1.0})
+    opt.param_groups[0]["lr"] = -1.0
+    with pytest.raises(ValueError, match=re.escape("param_groups[0]['lr']=-1.0")):
+        opt.step()
+    opt.param_groups[0]["lr"] = 1e-2
+    assert "zero" not in opt.state_dict()
+    opt.step()
+    assert "zero" in opt.state_dict()  # a step changed the state: the held one is dropped
 
 
 # ---- bad input -------------------------------------------------------------------------------------------

@@ -179,6 +179,11 @@ def _split_bounds(n: int, world: int) -> tuple[int, ...]:
     return tuple([0] + inner + [n])
 
 
+def _sparse_message(i: int, p: Tensor, g: Tensor) -> str:
+    return (f"{_NAME}: param #{i} {tuple(p.shape)} (the wrapper's order) has a {g.layout} gradient "
+            "(nn.Embedding(sparse=True)?); the wrapper averages dense gradients: make it dense (sparse=False)")
+
+
 def _can_split(optimizer) -> bool:
     """Whether `optimizer` steps a flat piece of a param exactly as the whole: a FastOptimizer that takes
     layouts (its whole-tensor statistics are summed over the group of the pieces), or one of torch's
@@ -866,7 +871,6 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         if not getattr(self, "_initialized", False):
             super().add_param_group(param_group)
             return
-        self.__dict__.pop("_held", None)  # a consolidated state_dict held for state_dict() is stale from now on
         params = param_group["params"]
         if isinstance(params, set):  # torch refuses it too: a set's order may differ between ranks
             raise TypeError("optimizer parameters need to be organized in ordered collections, but the ordering of "
@@ -894,6 +898,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             self._split.clear()
             self._split.update(split)
             raise
+        self.__dict__.pop("_held", None)  # a consolidated state_dict held for state_dict() is stale from now on
         self._restrict_inner_group(gi)
         self.param_groups[gi] = self._wrap_group(full, gi)
         self._rebuild()  # carries ZeRO-2's sums and views over, and redoes ZeRO-1's reduction
@@ -931,7 +936,6 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         """The optimizer step on this rank's params and pieces, then the params' broadcast (collective).
         `closure` runs once, before the reductions; `kwargs` go to the wrapped optimizer's step, as in torch."""
         loss = None
-        self.__dict__.pop("_held", None)  # a consolidated state_dict held for state_dict() is stale from now on
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
@@ -943,6 +947,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             raise RuntimeError(f"{_NAME} does not support torch.amp.GradScaler: its inf check and step skip "
                                "would be per rank; train in bfloat16 (torch.autocast(dtype=torch.bfloat16) needs "
                                "no scaler), or call scaler.unscale_ and check for infs yourself over all ranks")
+        from ..optim.base import FastOptimizer
+        self._push_hyper()
+        if isinstance(self.optim, FastOptimizer):  # a refused step leaves the gradients as they were
+            self.optim._check_groups()
         self._reduce_grads()
         self._synced = False
         if not self.partition_grad:  # ZeRO-2 exposed the pieces' gradients already
@@ -957,7 +965,6 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                   if p.grad is not None and self._frozen(p)]
         for p, _g in hidden:
             p.grad = None
-        self._push_hyper()
         # A FastOptimizer seeds its stochastic rounding with each param's position before the groups were cut.
         self.optim.__dict__["_zero_ids"] = self._local_to_global()
         try:
@@ -965,6 +972,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         finally:
             for p, g in hidden:
                 p.grad = g
+        self.__dict__.pop("_held", None)  # a consolidated state_dict held for state_dict() is stale from now on
         self._pull_hyper()
         self._broadcast_params()
         self._gather_split()
@@ -977,17 +985,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of every param (and ZeRO-2's accumulators)."""
-        if self._round:  # a backward that raised (no end-of-backward callback runs after an error): drop its round
-            while self._inflight:  # every rank launched these (the same hooks fired before the same error)
-                self._complete(self._inflight.popleft())
-            for b in self._red:
-                b.reset_round()
-            self._next = 0
-            self._round = False
-            self._cleared = self._zeroed = self._eligible = False
-            self._late = set()
-            self._give_back_queued = False
-            self._give_back_stashed()
+        self._drop_round()  # a backward that raised (no end-of-backward callback runs after an error)
         self._synced = False
         self._carried = None  # every sum is cleared here, the split params' too: nothing left to vote on
         for piece in self._pieces.values():
@@ -1001,9 +999,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 b.seen = [False] * len(b.params)
             elif b.acc is not None:  # the counts stay: a param whose gradient is zeroed, not removed, is stepped
                 b.acc[:b.numel].zero_()
+        self._consumed = set()  # what the hooks took is cleared with the rest: a gradient set next replaces it
         if set_to_none:
             self._views = {}
-            self._consumed = set()
             self._stashed = {}
         for g in self.param_groups:
             for p in g["params"]:
@@ -1030,6 +1028,31 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             if not self._give_back_queued:  # at the end of this graph task (the accumulation follows at once)
                 self._give_back_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(_give_back(weakref.ref(self)))
+
+    def _drop_round(self) -> None:
+        """Drop an open round of reductions: one of a backward that raised, or of a step refused before its
+        reductions (the next backward starts a round of its own, rather than adding to buckets marked filled)."""
+        if not self._round:
+            return
+        while self._inflight:  # every rank launched these (the same hooks fired before the same error)
+            self._complete(self._inflight.popleft())
+        for b in self._red:
+            b.reset_round()
+        self._next = 0
+        self._round = False
+        self._cleared = self._zeroed = self._eligible = False
+        self._late = set()
+        self._give_back_queued = False
+        self._give_back_stashed()
+
+    def _check_dense(self) -> None:
+        """Refuse a sparse gradient before the step's reductions (every rank alike: a property of the model),
+        dropping the backward's open round: the user makes it dense and runs backward again."""
+        for i, p in enumerate(self._params):
+            g = p.grad
+            if g is not None and g.layout != torch.strided:
+                self._drop_round()
+                raise RuntimeError(_sparse_message(i, p, g))
 
     def _give_back_stashed(self) -> None:
         """Expose again the owners' views that a tensor hook took away and no accumulation followed (a
@@ -1149,9 +1172,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             b.staging = torch.zeros(b.size, dtype=b.dtype, device=b.device)
         g = p.grad
         if g is not None and g.layout != torch.strided:  # the same on every rank: a property of the model
-            raise RuntimeError(f"{_NAME}: param #{b.gidx[k]} {tuple(p.shape)} (the wrapper's order) has a "
-                               f"{g.layout} gradient (nn.Embedding(sparse=True)?); the wrapper averages dense "
-                               "gradients: make it dense (sparse=False)")
+            raise RuntimeError(_sparse_message(b.gidx[k], p, g))
         if b.bounds is not None:
             votes = b.staging.view(len(b.bounds) - 1, b.numel + 4)
             votes[:, b.numel + 1] = float(self._cleared)
@@ -1303,6 +1324,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             return
         if not self._ddp_checked:
             self._check_no_ddp()
+        self._check_dense()
         self._give_back_stashed()
         if self._round:
             self._flush()
@@ -1339,7 +1361,6 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         """Refuse params that a DistributedDataParallel module reduces too (looked for once, at the first step or
         clip_grad_norm_, among the live objects: every rank alike, as DDP is built on every rank)."""
         import gc
-        self._ddp_checked = True
         mine = {id(p): i for i, p in enumerate(self._params)}
         ddp_type = torch.nn.parallel.DistributedDataParallel
         for o in gc.get_objects():
@@ -1355,6 +1376,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                     "and with partition_grad=True or overlap_communication=True DDP's writes of its averaged "
                     "gradients race with the wrapper's, which gives wrong gradients. Give the wrapper the bare "
                     "module's parameters (no DDP; each rank still runs backward on its own batch).")
+        self._ddp_checked = True  # a refusal stands until the DDP module is gone
 
     def _check_foreign(self) -> None:
         """ZeRO-2: refuse gradients assigned after a backward hook handed them to the wrapper (which freed them)
@@ -1362,13 +1384,13 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         refused on every rank: an owner's gradient is then no longer the view of its accumulator either."""
         P, views = self._params, self._views
         late = sorted(i for i in self._consumed if P[i].grad is not None and P[i].grad is not views.get(i))
-        self._consumed = set()
-        if late:
+        if late:  # `_consumed` stays: refused again until zero_grad() (a retry would drop the backward's sum)
             shown = ", ".join(f"#{i} {tuple(P[i].shape)}" for i in late[:4]) + (" ..." if len(late) > 4 else "")
             raise RuntimeError(
                 f"{_NAME}(partition_grad=True): params {shown} (the wrapper's order) got a gradient after backward "
                 "had handed theirs to the wrapper, which reduces and frees them as backward runs. A gradient set by "
                 "hand replaces a backward pass (call the wrapper's zero_grad() first); it cannot follow one.")
+        self._consumed = set()
 
     @torch.no_grad()
     def _rebuild(self) -> None:
@@ -1612,7 +1634,6 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         """Load a consolidated state_dict (also one saved by the unwrapped optimizer) or this rank's shard. The
         wrapper's `register_load_state_dict_pre_hook` hooks see (and may replace) a shallow copy of it first, its
         post hooks run once it is loaded, as in torch."""
-        self.__dict__.pop("_held", None)
         if isinstance(state_dict, dict):
             state_dict = state_dict.copy()
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
@@ -1675,6 +1696,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         inner["state"] = inner_state
         inner["param_groups"] = inner_groups
         self.optim.load_state_dict(inner)
+        self.__dict__.pop("_held", None)  # refused above: the held consolidated state_dict stays
         self._pull_hyper()
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)

@@ -341,16 +341,22 @@ class FastOptimizer(torch.optim.Optimizer):
     def _check_group(self, gi: int, group: dict) -> None:
         """A subclass's own step-time checks of a group (after `_check_hyper`)."""
 
-    def _check_grads(self) -> None:
-        """Every refusal happens here, before any parameter or state changes: the groups' hyperparameters
-        again (an lr scheduler or a user may have changed them), the gradients, then whether each param's
-        state still fits its group's settings and its dtype and shape."""
+    def _check_groups(self) -> None:
+        """The groups' hyperparameters again (an lr scheduler or a user may have changed them); also run by
+        fastopt.ZeroRedundancyOptimizer before it reduces the gradients, so that a refused step leaves them as
+        they were."""
         for gi, group in enumerate(self.param_groups):
             for k, v in group.items():  # a numpy scalar set since: as the Python number it holds
                 if k != "params" and plain(v) is not v:
                     group[k] = plain(v)
             self._check_hyper(group, f"param_groups[{gi}]")
             self._check_group(gi, group)
+
+    def _check_grads(self) -> None:
+        """Every refusal happens here, before any parameter or state changes: the groups' hyperparameters
+        (`_check_groups`), the gradients, then whether each param's state still fits its group's settings and
+        its dtype and shape."""
+        self._check_groups()
         for gi, group in enumerate(self.param_groups):
             for pi, p in enumerate(group["params"]):
                 if p.grad is None:

@@ -189,10 +189,11 @@ class GaLoreAdamW(FastOptimizer):
         lacks from GROUP_DEFAULTS, as add_param_group gives them, and is checked like one added so."""
         if "rank" in group:
             missing = {k: v for k, v in GROUP_DEFAULTS.items() if k not in group}
-            group.update(missing)
+            merged = {**group, **missing}  # checked before the group takes them: a refused step leaves it as it was
             if missing:
-                self._check_hyper(group, f"param_groups[{gi}]")
-            self._check_projected(group, f"param_groups[{gi}]")
+                self._check_hyper(merged, f"param_groups[{gi}]")
+            self._check_projected(merged, f"param_groups[{gi}]")
+            group.update(missing)
 
     def _check_grads(self) -> None:
         """The base class's checks, then (`_check_refresh_grads`) the gradients the SVDs of this step will read.
