@@ -998,8 +998,9 @@ def test_ddp_wrapped_model_is_refused_on_every_rank(pool, partition_grad, overla
 
 def _late_grad(rank, world, overlap):
     """ZeRO-2: gradients set by hand after a backward pass (on every rank) are refused on every rank, the owners'
-    too, and again on a second try (it stepped, dropping the backward's sum); after zero_grad(), gradients set by hand (fresh, full rank, a different one on each rank) are averaged
-    and stepped like one process stepping on their mean, over several steps."""
+    too, and again on a second try (it stepped, dropping the backward's sum); after zero_grad(), gradients set by
+    hand (fresh, full rank, a different one on each rank) are averaged and stepped like one process stepping on
+    their mean, over several steps."""
     ref_model, ref_opt, model, opt, init = _ref_and_zero("AdamW", True, overlap)
     x, y = batch(0, world)
     _local_backward(model, x, y, rank, 1, False)
