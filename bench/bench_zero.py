@@ -222,7 +222,7 @@ def main(argv=None) -> None:
     p.add_argument("--iters", type=count(int, 1), default=10)
     p.add_argument("--no-dp", action="store_true", help="skip the data-parallel comparison")
     p.add_argument("--no-overhead", action="store_true", help="skip the world-size-1 overhead rows")
-    args = common.finish_args(p.parse_args(argv))
+    args = common.finish_args(p.parse_args(argv), p)
     machine = common.machine_info(args)
     out = Path(args.out) if args.out else common.RESULTS_DIR
     out.mkdir(parents=True, exist_ok=True)

@@ -735,13 +735,19 @@ def parser(description: str = "fastopt benchmark", prog: str | None = None) -> a
     return p
 
 
-def finish_args(args) -> argparse.Namespace:
-    """Fill the device-dependent defaults and the deadline (the values themselves are checked by `parser()`)."""
+def finish_args(args, p: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+    """Fill the device-dependent defaults and the deadline (the values themselves are checked by `parser()`);
+    an error names its argument through `p.error` (usage, exit code 2) as the parser's own do."""
+    def error(msg):
+        if p is None:
+            raise SystemExit(msg)
+        p.error(msg)
+
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     cuda = torch.device(args.device).type == "cuda"
     if cuda and not torch.cuda.is_available():
-        raise SystemExit("--device cuda but CUDA is not available")
+        error(f"argument --device: {args.device} but CUDA is not available")
     for name, gpu, cpu in (("layers_7b", 4, 1), ("layers_1b", 22, 1), ("scale", 1, 16), ("warmup_ms", 50.0, 20.0),
                            ("rep_ms", 300.0, 200.0), ("copy_mb", 2048, 64)):
         if getattr(args, name) is None:
@@ -749,7 +755,7 @@ def finish_args(args) -> argparse.Namespace:
     out = Path(args.out) if args.out else RESULTS_DIR
     why = unwritable_folder(out)  # before any timing, not after the first bench
     if why:
-        raise SystemExit(f"--out {out}: cannot be created or written ({why})")
+        error(f"argument --out: {out} cannot be created or written ({why})")
     args.deadline = None if args.budget_s is None else time.monotonic() + args.budget_s
     if args.tf32:  # for the whole process, as a training script would set it; the JSON's machine.fp32_matmul.
         # The legacy setter: code that reads the legacy flags (allow_tf32) fails after the new API's setter.
@@ -802,7 +808,8 @@ def print_results(results: list[dict]) -> None:
 
 def main(stem: str, run: Callable, argv=None) -> dict[str, Path]:
     """Entry point of a single `bench_<stem>.py` run as a script."""
-    args = finish_args(parser(f"fastopt benchmark: {stem}").parse_args(argv))
+    p = parser(f"fastopt benchmark: {stem}")
+    args = finish_args(p.parse_args(argv), p)
     with cpu_mode(args):
         results = run(args)
         paths = write_outputs(results, args, stem)

@@ -61,12 +61,15 @@ def main(argv=None, prog: str | None = None) -> dict:
         missing = [s for s in given if s not in found]
         if missing:
             p.error(f"argument {name}: no bench/bench_{missing[0]}.py (found: {', '.join(found) or 'none'})")
+        twice = [s for k, s in enumerate(given) if s in given[:k]]
+        if twice:
+            p.error(f"argument {name}: {twice[0]} given twice")
     if args.first:
         stems = [s for s in args.first if s in stems] + [s for s in stems if s not in args.first]
     if args.list:  # in the order they would run
         print("\n".join(stems))
         return {}
-    args = common.finish_args(args)
+    args = common.finish_args(args, p)
     with common.cpu_mode(args):  # first line on CPU: CPU numbers, one torch thread unless OMP_NUM_THREADS is set
         return _run(args, stems)
 

@@ -407,6 +407,9 @@ def parse_args(argv=None):
     unknown = [s for s in args.optim if s not in OPTIMIZERS]
     if unknown or not args.optim:
         ap.error(f"--optim {','.join(unknown) or '(empty)'}: choose from {', '.join(OPTIMIZERS)}")
+    twice = [s for k, s in enumerate(args.optim) if s in args.optim[:k]]
+    if twice:
+        ap.error(f"--optim {twice[0]}: given twice (each optimizer trains once)")
     if args.model == "llama":
         try:
             import transformers  # noqa: F401
@@ -423,9 +426,6 @@ def parse_args(argv=None):
     if args.ctx >= n_chars - 1:
         ap.error(f"--ctx {args.ctx}: must be below the corpus's {n_chars} characters less one (a sequence and its "
                  "next-character targets are cut from it)")
-    why = unwritable_folder(args.out)  # before training, not at its end
-    if why:
-        ap.error(f"--out {args.out}: cannot be created or written ({why})")
     if args.stochastic_round and args.dtype != "bfloat16":
         ap.error(f"--stochastic-round: only with --dtype bfloat16 (rounds bf16 params; these are {args.dtype})")
     if args.device == "auto":
@@ -453,6 +453,9 @@ def parse_args(argv=None):
     if args.device == "cuda" and not launched and world > n_gpus:
         ap.error(f"--tp {args.tp} --dp {args.dp}: needs {world} GPUs, {n_gpus} found (--device cpu runs gloo "
                  "processes on the CPU instead)")
+    why = unwritable_folder(args.out)  # last: a refused command leaves no folder; before training, not at its end
+    if why:
+        ap.error(f"--out {args.out}: cannot be created or written ({why})")
     return args
 
 

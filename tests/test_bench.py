@@ -113,6 +113,7 @@ def test_suite_end_to_end_on_cpu(tmp_path, monkeypatch, capsys):
     ("--device", "tpu", "must be cpu or cuda"),
     ("--benches", "nope", "no bench/bench_nope.py"),
     ("--first", "adafactor,nope", "no bench/bench_nope.py"),
+    ("--benches", "lamb,adafactor,lamb", "lamb given twice"),  # it ran twice, both sets of rows in the table
 ])
 def test_bad_arguments_are_argparse_errors(flag, value, says, capsys):
     """Out-of-range values fail at parsing (exit code 2, the flag, the value and the range in stderr), before
@@ -160,13 +161,14 @@ def test_help_still_works(capsys):
 
 
 def test_out_that_cannot_be_written_is_refused_before_timing(tmp_path, capsys):
-    """--out under a plain file: refused before anything is timed, naming the flag (it failed with a traceback
-    after the first bench's timing)."""
+    """--out under a plain file: refused before anything is timed, naming the flag as the parser's errors do
+    (usage, exit code 2; it failed with a traceback after the first bench's timing)."""
     (tmp_path / "afile").write_text("")
     with pytest.raises(SystemExit) as e:
         fbench.main(["--device", "cpu", "--benches", "adafactor", "--out", str(tmp_path / "afile" / "sub")])
-    assert f"--out {tmp_path / 'afile' / 'sub'}: cannot be created or written" in str(e.value.code)
-    assert "copy bandwidth" not in capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and "copy bandwidth" not in out
+    assert f"argument --out: {tmp_path / 'afile' / 'sub'} cannot be created or written" in err, err
 
 
 def test_param_sets_have_llama_shapes(suite):

@@ -204,6 +204,7 @@ def test_optimizer_without_layout_support_is_skipped_not_fatal(tmp_path, monkeyp
     (["--tp", "3"], "--tp 3: must divide the model's 4 attention heads"),
     (["--dp", "3", "--batch", "16"], "--batch 16: must be a multiple of --dp 3"),
     (["--optim", "adafactor,sgd"], "--optim sgd: choose from"),
+    (["--optim", "adamw,adafactor,adamw"], "--optim adamw: given twice"),  # trained twice, two rows of one name
     (["--steps", "0"], "--steps 0: must be >= 1"),
     (["--tp", "0"], "--tp 0: must be >= 1"),  # before the defaults divide by it (was a ZeroDivisionError)
     (["--dp", "0"], "--dp 0: must be >= 1"),
@@ -225,6 +226,9 @@ def test_out_that_cannot_be_written_is_refused_before_training(tmp_path, capsys)
     with pytest.raises(SystemExit):
         demo.parse_args(["--device", "cpu", "--out", str(tmp_path / "afile" / "sub")])
     assert f"--out {tmp_path / 'afile' / 'sub'}: cannot be created or written" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a command refused for another flag leaves no folder behind
+        demo.parse_args(["--device", "cpu", "--tp", "3", "--out", str(tmp_path / "new" / "sub")])
+    assert not (tmp_path / "new").exists()
     args = demo.parse_args(["--device", "cpu", "--out", str(tmp_path / "new" / "sub")])
     assert (tmp_path / "new" / "sub").is_dir() and args.out == str(tmp_path / "new" / "sub")
 
