@@ -1696,7 +1696,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         inner["state"] = inner_state
         inner["param_groups"] = inner_groups
         self.optim.load_state_dict(inner)
-        self.__dict__.pop("_held", None)  # refused above: the held consolidated state_dict stays
+        self.__dict__.pop("_held", None)  # loaded: a held consolidated state_dict is stale (a refusal keeps it)
         self._pull_hyper()
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)

@@ -38,8 +38,8 @@ class AdamW8bit(FastOptimizer):
     `absmax1`, `absmax2` (fp32, ceil(numel / block_size)); full precision: `state1` (m), `state2` (v).
     bitsandbytes also stores `qmap1`/`qmap2`; here the maps are fixed (fastopt.reference.quant.dynamic_map),
     and `load_state_dict` takes a bitsandbytes state_dict as it is (the maps checked to be these, then dropped;
-    `step` made a tensor). Works with
-    `torch.amp.GradScaler` without host sync: a step with a non-finite gradient changes nothing.
+    `step` made a tensor). Works with `torch.amp.GradScaler` without host sync: a step with a non-finite
+    gradient changes nothing.
     """
 
     _name = "AdamW8bit"
