@@ -1131,6 +1131,64 @@ def _cover_case(rank, world, name):
     return out
 
 
+def _redeclared_case(rank, world):
+    """Declarations that change what a step would do, each refused, then corrected (Lamb, a (4, 6) param cut
+    into flat ranges over the world, float64, against one process stepping it whole):
+    - every rank's piece declared at flat_offset 0: the step refuses it; declare_shard again with the right
+      offsets, and the steps are one process's (the first layout stayed cached, and every step was refused);
+    - a piece stepped undeclared, then declared: refused, naming when to declare (it went on stepping the piece
+      as a whole tensor, 9% of the update off);
+    - setup_distributed refusing the second group's padding_map declares the first group's neither (it stepped
+      those as ZeRO shards)."""
+    from fastopt.distributed import declare_shard
+    n = 24 // world
+    g = torch.Generator().manual_seed(0)
+    full = torch.randn(4, 6, dtype=torch.float64, generator=g)
+    grads = [torch.randn(4, 6, dtype=torch.float64, generator=g) for _ in range(3)]
+    ref = full.clone()
+    ref_opt = fastopt.Lamb([ref], lr=0.1)
+    for gr in grads:
+        ref.grad = gr
+        ref_opt.step()
+
+    def mine(t):
+        return t.reshape(-1)[rank * n:(rank + 1) * n].clone()
+
+    p = declare_shard(mine(full), (4, 6), dist.group.WORLD, flat_offset=0)
+    opt = fastopt.Lamb([p], lr=0.1)
+    p.grad = mine(grads[0])
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\] \(local shape"):
+        opt.step()
+    assert torch.equal(p, mine(full)) and not opt.state[p]
+    declare_shard(p, (4, 6), dist.group.WORLD, flat_offset=rank * n)
+    for gr in grads:
+        p.grad = mine(gr)
+        opt.step()
+    err = float((p - mine(ref)).abs().max() / (mine(ref) - mine(full)).abs().max())
+
+    q = mine(full)
+    late = fastopt.Lamb([q], lr=0.1)
+    q.grad = mine(grads[0])
+    late.step()
+    declare_shard(q, (4, 6), dist.group.WORLD, flat_offset=rank * n)
+    q1 = q.clone()
+    with pytest.raises(ValueError, match=r"was declared \(fastopt.distributed.declare_shard\) after its first step"):
+        late.step()
+    assert torch.equal(q, q1)
+
+    s0, s1 = mine(full), torch.zeros(2)
+    two = fastopt.Lamb([{"params": [s0]}, {"params": [s1]}], lr=0.1)
+    with pytest.raises(ValueError, match=r"padding_map gives 3 for param_groups\[1\]"):
+        two.setup_distributed(dp_group=dist.group.WORLD, is_zero=True, padding_map={id(s1): 3},
+                              shard_to_working_param={id(s0): full, id(s1): torch.zeros(2 * world - 1)})
+    assert two._layout(s0) is None and two._layout(s1) is None
+    return err
+
+
+def test_a_refused_or_late_declaration_is_corrected_or_refused(pool):
+    assert max(pool.run(_redeclared_case)) <= 1e-12
+
+
 @pytest.mark.parametrize("name", ["adafactor", "lamb"])
 def test_declared_pieces_must_cover_the_tensor_once(pool, name):
     for res in pool.run(_cover_case, name):

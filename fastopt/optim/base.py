@@ -20,7 +20,7 @@ from torch import Tensor
 from .. import checkpoint as ckpt
 from .. import ops
 from ..distributed import phases
-from ..distributed.layout import Layout, fsdp1_refusal, fsdp_grads, layout_of, local
+from ..distributed.layout import _ATTR, Layout, fsdp1_refusal, fsdp_grads, layout_of, local
 
 __all__ = ["FastOptimizer", "check", "check_betas", "ScalerArgs", "lr_rule", "host_value"]
 
@@ -328,13 +328,13 @@ class FastOptimizer(torch.optim.Optimizer):
         group = self.param_groups[-1]
         spec = self.__dict__.get("_colossal")
         if spec is not None:  # declared like the groups setup_distributed saw, or not added at all
+            declared: dict = {}
             try:
-                self._declare_group(len(self.param_groups) - 1, spec)
-            except ValueError:
-                cache = self.__dict__.get("_layout_cache", {})
-                for p in self.param_groups.pop()["params"]:
-                    cache.pop(id(p), None)
+                self._declare_group(len(self.param_groups) - 1, spec, declared)
+            except BaseException:
+                self.param_groups.pop()
                 raise
+            self.__dict__.setdefault("_layout_cache", {}).update(declared)
         if self._quantized_keys(group):  # may keep 8-bit state
             _warm_maps(group)
 
@@ -478,15 +478,36 @@ class FastOptimizer(torch.optim.Optimizer):
         refuses an undeclared copy of a declared tensor (`torch.nn.Parameter(t)` of a declared t)."""
         cache = self.__dict__.setdefault("_layout_cache", {})
         key = id(p)
-        if key not in cache:
+        hit = cache.get(key)
+        if hit is not None and len(hit) == 3 and getattr(p, _ATTR, None) is not hit[2]:
+            self._redeclared(p)  # declare_shard since the layout was read (setup_distributed's are 2-tuples)
+            hit = None
+        if hit is None:
             lay = layout_of(p, owner=self._name)
             if lay is None and fsdp1_refusal(p, "") is not None and self._whole_statistics(p):
-                where = next((f"param_groups[{gi}]['params'][{pi}]" for gi, g in enumerate(self.param_groups)
-                              for pi, q in enumerate(g["params"]) if q is p), "a param")
                 # not cached: declare_fsdp may come before the next step
-                raise ValueError(fsdp1_refusal(p, f"{self._name}: {where}"))
-            cache[key] = (p, lay)  # keep p alive so its id is not reused
-        return cache[key][1]
+                raise ValueError(fsdp1_refusal(p, f"{self._name}: {self._where(p)}"))
+            # p kept alive so that its id is not reused; its declaration, to see a later one
+            hit = cache[key] = (p, lay, getattr(p, _ATTR, None))
+        return hit[1]
+
+    def _where(self, p: Tensor) -> str:
+        return next((f"param_groups[{gi}]['params'][{pi}]" for gi, g in enumerate(self.param_groups)
+                     for pi, q in enumerate(g["params"]) if q is p), "a param")
+
+    def _redeclared(self, p: Tensor) -> None:
+        """p was declared (declare_shard) since this optimizer read its layout. Before its first step it takes
+        the new one (a declaration refused at a step can be corrected); after, its state was made for the old
+        one, and its steps taken: refused. Zero state from a state_dict() before any step is made again."""
+        st = self.state.get(p)
+        if st and "step" in st and float(local(st["step"])) == 0:  # a host read, at a new declaration only
+            del self.state[p]
+        elif st:
+            raise ValueError(f"{self._name}: {self._where(p)} was declared (fastopt.distributed.declare_shard) "
+                             "after its first step, whose state and steps were those of another layout: declare "
+                             "shards before the first step, or give the params to a new optimizer")
+        self.__dict__.pop("_amp_memo", None)
+        self._layout_cache.pop(id(p), None)
 
     def _fsdp_grads(self) -> dict:
         """`fsdp_grads` of this optimizer's FSDP1 pieces (none: no collective)."""
@@ -572,8 +593,10 @@ class FastOptimizer(torch.optim.Optimizer):
                              "the whole world")
         spec = (tp_group, dp_group, {} if shard_to_working_param is None else shard_to_working_param,
                 {} if padding_map is None else padding_map, is_zero)
+        declared: dict = {}  # every group's, before any is kept: a refused call declares nothing
         for gi in range(len(self.param_groups)):
-            self._declare_group(gi, spec)
+            self._declare_group(gi, spec, declared)
+        self.__dict__.setdefault("_layout_cache", {}).update(declared)
         self.__dict__["_colossal"] = spec  # for add_param_group; not copied (process groups, ids of these params)
         # State made before this declaration (the zero state a state_dict() makes) has the undeclared params'
         # shapes: dropped while no step has used it (step 0), the first step makes it again. A host read, here only.
@@ -583,13 +606,13 @@ class FastOptimizer(torch.optim.Optimizer):
                 if st and "step" in st and float(local(st["step"])) == 0:
                     del self.state[p]
 
-    def _declare_group(self, gi: int, spec: tuple) -> None:
-        """`setup_distributed`'s declaration of the params of param_groups[gi]."""
+    def _declare_group(self, gi: int, spec: tuple, cache: dict) -> None:
+        """`setup_distributed`'s declaration of the params of param_groups[gi], into `cache` (the caller keeps
+        them in `_layout_cache` once every one is made)."""
         from ..distributed.layout import make_layout
         self.__dict__.pop("_amp_memo", None)
         n = f"{self._name}.setup_distributed"
         tp_group, dp_group, mapping, pads, is_zero = spec
-        cache = self.__dict__.setdefault("_layout_cache", {})
         group = self.param_groups[gi]
         for pi, p in enumerate(group["params"]):
             where = f"param_groups[{gi}]['params'][{pi}]"
