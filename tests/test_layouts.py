@@ -1015,6 +1015,14 @@ def test_declaration_after_construction_is_seen(name):
     opt = TWIN_OPTS[name](p)
     declare_shard(p, (8, 6), "group", dim=0, start=0)
     assert opt._layout(p) is layout_of(p) and opt._global_shape(p) == (8, 6)
+    # Declared again before the first step (correcting one): the new declaration counts, in a copy too.
+    declare_shard(p, (12, 6), "group", dim=0, start=0)
+    assert opt._layout(p) is layout_of(p) and opt._global_shape(p) == (12, 6)
+    twin = copy.deepcopy(opt)
+    q = twin.param_groups[0]["params"][0]
+    assert twin._global_shape(q) == (12, 6)
+    declare_shard(q, (16, 6), "group", dim=0, start=0)
+    assert twin._layout(q) is layout_of(q) and twin._global_shape(q) == (16, 6)
 
 
 def test_galore_state_dict_before_a_flat_declaration_keeps_it_visible():

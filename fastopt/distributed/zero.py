@@ -883,7 +883,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         # optimizer checks its hyperparameters there; torch's, that every param is a leaf): nothing stays changed,
         # and the group can be added again once corrected. Each rank refuses the same group the same way.
         base, loads, groups = len(self._params), list(self._loads), len(self.param_groups)
-        split = dict(self.__dict__.get("_split", {}))
+        split = dict(self._split)
         try:
             self._assign(params, self.world_size > 1 and _can_split(self.optim))
             super().add_param_group({**param_group, "params": params})

@@ -191,7 +191,6 @@ class FastOptimizer(torch.optim.Optimizer):
         state = super().__getstate__()
         state.pop("_colossal", None)  # process groups, and the ids of these params
         state.pop("_unstepped", None)  # the copy's state dicts are new: its zero state is not known to be unstepped
-        from ..distributed.layout import _ATTR
         declared = [None if ckpt.is_dtensor(p) or self._layout(p) is None else
                     (self._layout(p), getattr(p, _ATTR, None) is self._layout(p))
                     for g in self.param_groups for p in g["params"]]
@@ -219,13 +218,14 @@ class FastOptimizer(torch.optim.Optimizer):
         self._plans = {}
         self._layout_sigs = {}
         if declared is not None:
-            from ..distributed.layout import _ATTR
             cache = self.__dict__.setdefault("_layout_cache", {})
             for p, d in zip([p for g in self.param_groups for p in g["params"]], declared):
                 if d is not None:
-                    cache[id(p)] = (p, d[0])
-                    if d[1] and getattr(p, _ATTR, None) is None:
-                        setattr(p, _ATTR, d[0])  # declare_shard's declaration, as on the original tensor
+                    lay, by_declare_shard = d
+                    if by_declare_shard and getattr(p, _ATTR, None) is None:
+                        setattr(p, _ATTR, lay)  # declare_shard's declaration, as on the original tensor
+                    # `_layout` sees a later declare_shard, as on the original (setup_distributed's: 2-tuples)
+                    cache[id(p)] = (p, lay, getattr(p, _ATTR)) if by_declare_shard else (p, lay)
 
     # ---- subclass interface -------------------------------------------------------------------
     def _state_spec(self, p: Tensor, group: dict) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -499,10 +499,7 @@ class FastOptimizer(torch.optim.Optimizer):
         """p was declared (declare_shard) since this optimizer read its layout. Before its first step it takes
         the new one (a declaration refused at a step can be corrected); after, its state was made for the old
         one, and its steps taken: refused. Zero state from a state_dict() before any step is made again."""
-        st = self.state.get(p)
-        if st and "step" in st and float(local(st["step"])) == 0:  # a host read, at a new declaration only
-            del self.state[p]
-        elif st:
+        if self._drop_unstepped_state(p):
             raise ValueError(f"{self._name}: {self._where(p)} was declared (fastopt.distributed.declare_shard) "
                              "after its first step, whose state and steps were those of another layout: declare "
                              "shards before the first step, or give the params to a new optimizer")
@@ -598,13 +595,19 @@ class FastOptimizer(torch.optim.Optimizer):
             self._declare_group(gi, spec, declared)
         self.__dict__.setdefault("_layout_cache", {}).update(declared)
         self.__dict__["_colossal"] = spec  # for add_param_group; not copied (process groups, ids of these params)
-        # State made before this declaration (the zero state a state_dict() makes) has the undeclared params'
-        # shapes: dropped while no step has used it (step 0), the first step makes it again. A host read, here only.
         for group in self.param_groups:
             for p in group["params"]:
-                st = self.state.get(p)
-                if st and "step" in st and float(local(st["step"])) == 0:
-                    del self.state[p]
+                self._drop_unstepped_state(p)
+
+    def _drop_unstepped_state(self, p: Tensor) -> bool:
+        """Drop p's state if no step has used it (step 0: the zero state a state_dict() makes, with the shapes of
+        the layout before a new declaration; the first step makes it again). A host read, at a declaration only.
+        Returns whether p has state left (made by its steps)."""
+        st = self.state.get(p)
+        if st and "step" in st and float(local(st["step"])) == 0:
+            del self.state[p]
+            return False
+        return bool(st)
 
     def _declare_group(self, gi: int, spec: tuple, cache: dict) -> None:
         """`setup_distributed`'s declaration of the params of param_groups[gi], into `cache` (the caller keeps
