@@ -84,6 +84,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections import defaultdict
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -414,27 +415,58 @@ def agreement_groups(params: list, layouts: list) -> list:
     group of each DTensor param's mesh and every group of each declared layout (`layouts[i]`, None for plain
     or DTensor params), one object per communicator, in an order that every rank derives alone: rank gap
     (large first: the outer mesh dims before the inner ones, as the mesh's dims come), then ranks, then name.
-    Groups of one rank are left out; ranks that share none of these params are never among them."""
+    Groups of one rank are left out; ranks that share none of these params are never among them. Each comes
+    as (group, the indices of the params that span it, in order)."""
     found = {}
 
-    def add(g):
+    def add(g, i):
         if not isinstance(g, dist.ProcessGroup):
             return
         ranks = tuple(sorted(dist.get_process_group_ranks(g)))
         if len(ranks) > 1:
-            found.setdefault((-(ranks[1] - ranks[0]), ranks, dist._get_process_group_name(g)), g)
+            members = found.setdefault((-(ranks[1] - ranks[0]), ranks, dist._get_process_group_name(g)), (g, []))[1]
+            if not members or members[-1] != i:
+                members.append(i)
 
-    for p, lay in zip(params, layouts):
+    for i, (p, lay) in enumerate(zip(params, layouts)):
         if is_dtensor(p):
             mesh = p.device_mesh
             if mesh.get_coordinate() is None:  # a mesh without this rank: it holds nothing of p
                 continue
             for d in range(mesh.ndim):
-                add(mesh.get_group(d))
+                add(mesh.get_group(d), i)
         elif lay is not None:
             for g in lay.groups:
-                add(g)
+                add(g, i)
     return [found[k] for k in sorted(found)]
+
+
+def agree_states(groups: list, marks: list, failed: bool, describe: Callable[[int, Any, Any, int], str]) -> str | None:
+    """What is wrong when the ranks that share a param would load different states for it (`marks[i]`: None
+    for no state, else its step), or None. One sweep of all_gather_object over `agreement_groups`' groups in
+    their common order, on every rank of them whatever it found before (`failed`: this rank refuses already,
+    and its marks may be incomplete: no rank of its groups compares them). `describe(i, mine, theirs, rank)`
+    words a difference in param i. A rank that restarts a param's state while the others go on, or goes on
+    from another step, would step its piece apart from theirs, silently: a checkpoint whose ranks' files come
+    from different steps, or a state_dict edited on one rank."""
+    if not (groups and dist.is_available() and dist.is_initialized()):
+        return None
+    found_problem = None
+    for g, members in groups:
+        mine = [marks[i] for i in members]
+        got = [None] * dist.get_world_size(g)
+        dist.all_gather_object(got, (failed, mine), group=g)
+        if found_problem is not None or any(f for f, _m in got):
+            continue
+        ranks = dist.get_process_group_ranks(g)
+        for r, (_f, theirs) in zip(ranks, got):
+            if len(theirs) != len(mine):  # other params span this group there: nothing to compare them with
+                continue
+            k = next((k for k, (a, b) in enumerate(zip(mine, theirs)) if a != b), None)
+            if k is not None:
+                found_problem = describe(members[k], mine[k], theirs[k], r)
+                break
+    return found_problem
 
 
 def agree(problem: str | None, groups: list) -> None:
@@ -447,7 +479,7 @@ def agree(problem: str | None, groups: list) -> None:
         me = dist.get_rank()
         known = None if problem is None else (problem, me)
         for _sweep in range(2):
-            for g in groups:
+            for g, _members in groups:
                 found = [None] * dist.get_world_size(g)
                 dist.all_gather_object(found, known, group=g)
                 known = known or next((f for f in found if f is not None), None)

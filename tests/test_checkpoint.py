@@ -1296,6 +1296,19 @@ def _submesh_case(rank, world):
         out["unchanged"] = _same(before, _snapshot(opt))
     else:
         opt.load_state_dict(sd)
+    # A state missing on one rank of a param's group (the declared piece's), or from another step there (the
+    # DTensor's): that rank would restart its piece, or step it apart, silently. Refused there, and only there.
+    for pid, edit in ((1, lambda st: st.pop(1)), (0, lambda st: st[0].update(step=torch.tensor(5.0)))):
+        sd = copy.deepcopy(opt.state_dict())
+        if rank == 1:
+            edit(sd["state"])
+        if rank < 2:
+            with pytest.raises(ValueError, match=rf"state\[{pid}\] holds (no state|the state of step [15]) here and "
+                               r"(no state|the state of step [15]) on rank [01], which shares this param"):
+                opt.load_state_dict(sd)
+            out[f"unchanged_{pid}"] = _same(before, _snapshot(opt))
+        else:
+            opt.load_state_dict(sd)
     dist.barrier()
     return out
 
@@ -1303,7 +1316,8 @@ def _submesh_case(rank, world):
 @pytest.mark.dist
 def test_load_state_dict_agrees_over_the_params_groups_only(pool):
     results = pool.run(_submesh_case)  # the pool's timeout turns a hang into a failure
-    assert results[0] == results[1] == {"unchanged": True} and results[2] == results[3] == {}, results
+    want = {"unchanged": True, "unchanged_0": True, "unchanged_1": True}
+    assert results[0] == results[1] == want and results[2] == results[3] == {}, results
 
 
 @pytest.mark.parametrize("case, form", [(c, "codes") for c in CASES] + [(c, "dequantized") for c in sorted(EIGHT_BIT)]

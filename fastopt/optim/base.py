@@ -865,7 +865,7 @@ class FastOptimizer(torch.optim.Optimizer):
         # in one rank's piece only): over the groups of the params' meshes and declarations, never the world.
         params = [p for g in self.param_groups for p in g["params"]]
         groups = ckpt.agreement_groups(params, [None if ckpt.is_dtensor(p) else self._layout(p) for p in params])
-        new_state, problem = {}, None
+        new_state, problem, pids = {}, None, {}
         for pid, st in saved_state.items():
             if pid not in id_map:
                 problem = f"{where}: state for unknown param id {pid!r}"
@@ -888,7 +888,18 @@ class FastOptimizer(torch.optim.Optimizer):
                 break
             problem = problem or bad
             new_state[p] = out
-        ckpt.agree(problem, groups)
+            pids[p] = pid
+        # ... and on the state each loads for it: all of them fresh, or all from one step.
+        marks = [_step_mark(new_state.get(p)) for p in params]
+
+        def describe(i, mine, theirs, rank):
+            p = params[i]
+            pid = pids.get(p, next((k for k, v in id_map.items() if v[0] is p), i))
+            word = lambda m: "no state" if m is None else f"the state of step {m:g}"  # noqa: E731
+            return (f"{where}: state[{pid!r}] holds {word(mine)} here and {word(theirs)} on rank {rank}, which "
+                    "shares this param: the ranks must load the states of one checkpoint")
+        apart = ckpt.agree_states(groups, marks, problem is not None, describe)  # on every rank, as agree
+        ckpt.agree(problem or apart, groups)
         return new_state
 
     def _codes_cast(self, p: Tensor, group: dict, own: dict, spec: dict, quantized: dict) -> dict:
@@ -908,6 +919,15 @@ class FastOptimizer(torch.optim.Optimizer):
         fmt = lambda g: ", ".join(f"{k}={g.get(k)!r}" for k in changed)  # noqa: E731
         return dict(cast_keys=keys, cast_note=f"the state_dict's param_groups have {fmt(group)}, this optimizer "
                                               f"{fmt(own)}")
+
+
+def _step_mark(st: dict | None):
+    """What the ranks that share a param must agree on in the state they load for it: None (fresh), else its
+    step."""
+    if st is None:
+        return None
+    step = st.get("step")
+    return float(local(step)) if isinstance(step, Tensor) else step
 
 
 def _warm_maps(group: dict) -> None:
