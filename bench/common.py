@@ -54,6 +54,7 @@ import platform
 import re
 import statistics
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -806,6 +807,24 @@ def print_results(results: list[dict]) -> None:
             print(f"{head} {r['status']}: {r['reason']}", flush=True)
 
 
+def check_only(args, results: list[dict]) -> None:
+    """After a run: an `--only` name that selected no implementation is a typo, which would otherwise pass as a
+    run that measured less. None selected anything: exit with an error (exit code 2); some did: a warning.
+    Either lists the implementations the run offered."""
+    if not args.only:
+        return
+    impls = sorted({r["impl"] for r in results if r["impl"] != "(bench)"})
+    unmatched = [s for s in args.only if not any(s in impl for impl in impls)]
+    if not unmatched:
+        return
+    msg = (f"argument --only: {', '.join(unmatched)} matched no implementation of this run "
+           f"(its implementations: {', '.join(impls) or 'none'})")
+    if len(unmatched) == len(args.only):
+        print(f"error: {msg}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+    print(f"warning: {msg}", file=sys.stderr, flush=True)
+
+
 def main(stem: str, run: Callable, argv=None) -> dict[str, Path]:
     """Entry point of a single `bench_<stem>.py` run as a script."""
     p = parser(f"fastopt benchmark: {stem}")
@@ -816,4 +835,5 @@ def main(stem: str, run: Callable, argv=None) -> dict[str, Path]:
     print_results(results)
     for p in paths.values():
         print(f"wrote {p}")
+    check_only(args, results)
     return paths

@@ -98,6 +98,7 @@ def _run(args, stems: list[str]) -> dict:
         print(f"   ({time.monotonic() - t0:.1f} s)", flush=True)
     for path in paths.values():
         print(f"wrote {path}")
+    common.check_only(args, suite)
     return paths
 
 

@@ -138,6 +138,23 @@ def test_bench_zero_bad_arguments_are_argparse_errors(flag, value, capsys):
     assert f"argument {flag}: " in err and value in err, err
 
 
+def test_only_that_selects_nothing_is_an_error(tmp_path, monkeypatch, capsys):
+    """An `--only` name that selects no implementation is a typo: alone, the run ends with exit code 2 naming it
+    and the implementations there were (it passed as a run whose rows were all 'not selected'); beside a name
+    that selects, a warning."""
+    monkeypatch.setenv("FASTOPT_BACKEND", "torch")
+    args = TINY + ["--dtypes", "fp32", "--sets", "1b", "--benches", "lamb", "--out", str(tmp_path)]
+    with pytest.raises(SystemExit) as e:
+        fbench.main(args + ["--only", "fastopt.Lamm"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: argument --only: fastopt.Lamm matched no implementation" in err and "fastopt.Lamb" in err, err
+    fbench.main(args + ["--only", "fastopt.Lamb,nope"])
+    cap = capsys.readouterr()
+    assert "warning: argument --only: nope matched no implementation" in cap.err, cap.err
+    assert re.search(r"fastopt\.Lamb\S*\s+[\d.]+ ms", cap.out), cap.out
+
+
 def test_first_benches_run_first_in_their_order(capsys):
     """--first (gpu_check.sh's BENCH_FIRST: the benches a change touched, before the device's time runs out)
     reorders what would run, within --benches when given; --list prints that order."""
