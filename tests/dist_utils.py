@@ -39,6 +39,8 @@ def _worker(rank: int, world_size: int, init_file: str, tasks, results, coll_tim
     import torch
     import torch.distributed as dist
 
+    import interp_speed  # the parent's faster interpreter (tests/conftest.py installs it there), here too
+    interp_speed.install()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=coll_timeout))

@@ -1,6 +1,6 @@
 """tests/interp_speed.py (installed by conftest under TRITON_INTERPRET=1): kernels whose nested @triton.jit calls
 skip Triton's re-patch, with the interpreter's type functions memoized, give the same bits as under Triton's own
-interpreter, and the re-patch is skipped."""
+interpreter; the re-patch is skipped, and the patch is kept for later launches."""
 from __future__ import annotations
 
 import contextlib
@@ -91,7 +91,9 @@ def test_nested_calls_give_the_same_bits_and_skip_the_repatch():
     x = torch.randn(100, generator=torch.Generator().manual_seed(0))
     ours, theirs = [], []
     def memoized():
-        return it._get_np_dtype, it.InterpreterBuilder.get_block_ty, tl.block_type.with_element_ty, tl.tensor.__init__
+        sem = it.interpreter_semantic
+        return (it._get_np_dtype, it.InterpreterBuilder.get_block_ty, tl.block_type.with_element_ty,
+                tl.tensor.__init__, it._patch_lang, sem.broadcast_impl_value, sem.computation_type_impl)
 
     ours_fns = memoized()
     with _counting_patches(ours):
@@ -109,6 +111,19 @@ def test_nested_calls_give_the_same_bits_and_skip_the_repatch():
     # 4 programs, each 3 x (_outer + 2 _inner) user calls and triton.language's helpers: Triton patches at each;
     # here the launch patches once and the first call of triton.language's own helpers once more.
     assert len(theirs) > 4 * 9 and len(ours) <= 2, (len(ours), len(theirs))
+    # ... and keeps it: a later launch patches nothing again (Triton's own re-patches every module each launch).
+    sweeps = []
+    orig_sweep = it._patch_builtin
+    it._patch_builtin = lambda *a, **k: sweeps.append(1) or orig_sweep(*a, **k)
+    try:
+        again = _run(x)
+        assert not sweeps, len(sweeps)
+        with interp_speed.triton_as_it_is():
+            _run(x)
+        assert sweeps
+    finally:
+        it._patch_builtin = orig_sweep
+    assert all(torch.equal(a, b) for a, b in zip(again, fast))
     ref = x.clone()
     acc = torch.zeros_like(x)
     for i in range(3):
