@@ -890,12 +890,13 @@ class FastOptimizer(torch.optim.Optimizer):
             new_state[p] = out
             pids[p] = pid
         # ... and on the state each loads for it: all of them fresh, or all from one step.
-        marks = [_step_mark(new_state.get(p)) for p in params]
+        marks = [_step_mark(new_state.get(p)) for p in params] if groups else []
 
         def describe(i, mine, theirs, rank):
             p = params[i]
             pid = pids.get(p, next((k for k, v in id_map.items() if v[0] is p), i))
-            word = lambda m: "no state" if m is None else f"the state of step {m:g}"  # noqa: E731
+            word = lambda m: ("no state" if m is None else f"the state of step {m:g}"  # noqa: E731
+                              if isinstance(m, float) else "a state")
             return (f"{where}: state[{pid!r}] holds {word(mine)} here and {word(theirs)} on rank {rank}, which "
                     "shares this param: the ranks must load the states of one checkpoint")
         apart = ckpt.agree_states(groups, marks, problem is not None, describe)  # on every rank, as agree
@@ -923,11 +924,14 @@ class FastOptimizer(torch.optim.Optimizer):
 
 def _step_mark(st: dict | None):
     """What the ranks that share a param must agree on in the state they load for it: None (fresh), else its
-    step."""
+    step as a float (True where it has no value here: on the meta device)."""
     if st is None:
         return None
     step = st.get("step")
-    return float(local(step)) if isinstance(step, Tensor) else step
+    if isinstance(step, Tensor):
+        step = local(step)
+        return True if step.is_meta else float(step)
+    return float(step) if isinstance(step, numbers.Real) else True
 
 
 def _warm_maps(group: dict) -> None:
