@@ -15,9 +15,7 @@ And it keeps the patch for the rest of the process: `_patch_lang` patches a lang
 kernel or helper sees it, and a launch's end restores nothing, so the next launch sweeps nothing either
 (Triton itself never restores what a nested call patched). The wrappers are the same at every launch (the
 interpreter's one builder and semantic), and nothing in an interpreting process uses triton.language outside
-a launch. Two sweeps per launch were left: 15 steps each of CAME 8-bit, Adafactor, Lamb and GaLore 8-bit on
-tests/test_conventions.py's shapes, best of 6 blocks of 5 steps, 3 runs each way: 5-19% less CPU time per
-step (CAME 8-bit 0.115 -> 0.093 s, Adafactor 0.077 -> 0.065 s), the same bits.
+a launch. Two sweeps per launch were left.
 
 It also memoizes four functions of types that interpreted operations call again and again (`_memoize`): the
 NumPy dtype of a Triton type (a 20-entry dict built at each call), and the block types the builder and
@@ -29,6 +27,16 @@ after construction, and Triton compares block types by value, never by `is`. Six
 and Adafactor with bf16 stochastic rounding (tests/test_sr_layouts.py's shapes) under the interpreter, the first
 three memos on and off: 17-23% faster, the same bits; the constructor's on top of them, with CAME, CAME 8-bit,
 Adafactor and Lamb: 10-16% faster (CPU seconds, process_time), the same bits.
+
+Three methods of the interpreter's semantic object get fast paths (`_semantic`): the broadcast of two operands
+of one type, the computation type of two scalar types, and a cast to the type a value has.
+
+Steps of CAME 8-bit, Adafactor, Lamb and GaLore 8-bit on tests/test_conventions.py's shapes (CPU time per step,
+the best of 6 blocks of 5 steps, the best of 3 runs each way, interleaved): the kept patch and these fast paths
+together against the memos alone took CAME 8-bit from 0.104 to 0.080 s, Adafactor 0.070 to 0.055 s, Lamb 0.043 to
+0.037 s, GaLore 8-bit 0.074 to 0.072 s (its matmuls are NumPy's), the same bits.
+
+The gloo processes of tests/dist_utils.py install it too (they ran Triton's interpreter as it is before).
 
 It does nothing where Triton's interpreter lacks the pieces it relies on (another Triton version), and
 nothing unless TRITON_INTERPRET is set. `installed()` says whether it took effect; tests/test_interp_speed.py
@@ -202,26 +210,41 @@ def _semantic(it, tl):
     bound)), or None where they do not have the shapes relied on.
 
     Every binary operation of an interpreted kernel goes through `binary_op_type_checking_impl`: the computation
-    type of its operands' scalar types (a pure function of them and of the flags: a chain of type tests),
-    then `broadcast_impl_value`, which compares the operands' block shapes dim by dim even when they are equal.
-    With the block types memoized (`_memoize`), two blocks of one scalar type and shape have the very same type
-    object: for those, and for two scalars of one type, the broadcast returns both operands as they are, as
-    Triton's own does after its comparisons. The computation type is memoized for scalar types of the plain
-    `tl.dtype` class (what raises is not kept, and raises again). In one rank's cProfile of
-    tests/test_sr_layouts.py's CAME 8-bit case, the two took 25 of the 67 s spent in kernel launches."""
+    type of its operands' scalar types (a pure function of them and of the flags: a chain of type tests), a cast
+    of each operand to it, then `broadcast_impl_value`, which compares the operands' block shapes dim by dim even
+    when they are equal. With the block types memoized (`_memoize`), two blocks of one scalar type and shape have
+    the very same type object: for those, and for two scalars of one type, the broadcast returns both operands as
+    they are, as Triton's own does after its comparisons. The computation type is memoized for scalar types of
+    the plain `tl.dtype` class (what raises is not kept, and raises again). In one rank's cProfile of
+    tests/test_sr_layouts.py's CAME 8-bit case, the two took 25 of the 67 s spent in kernel launches; after them,
+    `cast` took 7.4 of 53 s, most of it in `dtype.__eq__` on the way to returning its input unchanged."""
     sem = getattr(it, "interpreter_semantic", None)
     broadcast = getattr(type(sem), "broadcast_impl_value", None)
     comp_type = getattr(type(sem), "computation_type_impl", None)
+    cast = getattr(type(sem), "cast", None)
     try:
-        srcs = [inspect.getsource(f) for f in (broadcast, comp_type)]
+        srcs = [inspect.getsource(f) for f in (broadcast, comp_type, cast)]
     except (OSError, TypeError):
         return None
     if ("lhs_ty = lhs.type" not in srcs[0] or "# (scalar, scalar) => returns original blocks" not in srcs[0]
             or list(inspect.signature(comp_type).parameters) != ["self", "a_ty", "a_is_scalar", "b_ty",
-                                                                  "b_is_scalar", "div_or_mod"]):
+                                                                  "b_is_scalar", "div_or_mod"]
+            or "if src_sca_ty == dst_sca_ty:\n            return input" not in srcs[2]
+            or list(inspect.signature(cast).parameters)[:3] != ["self", "input", "dst_ty"]):
         return None
     plain = tl.dtype
+    block_type = tl.block_type
     types: dict = {}
+
+    def cast_fast(input, dst_ty, *args, **kwargs):
+        """Triton's cast returns its input when the scalar types are equal (by name, for the plain class) before
+        anything else: that test without the properties and the constexpr unwrapping of `dtype.__eq__`."""
+        src = input.type
+        if type(src) is block_type:
+            src = src.element_ty
+        if type(dst_ty) is plain and type(src) is plain and (src is dst_ty or src.name == dst_ty.name):
+            return input
+        return cast(sem, input, dst_ty, *args, **kwargs)
 
     def broadcast_fast(lhs, rhs):
         if lhs.type is rhs.type:
@@ -237,7 +260,8 @@ def _semantic(it, tl):
             hit = types[key] = comp_type(sem, a_ty, a_is_scalar, b_ty, b_is_scalar, div_or_mod)
         return hit
 
-    return (broadcast_fast, computation_type), (broadcast.__get__(sem), comp_type.__get__(sem))
+    return (broadcast_fast, computation_type, cast_fast), (broadcast.__get__(sem), comp_type.__get__(sem),
+                                                           cast.__get__(sem))
 
 
 def _use(which: str) -> None:
@@ -246,7 +270,7 @@ def _use(which: str) -> None:
     sem = it.interpreter_semantic
     (it.GridExecutor.__call__, it.InterpretedFunction.__call__, it._patch_lang, it._get_np_dtype,
      it.InterpreterBuilder.get_block_ty, tl.block_type.with_element_ty, tl.tensor.__init__,
-     sem.broadcast_impl_value, sem.computation_type_impl) = _state["calls"][which]
+     sem.broadcast_impl_value, sem.computation_type_impl, sem.cast) = _state["calls"][which]
 
 
 @contextlib.contextmanager

@@ -93,7 +93,7 @@ def test_nested_calls_give_the_same_bits_and_skip_the_repatch():
     def memoized():
         sem = it.interpreter_semantic
         return (it._get_np_dtype, it.InterpreterBuilder.get_block_ty, tl.block_type.with_element_ty,
-                tl.tensor.__init__, it._patch_lang, sem.broadcast_impl_value, sem.computation_type_impl)
+                tl.tensor.__init__, it._patch_lang, sem.broadcast_impl_value, sem.computation_type_impl, sem.cast)
 
     ours_fns = memoized()
     with _counting_patches(ours):
