@@ -865,7 +865,7 @@ class FastOptimizer(torch.optim.Optimizer):
         # in one rank's piece only): over the groups of the params' meshes and declarations, never the world.
         params = [p for g in self.param_groups for p in g["params"]]
         groups = ckpt.agreement_groups(params, [None if ckpt.is_dtensor(p) else self._layout(p) for p in params])
-        new_state, problem, pids = {}, None, {}
+        new_state, problem = {}, None
         for pid, st in saved_state.items():
             if pid not in id_map:
                 problem = f"{where}: state for unknown param id {pid!r}"
@@ -888,13 +888,11 @@ class FastOptimizer(torch.optim.Optimizer):
                 break
             problem = problem or bad
             new_state[p] = out
-            pids[p] = pid
         # ... and on the state each loads for it: all of them fresh, or all from one step.
-        marks = [_step_mark(new_state.get(p)) for p in params] if groups else []
+        marks = _step_marks([new_state.get(p) for p in params]) if groups else []
 
         def describe(i, mine, theirs, rank):
-            p = params[i]
-            pid = pids.get(p, next((k for k, v in id_map.items() if v[0] is p), i))
+            pid = next(k for k, v in id_map.items() if v[0] is params[i])
             word = lambda m: ("no state" if m is None else f"the state of step {m:g}"  # noqa: E731
                               if isinstance(m, float) else "a state")
             return (f"{where}: state[{pid!r}] holds {word(mine)} here and {word(theirs)} on rank {rank}, which "
@@ -922,16 +920,25 @@ class FastOptimizer(torch.optim.Optimizer):
                                               f"{fmt(own)}")
 
 
-def _step_mark(st: dict | None):
-    """What the ranks that share a param must agree on in the state they load for it: None (fresh), else its
-    step as a float (True where it has no value here: on the meta device)."""
-    if st is None:
-        return None
-    step = st.get("step")
-    if isinstance(step, Tensor):
-        step = local(step)
-        return True if step.is_meta else float(step)
-    return float(step) if isinstance(step, numbers.Real) else True
+def _step_marks(states: list) -> list:
+    """What the ranks that share a param must agree on in the state they load for it, per state: None (fresh),
+    else its step as a float (True where it has no value here: on the meta device). The step tensors are read
+    with one host copy per device, not one per param."""
+    marks: list = [None if st is None else True for st in states]
+    by_device: dict = defaultdict(list)
+    for i, st in enumerate(states):
+        step = None if st is None else st.get("step")
+        if isinstance(step, Tensor):
+            step = local(step)
+            if not step.is_meta:
+                by_device[step.device].append((i, step))
+        elif isinstance(step, numbers.Real):
+            marks[i] = float(step)
+    for found in by_device.values():
+        values = torch.stack([s.reshape(()).to(torch.float64) for _, s in found]).tolist()
+        for (i, _), v in zip(found, values):
+            marks[i] = v
+    return marks
 
 
 def _warm_maps(group: dict) -> None:
