@@ -30,8 +30,9 @@ import triton
 import triton.language as tl
 
 from . import common
-from .common import (INTERPRET, GradTable, SRTable, aligned, keep_limit, load_ptr, multiples, param_of_program,
-                     program_table, ptr_table, round_to, segment_sum, sr_round, to_device, unscale_factor)
+from .common import (FP_FUSION, INTERPRET, GradTable, SRTable, aligned, keep_limit, load_ptr, multiples,
+                     param_of_program, program_table, ptr_table, round_to, segment_sum, sr_round, to_device,
+                     unscale_factor)
 from .factored import (FactoredPlan, col_map, global_numel, in_piece, launch_factors, launch_sq_stats, launch_usq,
                        matrix_view, row_block, row_map, store_param_tile)
 
@@ -292,7 +293,7 @@ def adafactor_phases(params, grads, states, *, lr, eps, clip_threshold, decay_ra
         _vec_stats_kernel[(plan.n_vprogs,)](*vec_args, plan.v_ptrs, plan.step_ptrs[nf:], plan.vmeta, plan.vprog_param,
                                             plan.part2, plan.fac_progs, inv_arg, inf_arg, hyper,
                                             SCALE_PARAM=scale_parameter, ALIGNED=al and plan.vec_sizes_aligned,
-                                            BLOCK=BLOCK_V, **flags)
+                                            BLOCK=BLOCK_V, **flags, **FP_FUSION)
     segment_sum(plan.part2, plan.seg_start, plan.seg_len, plan.sums, 2)
     if sharded:
         yield from common.sum_fp64(plan.sums)
@@ -304,8 +305,9 @@ def adafactor_phases(params, grads, states, *, lr, eps, clip_threshold, decay_ra
         _apply_kernel[(fp.n_progs,)](g_ptrs, g_ref, plan.p_ptrs, plan.m_ptrs, plan.step_ptrs, fp.meta, fp.maps,
                                      fp.prog_param, plan.stats, plan.sums, inv_arg, inf_arg, hyper, sr_arg,
                                      MAPPED=fp.mapped, ALIGNED=al and fp.sizes_aligned, BLOCK_R=fp.block_r,
-                                     BLOCK_C=fp.block_c, **consts)
+                                     BLOCK_C=fp.block_c, **consts, **FP_FUSION)
     if plan.n_vprogs:
         _vec_apply_kernel[(plan.n_vprogs,)](*vec_args, plan.v_ptrs, plan.m_ptrs[nf:], plan.step_ptrs[nf:], plan.vmeta,
                                             plan.vprog_param, plan.sums, nf, inv_arg, inf_arg, hyper, sr_arg,
-                                            BLOCK=BLOCK_V, ALIGNED=al and plan.vec_sizes_aligned, GMAP=gmap, **consts)
+                                            BLOCK=BLOCK_V, ALIGNED=al and plan.vec_sizes_aligned, GMAP=gmap, **consts,
+                                            **FP_FUSION)

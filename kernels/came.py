@@ -45,7 +45,7 @@ import triton.language as tl
 
 from fastopt.reference.came import QBLOCK as QBLOCK_
 from . import common
-from .common import (INTERPRET, GradTable, SRTable, aligned, keep_limit, load_ptr, map_values, multiples,
+from .common import (FP_FUSION, INTERPRET, GradTable, SRTable, aligned, keep_limit, load_ptr, map_values, multiples,
                      nearest_code, param_of_program, program_table, ptr_table, round_to, search_table, segment_sum,
                      sr_round, to_device, unscale_factor)
 from .factored import (FactoredPlan, col_map, global_numel, in_piece, launch_col_reduce, launch_factors,
@@ -428,7 +428,7 @@ def came_phases(params, grads, states, *, lr, eps, clip_threshold, betas, weight
     if plan.n_vprogs:
         _vec_stats_kernel[(plan.n_vprogs,)](g_ptrs[nf:], g_ref, plan.v_ptrs, plan.vmeta, plan.vprog_param, plan.part1,
                                             plan.fac_progs, inv_arg, inf_arg, hyper, ALIGNED=al_vec, BLOCK=BLOCK_V,
-                                            **flags)
+                                            **flags, **FP_FUSION)
     segment_sum(plan.part1, plan.seg_start, plan.seg_len, plan.sums, 1)
     if sharded:
         yield from common.sum_fp64(plan.sums)
@@ -441,21 +441,22 @@ def came_phases(params, grads, states, *, lr, eps, clip_threshold, betas, weight
     if plan.n_vprogs and not q8:
         _vec_apply_kernel[(plan.n_vprogs,)](g_ptrs[nf:], g_ref, plan.p_ptrs[nf:], p_ref, plan.v_ptrs, plan.m_ptrs[nf:],
                                             plan.step_ptrs[nf:], plan.vmeta, plan.vprog_param, plan.sums, nf, inv_arg,
-                                            inf_arg, hyper, sr_arg, ALIGNED=al_vec, BLOCK=BLOCK_V, **consts)
+                                            inf_arg, hyper, sr_arg, ALIGNED=al_vec, BLOCK=BLOCK_V, **consts,
+                                            **FP_FUSION)
     if q8 and plan.qtables[1][0]:
         n_progs, prog_param, qmeta = plan.qtables[1]
         _apply8_kernel[(n_progs,)](g_ptrs[nf:], g_ref, plan.p_ptrs[nf:], p_ref, plan.m_ptrs[nf:], m_ref,
                                    absmax_ptrs[nf:], plan.v_ptrs, plan.step_ptrs[nf:], qmeta, prog_param, plan.sums,
                                    qmeta, plan.sums, plan.sums, plan.sums, nf, qmap, inv_arg, inf_arg, hyper,
                                    sr_arg, FACTORED=False, MAPPED=False, ALIGNED=al_vec,
-                                   QB_PER_PROG=QB_PER_PROG, **consts)
+                                   QB_PER_PROG=QB_PER_PROG, **consts, **FP_FUSION)
     if fp is not None:
         if fp.mapped:  # the slots of rows and columns held by other ranks
             plan.res.zero_()
         _res_stats_kernel[(fp.n_progs,)](g_ptrs, g_ref, plan.m_ptrs, m_ref, absmax_ptrs, qmap, fp.meta, fp.maps,
                                          fp.prog_param, plan.stats, plan.sums, plan.res, plan.parts, inv_arg, inf_arg,
                                          hyper, Q8=q8, MAPPED=fp.mapped, ALIGNED=al and fp.sizes_aligned, **flags,
-                                         **blocks)
+                                         **blocks, **FP_FUSION)
         launch_col_reduce(fp, plan.res, plan.parts)
         if sharded:
             yield from common.sum_fp64(plan.res)
@@ -467,10 +468,10 @@ def came_phases(params, grads, states, *, lr, eps, clip_threshold, betas, weight
                                        plan.step_ptrs, qmeta, prog_param, fp.meta, fp.maps, plan.stats, plan.res,
                                        plan.sums, 0, qmap, inv_arg, inf_arg, hyper, sr_arg, FACTORED=True,
                                        MAPPED=fp.mapped, ALIGNED=al and plan.fac_numel_aligned,
-                                       QB_PER_PROG=QB_PER_PROG, **consts)
+                                       QB_PER_PROG=QB_PER_PROG, **consts, **FP_FUSION)
         else:
             _apply_kernel[(fp.n_progs,)](plan.p_ptrs, p_ref, plan.m_ptrs, plan.step_ptrs, fp.meta, fp.maps,
                                          fp.prog_param, plan.res, inf_arg, hyper, sr_arg,
                                          HAS_INF=flags["HAS_INF"], HAS_WD=weight_decay != 0, SR=sr,
                                          MAPPED=fp.mapped,
-                                         ALIGNED=al and fp.sizes_aligned, **blocks)
+                                         ALIGNED=al and fp.sizes_aligned, **blocks, **FP_FUSION)

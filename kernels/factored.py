@@ -33,8 +33,8 @@ import triton
 import triton.language as tl
 
 from . import common
-from .common import (INTERPRET, load16, keep_limit, load_ptr, multiples, program_table, round_to, sr_round_at,
-                     tile_shape, to_device, unscale_factor)
+from .common import (FP_FUSION, INTERPRET, load16, keep_limit, load_ptr, multiples, program_table, round_to,
+                     sr_round_at, tile_shape, to_device, unscale_factor)
 
 # Columns of the int64 meta table, one row per factored param (the jit functions below spell them as numbers).
 # B, R, C: the (local view) matrix batch the row-block programs sweep; *_OFF: offsets into the stats and
@@ -281,13 +281,13 @@ def launch_sq_stats(x_ptrs, x_ref, plan, stats, parts, inv_scale, *, aligned: bo
                                       inv_scale if inv_scale is not None else stats,
                                       HAS_SCALE=inv_scale is not None, MAPPED=plan.mapped,
                                       ALIGNED=aligned and plan.sizes_aligned, BLOCK_R=plan.block_r,
-                                      BLOCK_C=plan.block_c)
+                                      BLOCK_C=plan.block_c, **FP_FUSION)
     launch_col_reduce(plan, stats, parts)
 
 
 def launch_col_reduce(plan, stats, parts):
     _col_reduce_kernel[(plan.n_colprogs,)](plan.meta, plan.maps, plan.colprog_param, stats, parts, MAPPED=plan.mapped,
-                                           BLOCK_R=plan.block_r, BLOCK=plan.block_col)
+                                           BLOCK_R=plan.block_r, BLOCK=plan.block_col, **FP_FUSION)
 
 
 def launch_usq(g_ptrs, g_ref, p_ptrs, plan, stats, part, inv_scale, *, width: int, scale_parameter: bool = False,
@@ -295,7 +295,8 @@ def launch_usq(g_ptrs, g_ref, p_ptrs, plan, stats, part, inv_scale, *, width: in
     _usq_kernel[(plan.n_progs,)](g_ptrs, g_ref, p_ptrs, plan.meta, plan.maps, plan.prog_param, stats, part,
                                  inv_scale if inv_scale is not None else stats, HAS_SCALE=inv_scale is not None,
                                  WIDTH=width, SCALE_PARAM=scale_parameter, MAPPED=plan.mapped,
-                                 ALIGNED=aligned and plan.sizes_aligned, BLOCK_R=plan.block_r, BLOCK_C=plan.block_c)
+                                 ALIGNED=aligned and plan.sizes_aligned, BLOCK_R=plan.block_r, BLOCK_C=plan.block_c,
+                                 **FP_FUSION)
 
 
 def launch_factors(plan, stats, row_ptrs, col_ptrs, step_ptrs, found_inf, *, beta=0.0, decay_rate=0.0, eps=0.0,
@@ -305,7 +306,7 @@ def launch_factors(plan, stats, row_ptrs, col_ptrs, step_ptrs, found_inf, *, bet
                                              found_inf if found_inf is not None else stats, beta, decay_rate, eps,
                                              hyper if hyper is not None else stats,
                                              BETA_FROM_STEP=beta_from_step, HAS_INF=found_inf is not None,
-                                             HYPER_FROM_PTR=hyper is not None, BLOCK=plan.block_vec)
+                                             HYPER_FROM_PTR=hyper is not None, BLOCK=plan.block_vec, **FP_FUSION)
 
 
 @dataclass

@@ -79,7 +79,7 @@ import triton
 import triton.language as tl
 
 from . import common
-from .common import INTERPRET, keep_limit, load16, load_ptr, round_to, search_table, to_device
+from .common import FP_FUSION, INTERPRET, keep_limit, load16, round_to, search_table, to_device
 from .lamb import _dequantize, _quantize_store
 
 DOT_PRECISIONS = ("auto", "ieee", "tf32", "tf32x3")
@@ -418,7 +418,7 @@ class _Record:
                     args[pos] = values[what]
                 if table is not None:
                     args[0] = table
-                globals()[kernel][grid](*args, **kw)
+                globals()[kernel][grid](*args, **kw, **FP_FUSION)
 
 
 def _replay_key(params, grads, states, layouts, sharded, cache, flags) -> tuple | None:
@@ -547,7 +547,7 @@ class _Launch:
         of `values`, first), and with a recorder keep the launch with the step's own values (scratch address,
         hyperparameters, GradScaler's tensors) marked as slots that `_Record.replay` fills in, and where the
         table has gradients' addresses (the first `pointers` entries of each of `rows`)."""
-        globals()[kernel][grid](*args, **kw)
+        globals()[kernel][grid](*args, **kw, **FP_FUSION)
         if self.record is not None:
             slots = [(1, "base")]
             for pos, a in enumerate(args):

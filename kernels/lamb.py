@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from . import common
-from .common import (INTERPRET, GradTable, SRTable, aligned, keep_limit, load_ptr, map_values, multiples,
+from .common import (FP_FUSION, INTERPRET, GradTable, SRTable, aligned, keep_limit, load_ptr, map_values, multiples,
                      nearest_code, param_of_program, program_table, ptr_table, round_to, search_table, segment_sum,
                      sr_round, to_device, unscale_factor)
 
@@ -369,14 +369,14 @@ def lamb_phases(params, grads, states, *, lr, betas, eps, weight_decay, bias_cor
                                            t32.state_ptrs["exp_avg_sq"], t32.meta, t32.prog_param, hyper, plan.parts,
                                            inv_arg, inf_arg, HAS_SCALE=inv_scale is not None,
                                            HAS_INF=found_inf is not None, ALIGNED=al32, BLOCK=BLOCK,
-                                           num_warps=NUM_WARPS, **flags)
+                                           num_warps=NUM_WARPS, **flags, **FP_FUSION)
     if t8 is not None:
         st = t8.state_ptrs
         q = dict(QB=plan.block_size, NQ=plan.nq, num_warps=NUM_WARPS)
         _lamb8_stats_kernel[(t8.n_progs,)](g8, grads[0], t8.p_ptrs, params[0], st["exp_avg"], st["exp_avg_sq"],
                                            st["exp_avg_absmax"], st["exp_avg_sq_absmax"], t8.meta, t8.prog_param,
                                            hyper, plan.parts, plan.n32_progs, inv_arg, plan.map_s, plan.map_u,
-                                           HAS_SCALE=inv_scale is not None, ALIGNED=al8, **flags, **q)
+                                           HAS_SCALE=inv_scale is not None, ALIGNED=al8, **flags, **q, **FP_FUSION)
     segment_sum(plan.parts, plan.seg_start, plan.seg_len, plan.sums, 2)
     if sharded:
         yield plan.sums
@@ -384,10 +384,10 @@ def lamb_phases(params, grads, states, *, lr, betas, eps, weight_decay, bias_cor
         _lamb_apply_kernel[(t32.n_progs,)](t32.p_ptrs, params[0], t32.state_ptrs["exp_avg"],
                                            t32.state_ptrs["exp_avg_sq"], t32.step_ptrs, t32.meta, t32.prog_param,
                                            hyper, plan.sums, inf_arg, sr_arg, ALIGNED=al32, BLOCK=BLOCK,
-                                           num_warps=NUM_WARPS, **apply_flags)
+                                           num_warps=NUM_WARPS, **apply_flags, **FP_FUSION)
     if t8 is not None:
         _lamb8_apply_kernel[(t8.n_progs,)](g8, grads[0], t8.p_ptrs, params[0], st["exp_avg"], st["exp_avg_sq"],
                                            st["exp_avg_absmax"], st["exp_avg_sq_absmax"], t8.step_ptrs, t8.meta,
                                            t8.prog_param, hyper, plan.sums, inv_arg, inf_arg, plan.map_s,
                                            plan.map_u, sr_arg, HAS_SCALE=inv_scale is not None, ALIGNED=al8,
-                                           **apply_flags, **q)
+                                           **apply_flags, **q, **FP_FUSION)

@@ -11,7 +11,8 @@ with its bundled ptxas.
     python tests/compile_check.py [--arch 90] [--quick] [--json out.json] [-k label]
 
 Prints one line per compiled kernel (specializations, registers, spill bytes, shared memory from cuobjdump)
-and exits non-zero when a kernel fails to compile or when a `*_kernel` of fastopt.kernels was never launched.
+and exits non-zero when a kernel fails to compile, when a `*_kernel` of fastopt.kernels was never launched, or
+when one was launched without `enable_fp_fusion` (kernels/common.py's FP_FUSION).
 Run without TRITON_INTERPRET (tests/test_compile.py does).
 """
 from __future__ import annotations
@@ -72,6 +73,7 @@ class Recorder:
     def __init__(self):
         self.kernels = defaultdict(list)   # kernel name -> [(compiled kernel, workload label)]
         self.errors = []                   # (kernel name, specialization, message)
+        self.unpinned = set()              # kernels launched without an explicit enable_fp_fusion (common.FP_FUSION)
         self.context = ""
 
     def install(self):
@@ -79,6 +81,8 @@ class Recorder:
         orig_run, orig_compile = JITFunction.run, JITFunction._do_compile
 
         def run(self, *args, grid, warmup, **kwargs):
+            if "enable_fp_fusion" not in kwargs:
+                rec.unpinned.add(f"{self.fn.__module__.rsplit('.', 1)[-1]}.{self.fn.__name__}")
             return orig_run(self, *args, grid=grid, warmup=True, **kwargs)
 
         def do_compile(self, key, signature, device, constexprs, options, attrs, warmup):
@@ -287,7 +291,8 @@ def main():
     missing = sorted(launched_kernels() - set(rec.kernels)) if not args.k else []
     if args.json:
         Path(args.json).write_text(json.dumps({"triton": triton.__version__, "arch": args.arch, "kernels": table,
-                                               "errors": [e[:2] for e in rec.errors], "missing": missing},
+                                               "errors": [e[:2] for e in rec.errors], "missing": missing,
+                                               "unpinned": sorted(rec.unpinned)},
                                               indent=1))
     seen = set()
     for name, where, msg in rec.errors:  # a kernel that fails to compile fails again at every launch: once each
@@ -298,7 +303,10 @@ def main():
         print(f"\nWORKLOAD FAILED ({where}):\n{tb}")
     if missing:
         print(f"\nNever launched (add a workload): {', '.join(missing)}")
-    ok = not (rec.errors or failed_workloads or missing)
+    if rec.unpinned:
+        print("\nLaunched without enable_fp_fusion (pass **kernels.common.FP_FUSION): "
+              f"{', '.join(sorted(rec.unpinned))}")
+    ok = not (rec.errors or failed_workloads or missing or rec.unpinned)
     print("\nOK" if ok else "\nFAILED")
     return 0 if ok else 1
 

@@ -48,7 +48,6 @@ class Compile:
         d = Path(self.dir.name)
         self.out, self.log = d / "compile.json", d / "compile.log"
         env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FASTOPT_BACKEND")}
-        env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
         with open(self.log, "w") as log:
             # A session of its own: `close` kills the compilers it starts (ptxas) with it.
             self.proc = subprocess.Popen([sys.executable, str(HERE / "compile_check.py"), "--quick", "--arch", "90",
@@ -92,6 +91,8 @@ def test_every_kernel_compiles_for_sm90_without_spills_and_streams_in_vectors(re
     finally:
         run.close()
     assert report["errors"] == [] and report["missing"] == []
+    # every launch pins FP fusion (common.FP_FUSION): Triton 3.10 turns its default off, and 3.9 warns about it
+    assert report["unpinned"] == []
     assert len(report["kernels"]) >= 19, sorted(report["kernels"])
     spills = {k: v["local_bytes_max"] for k, v in report["kernels"].items() if v["local_bytes_max"]}
     assert not spills, f"kernels that spill registers to local memory (bytes): {spills}"

@@ -52,7 +52,7 @@ def _run(x, table, gmap, counts, step, block):
     out = torch.empty_like(x, dtype=torch.bfloat16)
     start = 0
     for k, n in enumerate(counts):
-        _sr_kernel[(1,)](x, out, table, step, start, n, k, GMAP=gmap, BLOCK=block)
+        _sr_kernel[(1,)](x, out, table, step, start, n, k, GMAP=gmap, BLOCK=block, **common.FP_FUSION)
         start += n
     return out
 
