@@ -10,6 +10,7 @@ TEST = [
     "numpy",
     "triton>=3.6",
     "transformers>=4.40",
+    "accelerate",  # transformers' Trainer (tests/test_hf_trainer.py)
     "came-pytorch==0.1.3",
     "galore-torch==1.0",
     "bitsandbytes>=0.45",
