@@ -23,18 +23,15 @@ to be summed are float64 as in the reference (a float64 copy of them when the ke
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
 from . import common
-from .common import (FP_FUSION, INTERPRET, GradTable, SRTable, aligned, keep_limit, load_ptr, multiples,
-                     param_of_program, program_table, ptr_table, round_to, segment_sum, sr_round, to_device,
-                     unscale_factor)
-from .factored import (FactoredPlan, col_map, global_numel, in_piece, launch_factors, launch_sq_stats, launch_usq,
-                       matrix_view, row_block, row_map, store_param_tile)
+from .common import (FP_FUSION, INTERPRET, cached_plan, keep_limit, load_ptr, param_of_program, ptr_table, round_to,
+                     segment_sum, sr_round, unscale_factor)
+from .factored import (BucketPlan, col_map, global_numel, in_piece, launch_factors, launch_sq_stats, launch_usq,
+                       row_block, row_map, store_param_tile)
 
 BLOCK_V = 256 if INTERPRET else 1024
 
@@ -191,64 +188,17 @@ def _vec_apply_kernel(g_ptrs, g_ref, p_ptrs, v_ptrs, m_ptrs, step_ptrs, vmeta_pt
     tl.store(p_ptr + offs, out, mask=keep)
 
 
-class AdafactorPlan:
-    """Everything about a bucket that stays fixed between steps: tables and scratch buffers."""
+class AdafactorPlan(BucketPlan):
+    """Everything about a bucket that stays fixed between steps: tables and scratch buffers. The partial sums are
+    (sum U^2, sum X^2) per program and per param."""
 
     def __init__(self, params, states, device, acc_dtype, layouts=None):
-        layouts = layouts or [None] * len(params)
-        gshapes = [tuple(p.shape) if lay is None else lay.global_shape for p, lay in zip(params, layouts)]
-        fac = [k for k, s in enumerate(gshapes) if len(s) >= 2]
-        vec = [k for k, s in enumerate(gshapes) if len(s) < 2]
-        self.order = fac + vec
-        self.n_fac = len(fac)
-        self.sr = SRTable([layouts[k] for k in self.order], [params[k].numel() for k in self.order], self.order,
-                          device)
-        views = [matrix_view(tuple(params[k].shape), layouts[k], device) for k in fac]
-        shapes = [v.view_shape for v in views]
-        self.fplan = FactoredPlan.build(views, device) if fac else None
-        ordered_states = [states[k] for k in self.order]
-        self.p_ptrs = ptr_table([params[k] for k in self.order], device)
-        self.grad_table = GradTable()
-        self.step_ptrs = ptr_table([s["step"] for s in ordered_states], device)
-        self.m_ptrs = ptr_table([s.get("exp_avg") for s in ordered_states], device)
-        self.row_ptrs = ptr_table([s.get("exp_avg_sq_row") for s in ordered_states[:self.n_fac]], device)
-        self.col_ptrs = ptr_table([s.get("exp_avg_sq_col") for s in ordered_states[:self.n_fac]], device)
-        self.v_ptrs = ptr_table([s.get("exp_avg_sq") for s in ordered_states[self.n_fac:]], device)
-        # ALIGNED launches (common.ALIGN_BYTES): the tensors here and this step's grads aligned, and the sizes
-        # the kernels mask with multiples of common.ALIGN_ELEMS (the factored ones: FactoredPlan.sizes_aligned).
-        self.tensors_aligned = aligned(params) and aligned([t for s in states for t in s.values()])
-        self.vec_sizes_aligned = multiples(params[k].numel() for k in vec)
-        vprogs = [common.cdiv(params[k].numel(), BLOCK_V) for k in vec]
-        self.vprog_param, vstarts = program_table(vprogs, device)
-        # Per vector: (elements here, first program, global elements: RMS and step size are over the whole).
-        self.vmeta = to_device([x for k, s in zip(vec, vstarts) for x in (params[k].numel(), s, math.prod(gshapes[k]))],
-                               torch.int64, device)
-        self.n_vprogs = sum(vprogs)
-        # Per-param segments of the partial (sum U^2, sum X^2) buffer: factored programs, then vector programs.
-        fac_progs = self.fplan.n_progs if fac else 0
-        starts, lens = [], []
-        if fac:
-            starts += self.fplan.prog_starts
-            lens += [b * common.cdiv(r, self.fplan.block_r) for b, r, _ in shapes]
-        starts += [fac_progs + s for s in vstarts]
-        lens += vprogs
-        self.seg_start = to_device(starts, torch.int64, device)
-        self.seg_len = to_device(lens, torch.int64, device)
-        self.fac_progs = fac_progs
-        n = len(params)
-        f = self.fplan
-        self.stats = torch.empty(f.stats_numel if fac else 0, dtype=acc_dtype, device=device)
-        self.parts = torch.empty(f.parts_numel if fac else 0, dtype=acc_dtype, device=device)
-        self.part2 = torch.empty(2 * (fac_progs + self.n_vprogs), dtype=acc_dtype, device=device)
-        self.sums = torch.empty(2 * n, dtype=acc_dtype, device=device)
-        self._hyper_key = self._hyper = None
-
-    def hyper(self, values) -> torch.Tensor:
-        """The hyperparameter tensor (H_* order), rebuilt only when a value changed (an lr schedule)."""
-        if values != self._hyper_key:
-            self._hyper = to_device([float(v) for v in values], self.sums.dtype, self.sums.device)
-            self._hyper_key = values
-        return self._hyper
+        super().__init__(params, states, device, acc_dtype, layouts, BLOCK_V, 2)
+        st = [states[k] for k in self.order]
+        self.m_ptrs = ptr_table([s.get("exp_avg") for s in st], device)
+        self.row_ptrs = ptr_table([s.get("exp_avg_sq_row") for s in st[:self.n_fac]], device)
+        self.col_ptrs = ptr_table([s.get("exp_avg_sq_col") for s in st[:self.n_fac]], device)
+        self.v_ptrs = ptr_table([s.get("exp_avg_sq") for s in st[self.n_fac:]], device)
 
 
 def adafactor_phases(params, grads, states, *, lr, eps, clip_threshold, decay_rate, beta1, weight_decay,
@@ -259,16 +209,10 @@ def adafactor_phases(params, grads, states, *, lr, eps, clip_threshold, decay_ra
     (None: their positions in the bucket)."""
     device = params[0].device
     acc_dtype = torch.float64 if params[0].dtype == torch.float64 else torch.float32
-    key = ("adafactor",) + tuple((p.data_ptr(), tuple(p.shape)) for p in params) + tuple(
-        (k, t.data_ptr()) for s in states for k, t in s.items()) + tuple(map(id, layouts or ()))
-    plan = cache.get(key) if cache is not None else None
-    if plan is None:
-        plan = AdafactorPlan(params, states, device, acc_dtype, layouts)
-        if cache is not None:
-            cache.clear()
-            cache[key] = plan
+    plan = cached_plan(cache, ("adafactor",), params, states, layouts,
+                       lambda: AdafactorPlan(params, states, device, acc_dtype, layouts))
     if common.POISON:
-        for buf in (plan.stats, plan.parts, plan.part2, plan.sums):
+        for buf in (plan.stats, plan.parts, plan.part, plan.sums):
             buf.fill_(float("nan"))
     g_ptrs = plan.grad_table([grads[k] for k in plan.order], device)
     g_ref = grads[0]
@@ -285,16 +229,16 @@ def adafactor_phases(params, grads, states, *, lr, eps, clip_threshold, decay_ra
             yield from common.sum_fp64(plan.stats)
         launch_factors(fp, plan.stats, plan.row_ptrs, plan.col_ptrs, plan.step_ptrs, found_inf,
                        beta_from_step=True, hyper=hyper)
-        launch_usq(g_ptrs, g_ref, plan.p_ptrs, fp, plan.stats, plan.part2, inv_scale, width=2,
+        launch_usq(g_ptrs, g_ref, plan.p_ptrs, fp, plan.stats, plan.part, inv_scale, width=2,
                    scale_parameter=scale_parameter, aligned=al)
     nf = plan.n_fac
     vec_args = (g_ptrs[nf:], g_ref, plan.p_ptrs[nf:])
     if plan.n_vprogs:
         _vec_stats_kernel[(plan.n_vprogs,)](*vec_args, plan.v_ptrs, plan.step_ptrs[nf:], plan.vmeta, plan.vprog_param,
-                                            plan.part2, plan.fac_progs, inv_arg, inf_arg, hyper,
+                                            plan.part, plan.fac_progs, inv_arg, inf_arg, hyper,
                                             SCALE_PARAM=scale_parameter, ALIGNED=al and plan.vec_sizes_aligned,
                                             BLOCK=BLOCK_V, **flags, **FP_FUSION)
-    segment_sum(plan.part2, plan.seg_start, plan.seg_len, plan.sums, 2)
+    segment_sum(plan.part, plan.seg_start, plan.seg_len, plan.sums, 2)
     if sharded:
         yield from common.sum_fp64(plan.sums)
     sr = bool(bf16_stochastic_round) and params[0].dtype == torch.bfloat16

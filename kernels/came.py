@@ -45,11 +45,11 @@ import triton.language as tl
 
 from fastopt.reference.came import QBLOCK as QBLOCK_
 from . import common
-from .common import (FP_FUSION, INTERPRET, GradTable, SRTable, aligned, keep_limit, load_ptr, map_values, multiples,
-                     nearest_code, param_of_program, program_table, ptr_table, round_to, search_table, segment_sum,
-                     sr_round, to_device, unscale_factor)
-from .factored import (FactoredPlan, col_map, global_numel, in_piece, launch_col_reduce, launch_factors,
-                       launch_sq_stats, launch_usq, load_meta, matrix_view, row_block, row_map, store_param_tile)
+from .common import (FP_FUSION, INTERPRET, cached_plan, keep_limit, load_ptr, map_values, multiples, nearest_code,
+                     param_of_program, program_table, ptr_table, round_to, search_table, segment_sum, sr_round,
+                     to_device, unscale_factor)
+from .factored import (BucketPlan, col_map, global_numel, in_piece, launch_col_reduce, launch_factors,
+                       launch_sq_stats, launch_usq, load_meta, row_block, row_map, store_param_tile)
 
 BLOCK_V = 256 if INTERPRET else 1024
 QBLOCK = tl.constexpr(QBLOCK_)  # elements per 8-bit quantization block (one fp32 absmax each)
@@ -314,77 +314,36 @@ def _apply8_kernel(g_ptrs, g_ref, p_ptrs, p_ref, code_ptrs, code_ref, absmax_ptr
     tl.store(absmax_ptr + blk, absmax, mask=blk * QBLOCK < n_keep)
 
 
-class CAMEPlan:
-    """Everything about a bucket that stays fixed between steps: tables and scratch buffers."""
+class CAMEPlan(BucketPlan):
+    """Everything about a bucket that stays fixed between steps: tables and scratch buffers. The partial sums are
+    sum U^2 per program and per param; `res`, the instability statistics, is laid out as `stats`."""
 
     def __init__(self, params, states, device, acc_dtype, nbits, layouts=None):
-        layouts = layouts or [None] * len(params)
-        gshapes = [tuple(p.shape) if lay is None else lay.global_shape for p, lay in zip(params, layouts)]
-        fac = [k for k, s in enumerate(gshapes) if len(s) >= 2]
-        vec = [k for k, s in enumerate(gshapes) if len(s) < 2]
-        self.order = fac + vec
-        self.n_fac = len(fac)
-        self.sr = SRTable([layouts[k] for k in self.order], [params[k].numel() for k in self.order], self.order,
-                          device)
-        views = [matrix_view(tuple(params[k].shape), layouts[k], device) for k in fac]
-        shapes = [v.view_shape for v in views]
-        self.fplan = FactoredPlan.build(views, device) if fac else None
+        super().__init__(params, states, device, acc_dtype, layouts, BLOCK_V, 1)
         st = [states[k] for k in self.order]
         nf = self.n_fac
-        self.p_ptrs = ptr_table([params[k] for k in self.order], device)
-        self.grad_table = GradTable()
-        self.step_ptrs = ptr_table([s["step"] for s in st], device)
         self.m_ptrs = ptr_table([s["exp_avg"] for s in st], device)
         self.sq_row_ptrs = ptr_table([s["exp_avg_sq_row"] for s in st[:nf]], device)
         self.sq_col_ptrs = ptr_table([s["exp_avg_sq_col"] for s in st[:nf]], device)
         self.res_row_ptrs = ptr_table([s["exp_avg_res_row"] for s in st[:nf]], device)
         self.res_col_ptrs = ptr_table([s["exp_avg_res_col"] for s in st[:nf]], device)
         self.v_ptrs = ptr_table([s["exp_avg_sq"] for s in st[nf:]], device)
-        # ALIGNED launches: see kernels/adafactor.py's AdafactorPlan (the same rule).
-        self.tensors_aligned = aligned(params) and aligned([t for s in states for t in s.values()])
-        self.vec_sizes_aligned = multiples(params[k].numel() for k in vec)
-        self.fac_numel_aligned = multiples(params[k].numel() for k in fac)
-        vprogs = [common.cdiv(params[k].numel(), BLOCK_V) for k in vec]
-        self.vprog_param, vstarts = program_table(vprogs, device)
-        # Per vector: (elements here, first program, global elements: the RMS clip is over the whole).
-        self.vmeta = to_device([x for k, s in zip(vec, vstarts) for x in (params[k].numel(), s, math.prod(gshapes[k]))],
-                               torch.int64, device)
-        self.n_vprogs = sum(vprogs)
-        # Per-param segments of the partial sum-of-U^2 buffer: factored programs, then vector programs.
-        f = self.fplan
-        self.fac_progs = f.n_progs if fac else 0
-        starts = (f.prog_starts if fac else []) + [self.fac_progs + s for s in vstarts]
-        lens = [b * common.cdiv(r, f.block_r) for b, r, _ in shapes] + vprogs
-        self.seg_start = to_device(starts, torch.int64, device)
-        self.seg_len = to_device(lens, torch.int64, device)
-        self.stats = torch.empty(f.stats_numel if fac else 0, dtype=acc_dtype, device=device)
-        self.res = torch.empty(f.stats_numel if fac else 0, dtype=acc_dtype, device=device)
-        self.parts = torch.empty(f.parts_numel if fac else 0, dtype=acc_dtype, device=device)
-        self.part1 = torch.empty(self.fac_progs + self.n_vprogs, dtype=acc_dtype, device=device)
-        self.sums = torch.empty(len(params), dtype=acc_dtype, device=device)
+        self.fac_numel_aligned = multiples(params[k].numel() for k in self.fac)
+        self.res = torch.empty_like(self.stats)
         if nbits == 8:
             self.absmax_ptrs = ptr_table([s["exp_avg_absmax"] for s in st], device)
             self.qmap = search_table(True, device)
             per_prog = QBLOCK_ * QB_PER_PROG
             self.qtables = []
-            for ks in (fac, vec):
+            for ks in (self.fac, self.vec):
                 progs = [common.cdiv(params[k].numel(), per_prog) for k in ks]
                 prog_param, qstarts = program_table(progs, device)
                 qmeta = to_device([x for k, q in zip(ks, qstarts)
-                                   for x in (params[k].numel(), q, math.prod(gshapes[k]))], torch.int64, device)
+                                   for x in (params[k].numel(), q, math.prod(self.gshapes[k]))], torch.int64, device)
                 self.qtables.append((sum(progs), prog_param, qmeta))
 
-        self._hyper_key = None
-
     def scratch(self):
-        return (self.stats, self.res, self.parts, self.part1, self.sums)
-
-    def hyper(self, values) -> torch.Tensor:
-        """The hyperparameter tensor (H_* order), rebuilt only when a value changed (an lr schedule)."""
-        if values != self._hyper_key:
-            self._hyper = to_device(list(values), self.sums.dtype, self.sums.device)
-            self._hyper_key = values
-        return self._hyper
+        return (self.stats, self.res, self.parts, self.part, self.sums)
 
 
 def came_phases(params, grads, states, *, lr, eps, clip_threshold, betas, weight_decay, bf16_stochastic_round=False,
@@ -394,14 +353,8 @@ def came_phases(params, grads, states, *, lr, eps, clip_threshold, betas, weight
     (None: their positions in the bucket)."""
     device = params[0].device
     acc_dtype = torch.float64 if params[0].dtype == torch.float64 else torch.float32
-    key = ("came",) + tuple((p.data_ptr(), tuple(p.shape)) for p in params) + tuple(
-        (k, t.data_ptr()) for s in states for k, t in s.items()) + tuple(map(id, layouts or ()))
-    plan = cache.get(key) if cache is not None else None
-    if plan is None:
-        plan = CAMEPlan(params, states, device, acc_dtype, nbits, layouts)
-        if cache is not None:
-            cache.clear()
-            cache[key] = plan
+    plan = cached_plan(cache, ("came",), params, states, layouts,
+                       lambda: CAMEPlan(params, states, device, acc_dtype, nbits, layouts))
     if common.POISON:
         for buf in plan.scratch():
             buf.fill_(float("nan"))
@@ -424,12 +377,12 @@ def came_phases(params, grads, states, *, lr, eps, clip_threshold, betas, weight
             yield from common.sum_fp64(plan.stats)
         launch_factors(fp, plan.stats, plan.sq_row_ptrs, plan.sq_col_ptrs, plan.step_ptrs, found_inf,
                        beta_from_step=False, hyper=hyper[H_BETA2:])
-        launch_usq(g_ptrs, g_ref, g_ptrs, fp, plan.stats, plan.part1, inv_scale, width=1, aligned=al)
+        launch_usq(g_ptrs, g_ref, g_ptrs, fp, plan.stats, plan.part, inv_scale, width=1, aligned=al)
     if plan.n_vprogs:
-        _vec_stats_kernel[(plan.n_vprogs,)](g_ptrs[nf:], g_ref, plan.v_ptrs, plan.vmeta, plan.vprog_param, plan.part1,
+        _vec_stats_kernel[(plan.n_vprogs,)](g_ptrs[nf:], g_ref, plan.v_ptrs, plan.vmeta, plan.vprog_param, plan.part,
                                             plan.fac_progs, inv_arg, inf_arg, hyper, ALIGNED=al_vec, BLOCK=BLOCK_V,
                                             **flags, **FP_FUSION)
-    segment_sum(plan.part1, plan.seg_start, plan.seg_len, plan.sums, 1)
+    segment_sum(plan.part, plan.seg_start, plan.seg_len, plan.sums, 1)
     if sharded:
         yield from common.sum_fp64(plan.sums)
     q8 = nbits == 8

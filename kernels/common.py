@@ -79,6 +79,20 @@ class GradTable:
         return self.table
 
 
+def cached_plan(cache: dict | None, tag: tuple, params, states, layouts, build):
+    """A bucket's plan (its tables and scratch buffers), `build()` when `cache` holds none for these params (by
+    address and shape), state tensors (by address) and layouts: the cache keeps the last plan only."""
+    key = tag + tuple((p.data_ptr(), tuple(p.shape)) for p in params) + tuple(
+        (k, t.data_ptr()) for s in states for k, t in s.items()) + tuple(map(id, layouts or ()))
+    plan = cache.get(key) if cache is not None else None
+    if plan is None:
+        plan = build()
+        if cache is not None:
+            cache.clear()
+            cache[key] = plan
+    return plan
+
+
 def program_table(counts: list[int], device: torch.device) -> tuple[torch.Tensor, list[int]]:
     """(prog_param, starts): program `pid` works on param prog_param[pid], its starts[i]-th program is pid."""
     starts, owner = [], []

@@ -430,3 +430,54 @@ class FactoredPlan:
         return FactoredPlan(len(shapes), to_device(meta, torch.int64, device), prog_param, colprog_param,
                             factprog_param, sum(progs), sum(colprogs), sum(factprogs), block_r, block_c, block_col,
                             256 if INTERPRET else 1024, col_off, part_off, prog_starts, maps, mapped, sizes_aligned)
+
+
+class BucketPlan:
+    """What Adafactor's and CAME's plans of a bucket share, fixed between steps: the params in kernel order
+    (`order`: those factored over their last two dims, ndim >= 2 globally, then the vectors), the factored
+    kernels' tables (`fplan`), the pointer tables of params and step counters, the vector kernels' programs
+    (`block_v` elements each) and their (elements here, first program, global elements) `vmeta`, the per-param
+    segments of the partial sums (`part`, `width` per program: the factored programs, then the vector ones),
+    summed into `sums` (`width` per param), and the factor scratch `stats` and `parts`."""
+
+    def __init__(self, params, states, device, acc_dtype, layouts, block_v: int, width: int):
+        layouts = layouts or [None] * len(params)
+        self.gshapes = [tuple(p.shape) if lay is None else lay.global_shape for p, lay in zip(params, layouts)]
+        self.fac = [k for k, s in enumerate(self.gshapes) if len(s) >= 2]
+        self.vec = [k for k, s in enumerate(self.gshapes) if len(s) < 2]
+        self.order = self.fac + self.vec
+        self.n_fac = len(self.fac)
+        self.sr = common.SRTable([layouts[k] for k in self.order], [params[k].numel() for k in self.order],
+                                 self.order, device)
+        views = [matrix_view(tuple(params[k].shape), layouts[k], device) for k in self.fac]
+        self.fplan = f = FactoredPlan.build(views, device) if self.fac else None
+        self.p_ptrs = common.ptr_table([params[k] for k in self.order], device)
+        self.grad_table = common.GradTable()
+        self.step_ptrs = common.ptr_table([states[k]["step"] for k in self.order], device)
+        # ALIGNED launches (common.ALIGN_BYTES): the tensors here and this step's grads aligned, and the sizes
+        # the kernels mask with multiples of common.ALIGN_ELEMS (the factored ones: FactoredPlan.sizes_aligned).
+        self.tensors_aligned = common.aligned(params) and common.aligned([t for s in states for t in s.values()])
+        self.vec_sizes_aligned = multiples(params[k].numel() for k in self.vec)
+        vprogs = [common.cdiv(params[k].numel(), block_v) for k in self.vec]
+        self.vprog_param, vstarts = program_table(vprogs, device)
+        self.vmeta = to_device([x for k, s in zip(self.vec, vstarts)
+                                for x in (params[k].numel(), s, math.prod(self.gshapes[k]))], torch.int64, device)
+        self.n_vprogs = sum(vprogs)
+        self.fac_progs = f.n_progs if f else 0
+        starts = (f.prog_starts if f else []) + [self.fac_progs + s for s in vstarts]
+        lens = [b * common.cdiv(r, f.block_r) for b, r, _ in (v.view_shape for v in views)] + vprogs
+        self.seg_start = to_device(starts, torch.int64, device)
+        self.seg_len = to_device(lens, torch.int64, device)
+        self.stats = torch.empty(f.stats_numel if f else 0, dtype=acc_dtype, device=device)
+        self.parts = torch.empty(f.parts_numel if f else 0, dtype=acc_dtype, device=device)
+        self.part = torch.empty(width * (self.fac_progs + self.n_vprogs), dtype=acc_dtype, device=device)
+        self.sums = torch.empty(width * len(params), dtype=acc_dtype, device=device)
+        self._hyper_key = self._hyper = None
+
+    def hyper(self, values: tuple) -> torch.Tensor:
+        """The hyperparameter tensor (floats, in the kernels' H_* order), rebuilt only when a value changed (an
+        lr schedule)."""
+        if values != self._hyper_key:
+            self._hyper = to_device([float(v) for v in values], self.sums.dtype, self.sums.device)
+            self._hyper_key = values
+        return self._hyper

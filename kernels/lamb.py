@@ -41,9 +41,9 @@ import triton
 import triton.language as tl
 
 from . import common
-from .common import (FP_FUSION, INTERPRET, GradTable, SRTable, aligned, keep_limit, load_ptr, map_values, multiples,
-                     nearest_code, param_of_program, program_table, ptr_table, round_to, search_table, segment_sum,
-                     sr_round, to_device, unscale_factor)
+from .common import (FP_FUSION, INTERPRET, GradTable, SRTable, aligned, cached_plan, keep_limit, load_ptr, map_values,
+                     multiples, nearest_code, param_of_program, program_table, ptr_table, round_to, search_table,
+                     segment_sum, sr_round, to_device, unscale_factor)
 
 # Elements per program. Small under the interpreter so that the tests' small params span several programs.
 BLOCK = 128 if INTERPRET else 2048
@@ -337,14 +337,8 @@ def lamb_phases(params, grads, states, *, lr, betas, eps, weight_decay, bias_cor
     elements and seed the stochastic rounding (None: whole params, their positions in the bucket)."""
     device = params[0].device
     acc_dtype = torch.float64 if params[0].dtype == torch.float64 else torch.float32
-    key = ("lamb", block_size) + tuple((p.data_ptr(), tuple(p.shape)) for p in params) + tuple(
-        (k, t.data_ptr()) for s in states for k, t in s.items()) + tuple(map(id, layouts or ()))
-    plan = cache.get(key) if cache is not None else None
-    if plan is None:
-        plan = LambPlan(params, states, device, acc_dtype, block_size, layouts)
-        if cache is not None:
-            cache.clear()
-            cache[key] = plan
+    plan = cached_plan(cache, ("lamb", block_size), params, states, layouts,
+                       lambda: LambPlan(params, states, device, acc_dtype, block_size, layouts))
     if common.POISON:
         plan.parts.fill_(float("nan"))
         plan.sums.fill_(float("nan"))
