@@ -227,6 +227,28 @@ def test_extension_matches_reference_bitwise(built):
                 assert torch.equal(y1, R.dequantize_blockwise(c2, a2, block_size, signed, dtype))
 
 
+def test_non_finite_values_quantize_alike_on_both_paths(built):
+    """Blocks holding a NaN, an inf, a -inf, NaNs only, and a NaN beside an inf: the C++ kernels and the torch
+    reference give the same codes, absmax and dequantized values (NaN for NaN). A NaN is passed over by the
+    block's absmax and takes code 0 (the reference's absmax was the NaN: its whole block dequantized to NaN)."""
+    for signed in (True, False):
+        x = _data(64 * 6, signed=signed, seed=3)
+        x[3] = float("nan")
+        x[64 + 5] = float("inf")
+        x[128 + 7] = -float("inf") if signed else float("inf")
+        x[192:256] = float("nan")
+        x[256 + 1], x[256 + 2] = float("nan"), float("inf")
+        code = R.dynamic_map(signed)
+        c1, a1 = torch.ops.fastopt.quantize_blockwise(x, code, 64)
+        c2, a2 = R.quantize_blockwise(x, 64, signed)
+        assert torch.equal(c1, c2) and torch.equal(a1, a2), signed
+        assert a2[0] == x[:64].nan_to_num(0.0).abs().max() and c2[3] == 0 and a2[3] == 0
+        y1 = torch.ops.fastopt.dequantize_blockwise(c1, a1, code, 64, torch.float32)
+        y2 = R.dequantize_blockwise(c2, a2, 64, signed)
+        assert torch.equal(y1.isnan(), y2.isnan()) and torch.equal(y1[~y1.isnan()], y2[~y2.isnan()])
+        assert int(y2[:64].isnan().sum()) == 0  # the NaN's block keeps its other 63 values, and the NaN a code
+
+
 def test_multi_tensor_in_place(impl):
     """quantize_blockwise_ / dequantize_blockwise_ over several tensors (one an empty one) equal the
     one-tensor calls; GradScaler's found_inf=1 writes nothing."""

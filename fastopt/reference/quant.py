@@ -108,12 +108,13 @@ def num_blocks(n: int, block_size: int) -> int:
 
 
 def nearest_code(xn: Tensor, code: Tensor) -> Tensor:
-    """Index of the nearest value of the sorted map `code` for each fp32 `xn` (ties: the lower index)."""
+    """Index of the nearest value of the sorted map `code` for each fp32 `xn` (ties: the lower index); 0 for a
+    NaN, as the extension's and the Triton kernels' search and bitsandbytes give it."""
     idx = (torch.searchsorted(code, xn, right=True) - 1).clamp_(0, 255)  # largest j with code[j] <= xn, else 0
     left = code[idx]
     right = code[(idx + 1).clamp(max=255)]
     up = ((xn - right).abs() < (xn - left).abs()) & (idx < 255)
-    return (idx + up.long()).to(torch.uint8)
+    return torch.where(xn.isnan(), 0, idx + up.long()).to(torch.uint8)
 
 
 def _blocks(x: Tensor, block_size: int) -> Tensor:
@@ -130,7 +131,10 @@ def quantize_blockwise(x: Tensor, block_size: int = 256, signed: bool = True) ->
     check_block_size(block_size)
     check_float(x)
     blocks = _blocks(x, block_size)
-    absmax = blocks.abs().amax(dim=1) if blocks.numel() else blocks.new_zeros(0)
+    # The largest |x| of the block's numbers: a NaN is passed over (fmaxf in the extension, max in Triton, as in
+    # bitsandbytes), so it costs its own element only; an inf makes the absmax inf (and the block's values 0 or NaN).
+    mag = blocks.abs()
+    absmax = torch.where(mag.isnan(), 0.0, mag).amax(dim=1) if blocks.numel() else blocks.new_zeros(0)
     xn = torch.where(absmax[:, None] > 0, blocks / absmax[:, None], torch.zeros_like(blocks))
     codes = nearest_code(xn.reshape(-1), dynamic_map(signed, x.device))[: x.numel()]
     return codes.view(x.shape), absmax
