@@ -19,7 +19,8 @@ class Lamb(FastOptimizer):
     a = m / (sqrt(v) + eps) + weight_decay * p; the trust ratio r = ||p|| / ||a|| (1 where either norm is
     zero), clamped to at most `max_trust_ratio` when given; p -= eta * r * a with
     eta = lr * sqrt(1 - beta2^t) / (1 - beta1^t) (bias_correction) or lr. The norms are over the whole
-    parameter; the fused step computes them without a host sync.
+    parameter; the fused step computes them without a host sync. A NaN norm (a NaN gradient element without
+    GradScaler) also gives r = 1: that element turns NaN and the others take a step of eta * a, unscaled.
 
     Args:
         params: iterable of params or param-group dicts.
