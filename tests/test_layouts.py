@@ -368,6 +368,50 @@ def test_every_optimizer_every_layout_matches_single_process(pool, mode, name):
     assert len(errs) == WORLD
 
 
+def _mixed_precision_case(rank, world, name):
+    """FSDP2 with a MixedPrecisionPolicy, as large models are trained: each Linear and the root a unit, computing
+    in fp32 (param_dtype) on float64 sharded params, reducing gradients in float64. The optimizer sees the sharded
+    params and their gradients in float64; a single process stepping the same optimizer on whole copies of the
+    params, fed each step's whole gradients (gathered), must follow it within TOL_REL of the update."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    torch.manual_seed(0)
+    model = _Block().double()
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]
+    init = [p.detach().clone() for p in ref]
+    mesh, policy = init_device_mesh("cpu", (world,)), MixedPrecisionPolicy(torch.float32, torch.float64)
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear):
+            fully_shard(m, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    seen = set()
+    model.q.register_forward_pre_hook(lambda m, args: seen.add(m.weight.dtype))
+    opt, ref_opt = _make_opt(name, list(model.parameters())), _make_opt(name, ref)
+    for tok, tgt in _batches():
+        _loss(model, tok.chunk(world)[rank], tgt.chunk(world)[rank]).backward()
+        assert {p.grad.dtype for p in model.parameters()} == {torch.float64}
+        for r, p in zip(ref, model.parameters()):
+            r.grad = p.grad.full_tensor()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+    assert seen == {torch.float32}, seen  # the policy was in force: the forward ran on fp32 copies
+    ours = [p.full_tensor().detach() for p in model.parameters()]
+    num = sum((a - b).square().sum() for a, b in zip(ours, ref)) ** 0.5
+    den = sum((b.detach() - i).square().sum() for b, i in zip(ref, init)) ** 0.5
+    assert den > 0
+    err = float(num / den)
+    assert err <= TOL_REL, (name, err)
+    return err
+
+
+@pytest.mark.parametrize("name", MODEL_OPTS)
+def test_fsdp2_mixed_precision_matches_single_process_on_the_same_gradients(pool, name):
+    errs = pool.run(_mixed_precision_case, name)
+    assert len(errs) == WORLD
+
+
 def _svd_spread_case(rank, world, mode):
     """`_model_case` for GaLore, counting the SVDs of the distributed optimizer apart from the reference's."""
     from fastopt.reference import galore as ref_galore
@@ -1924,3 +1968,12 @@ def test_strided_shard_placements_are_refused_before_torch_2_10():
             f"fastopt needs torch >= 2.10 for _StridedShard placements (FSDP2 over tensor parallelism): under torch "
             f"{old} their pieces do not match the layout fastopt reads off them")
     assert all(strided_shard_refusal(v) is None for v in ("2.10.0", "2.11.0a0+git1234", "2.13.0+cpu", "3.0.0"))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("name", ["adafactor", "galore"])
+def test_kernels_fsdp2_mixed_precision_match_single_process(pool, name):
+    """`_mixed_precision_case` with the sharded buckets on the Triton kernels (the single process on the
+    reference)."""
+    errs = pool.run(_on_kernels, _mixed_precision_case, name)
+    assert len(errs) == WORLD
