@@ -114,7 +114,8 @@ install() {
   fi
   "$PY" -c "
 import importlib.util as u
-missing = [m for m in ('transformers', 'came_pytorch', 'galore_torch', 'bitsandbytes') if u.find_spec(m) is None]
+missing = [m for m in ('transformers', 'accelerate', 'came_pytorch', 'galore_torch', 'bitsandbytes')
+           if u.find_spec(m) is None]
 for m in missing:
     print('WARNING: test dependency', m, 'is missing: the tests comparing with it skip')
 raise SystemExit(1 if missing else 0)" || deps=3
