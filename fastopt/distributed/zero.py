@@ -336,6 +336,9 @@ def _hook_post(ref, gidx):
 
 
 def _hook_pre(ref, gidx):
+    # A pickled param leaves its hooks behind, as it should: the copy belongs to no wrapper, and an unpickled
+    # wrapper registers its own. Marked so, torch's pickling of a plain-tensor param does not warn about it.
+    @torch.utils.hooks.unserializable_hook
     def hook(_grad):
         z = ref()
         if z is not None and gidx not in z._lost:
