@@ -109,7 +109,7 @@ def num_blocks(n: int, block_size: int) -> int:
 
 def nearest_code(xn: Tensor, code: Tensor) -> Tensor:
     """Index of the nearest value of the sorted map `code` for each fp32 `xn` (ties: the lower index); 0 for a
-    NaN, as the extension's and the Triton kernels' search and bitsandbytes give it."""
+    NaN, as the extension's and the Triton kernels' search and bitsandbytes' CPU quantizer give it."""
     idx = (torch.searchsorted(code, xn, right=True) - 1).clamp_(0, 255)  # largest j with code[j] <= xn, else 0
     left = code[idx]
     right = code[(idx + 1).clamp(max=255)]
@@ -132,7 +132,8 @@ def quantize_blockwise(x: Tensor, block_size: int = 256, signed: bool = True) ->
     check_float(x)
     blocks = _blocks(x, block_size)
     # The largest |x| of the block's numbers: a NaN is passed over (fmaxf in the extension, max in Triton, as in
-    # bitsandbytes), so it costs its own element only; an inf makes the absmax inf (and the block's values 0 or NaN).
+    # bitsandbytes' CPU quantizer), so it costs its own element only; an inf makes the absmax inf (and the block's
+    # values 0 or NaN).
     mag = blocks.abs()
     absmax = torch.where(mag.isnan(), 0.0, mag).amax(dim=1) if blocks.numel() else blocks.new_zeros(0)
     xn = torch.where(absmax[:, None] > 0, blocks / absmax[:, None], torch.zeros_like(blocks))
