@@ -105,7 +105,7 @@ def _quant8(x, mask, qmap_ptr):
     """(codes, absmax) of the rows of a [blocks, QBLOCK] fp32 tile, as fastopt.reference.quant.quantize_blockwise
     makes them: x / absmax (fp32) to the nearest value of the sorted map, ties to the lower code."""
     x = tl.where(mask, x, 0.0)
-    absmax = tl.max(tl.abs(x), axis=1)
+    absmax = tl.max(tl.where(x == x, tl.abs(x), 0.0), axis=1)  # NaN passed over, a block of NaN too (as fmaxf from 0)
     safe = tl.where(absmax > 0, absmax, 1.0)
     xn = tl.where(absmax[:, None] > 0, tl.math.div_rn(x, safe[:, None]), 0.0)
     return nearest_code(xn, qmap_ptr).to(tl.uint8), absmax

@@ -167,7 +167,7 @@ def _lamb_apply_kernel(p_ptrs, p_ref, m_ptrs, v_ptrs, step_ptrs, meta_ptr, prog_
 def _quantize_store(x, codes_ptr, absmax_ptr, offs, blk, keep, bkeep, map_ptr):
     """Quantize an [NQ, QB] tile of whole blocks (zeros past the end) and store codes and block absmax."""
     xf = x.to(tl.float32)
-    amax = tl.max(tl.abs(xf), axis=1)
+    amax = tl.max(tl.where(xf == xf, tl.abs(xf), 0.0), axis=1)  # NaN passed over, a block of NaN too (as fmaxf from 0)
     safe = tl.where(amax > 0, amax, 1.0)
     xn = tl.where(amax[:, None] > 0, tl.math.div_rn(xf, safe[:, None]), 0.0)
     tl.store(codes_ptr + offs, nearest_code(xn, map_ptr).to(tl.uint8), mask=keep)

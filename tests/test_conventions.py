@@ -1141,21 +1141,24 @@ def test_params_of_two_dtypes_in_one_group_step_as_in_groups_of_one_dtype(case, 
 
 @pytest.mark.parametrize("case", ["lamb8", "galore8", "came8", "adamw8bit"])
 def test_a_non_finite_gradient_element_costs_the_same_elements_on_every_back_end(case, monkeypatch):
-    """Without GradScaler, fp32 params, a NaN in one gradient element and an inf in another (other 8-bit blocks
-    of 64) at the second of 3 steps: every back end leaves the same elements non-finite and the others within
-    fp32 rounding of each other. The extension's and the Triton kernels' block absmax pass over a NaN, which
-    takes code 0 (bitsandbytes' CPU quantizer does the same); the reference's absmax was the NaN, so on CPU
-    tensors a NaN cost its whole block (Lamb(nbits=8): 64 elements here, 256 with the default blocks) where the
-    same run on the GPU lost one element."""
+    """Without GradScaler, fp32 params, a NaN in one gradient element and an inf in another at the second of 3
+    steps: every back end leaves the same elements non-finite and the others within fp32 rounding of each other,
+    and the same 8-bit blocks with a non-finite absmax. The extension's and the Triton kernels' block absmax pass
+    over a NaN, which takes code 0 (bitsandbytes' CPU quantizer does the same), and a block of NaN only has absmax
+    0; the reference's absmax was the NaN, so on CPU tensors a NaN cost its whole block (Lamb(nbits=8): 64
+    elements here, 256 with the default blocks) where the same run on the GPU lost one element. CAME's clip and
+    GaLore's projection spread the NaN over the whole param on every back end: their blocks of NaN (the Triton
+    absmax was NaN there) tell the back ends apart."""
     from conftest import _triton_runs_here
-    backs = ["torch"] + (["triton"] if _triton_runs_here() and fastopt.ops.interpreting() else [])
-    if case == "adamw8bit":
+    if case == "adamw8bit":  # its 8-bit step is the extension's on every back end but torch
         from fastopt import ext
         ext.load()
-        backs.append("auto")  # the extension's CPU kernel
+        backs = ["torch", "auto"]
+    else:
+        backs = ["torch"] + (["triton"] if _triton_runs_here() and fastopt.ops.interpreting() else [])
     if len(backs) < 2:
         pytest.skip("one back end here")
-    out = {}
+    out, absmax = {}, {}
     for back in backs:
         monkeypatch.setenv("FASTOPT_BACKEND", back)
         ps = make_params("cpu", F32)
@@ -1167,9 +1170,12 @@ def test_a_non_finite_gradient_element_costs_the_same_elements_on_every_back_end
                 ps[2].grad[10, 5] = float("inf")
             opt.step()
         out[back] = [p.detach().clone() for p in ps]
+        absmax[back] = [st[k].isfinite() for p in ps for st in [opt.state[p]] for k in sorted(st) if "absmax" in k]
     ref = out["torch"]
-    assert not all(bool(p.isfinite().all()) for p in ref)
+    assert not all(bool(p.isfinite().all()) for p in ref) and absmax["torch"]
     for back in backs[1:]:
+        assert len(absmax[back]) == len(absmax["torch"])
+        assert all(torch.equal(a, b) for a, b in zip(absmax[back], absmax["torch"])), back
         for p, q in zip(out[back], ref):
             assert torch.equal(p.isfinite(), q.isfinite()), (back, int((~p.isfinite()).sum()),
                                                             int((~q.isfinite()).sum()))

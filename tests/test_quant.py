@@ -229,8 +229,9 @@ def test_extension_matches_reference_bitwise(built):
 
 def test_non_finite_values_quantize_alike_on_both_paths(built):
     """Blocks holding a NaN, an inf, a -inf, NaNs only, and a NaN beside an inf: the C++ kernels and the torch
-    reference give the same codes, absmax and dequantized values (NaN for NaN). A NaN is passed over by the
-    block's absmax and takes code 0 (the reference's absmax was the NaN: its whole block dequantized to NaN)."""
+    reference give the same codes, absmax and dequantized values. A NaN is passed over by the block's absmax (a
+    block of NaN only has absmax 0) and takes code 0, a finite value (the reference's absmax was the NaN: its
+    whole block dequantized to NaN)."""
     for signed in (True, False):
         x = _data(64 * 6, signed=signed, seed=3)
         x[3] = float("nan")

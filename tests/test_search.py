@@ -9,7 +9,8 @@ triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
 from fastopt import ops  # noqa: E402
-from fastopt.kernels.common import Q_BUCKET_BITS, Q_BUCKETS, Q_LO, nearest_code, search_table  # noqa: E402
+from fastopt.kernels.common import (FP_FUSION, Q_BUCKET_BITS, Q_BUCKETS, Q_LO, nearest_code,  # noqa: E402
+                                    search_table)
 from fastopt.reference import quant as R  # noqa: E402
 
 
@@ -47,10 +48,10 @@ def test_triton_search_is_the_nearest_code(signed):
     assert torch.equal(table[:256].cpu(), R.dynamic_map(signed))  # `table + code` dequantizes
     x = _near_every_edge(table, signed).to(device)
     out = torch.empty(x.numel(), dtype=torch.int32, device=device)
-    search[(triton.cdiv(x.numel(), 1024),)](x, table, out, x.numel(), BLOCK=1024)
+    search[(triton.cdiv(x.numel(), 1024),)](x, table, out, x.numel(), BLOCK=1024, **FP_FUSION)
     want = R.nearest_code(x.cpu(), R.dynamic_map(signed)).to(torch.int32)
     bad = (out.cpu() != want).nonzero().flatten()
     assert bad.numel() == 0, f"{bad.numel()} of {x.numel()} codes differ, first x={x[bad[0]].item()!r}"
     nan = torch.full((4,), float("nan"), device=device)
-    search[(1,)](nan, table, out, 4, BLOCK=1024)
+    search[(1,)](nan, table, out, 4, BLOCK=1024, **FP_FUSION)
     assert out[:4].tolist() == [0] * 4
