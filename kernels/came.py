@@ -45,9 +45,9 @@ import triton.language as tl
 
 from fastopt.reference.came import QBLOCK as QBLOCK_
 from . import common
-from .common import (FP_FUSION, INTERPRET, cached_plan, keep_limit, load_ptr, map_values, multiples, nearest_code,
-                     param_of_program, program_table, ptr_table, round_to, search_table, segment_sum, sr_round,
-                     to_device, unscale_factor)
+from .common import (FP_FUSION, INTERPRET, cached_plan, keep_limit, load_ptr, map_values, multiples, param_of_program,
+                     program_table, ptr_table, quantize_rows, round_to, search_table, segment_sum, sr_round, to_device,
+                     unscale_factor)
 from .factored import (BucketPlan, col_map, global_numel, in_piece, launch_col_reduce, launch_factors,
                        launch_sq_stats, launch_usq, load_meta, row_block, row_map, store_param_tile)
 
@@ -102,13 +102,8 @@ def _dequant8(code_ptr, absmax_ptr, qmap_ptr, offs, mask):
 
 @triton.jit
 def _quant8(x, mask, qmap_ptr):
-    """(codes, absmax) of the rows of a [blocks, QBLOCK] fp32 tile, as fastopt.reference.quant.quantize_blockwise
-    makes them: x / absmax (fp32) to the nearest value of the sorted map, ties to the lower code."""
-    x = tl.where(mask, x, 0.0)
-    absmax = tl.max(tl.where(x == x, tl.abs(x), 0.0), axis=1)  # NaN passed over, a block of NaN too (as fmaxf from 0)
-    safe = tl.where(absmax > 0, absmax, 1.0)
-    xn = tl.where(absmax[:, None] > 0, tl.math.div_rn(x, safe[:, None]), 0.0)
-    return nearest_code(xn, qmap_ptr).to(tl.uint8), absmax
+    """(codes, absmax) of the rows of a [blocks, QBLOCK] fp32 tile (common.quantize_rows), masked lanes zero."""
+    return quantize_rows(tl.where(mask, x, 0.0), qmap_ptr)
 
 
 @triton.jit

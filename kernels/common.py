@@ -375,6 +375,18 @@ def nearest_code(x, table_ptr):
 
 
 @triton.jit
+def quantize_rows(x, table_ptr):
+    """(codes uint8, absmax fp32) of each row of an fp32 [blocks, B] tile of whole blocks (zeros past the end), as
+    fastopt.reference.quant.quantize_blockwise makes them: absmax the largest |x| of the row's numbers (a NaN is
+    passed over, a row of NaN only has 0, as the extension's fmaxf from 0), x / absmax (IEEE division) to the
+    nearest map value (nearest_code: ties to the lower code, NaN to 0)."""
+    absmax = tl.max(tl.where(x == x, tl.abs(x), 0.0), axis=1)
+    safe = tl.where(absmax > 0, absmax, 1.0)
+    xn = tl.where(absmax[:, None] > 0, tl.math.div_rn(x, safe[:, None]), 0.0)
+    return nearest_code(xn, table_ptr).to(tl.uint8), absmax
+
+
+@triton.jit
 def _segment_sum_kernel(parts_ptr, seg_start_ptr, seg_len_ptr, out_ptr, WIDTH: tl.constexpr,
                         BLOCK: tl.constexpr):
     """out[i, k] = sum_j parts[seg_start[i] + j, k] for j < seg_len[i]: per-param sums of per-program partials."""

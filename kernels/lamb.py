@@ -42,7 +42,7 @@ import triton.language as tl
 
 from . import common
 from .common import (FP_FUSION, INTERPRET, GradTable, SRTable, aligned, cached_plan, keep_limit, load_ptr, map_values,
-                     multiples, nearest_code, param_of_program, program_table, ptr_table, round_to, search_table,
+                     multiples, param_of_program, program_table, ptr_table, quantize_rows, round_to, search_table,
                      segment_sum, sr_round, to_device, unscale_factor)
 
 # Elements per program. Small under the interpreter so that the tests' small params span several programs.
@@ -166,11 +166,8 @@ def _lamb_apply_kernel(p_ptrs, p_ref, m_ptrs, v_ptrs, step_ptrs, meta_ptr, prog_
 @triton.jit
 def _quantize_store(x, codes_ptr, absmax_ptr, offs, blk, keep, bkeep, map_ptr):
     """Quantize an [NQ, QB] tile of whole blocks (zeros past the end) and store codes and block absmax."""
-    xf = x.to(tl.float32)
-    amax = tl.max(tl.where(xf == xf, tl.abs(xf), 0.0), axis=1)  # NaN passed over, a block of NaN too (as fmaxf from 0)
-    safe = tl.where(amax > 0, amax, 1.0)
-    xn = tl.where(amax[:, None] > 0, tl.math.div_rn(xf, safe[:, None]), 0.0)
-    tl.store(codes_ptr + offs, nearest_code(xn, map_ptr).to(tl.uint8), mask=keep)
+    codes, amax = quantize_rows(x.to(tl.float32), map_ptr)
+    tl.store(codes_ptr + offs, codes, mask=keep)
     tl.store(absmax_ptr + blk, amax, mask=bkeep)
 
 
