@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import DIST_WORLD
+from conftest import DIST_WORLD, rel_update_error
 from dist_utils import placement, scaled_dtensor_step
 
 import fastopt
@@ -397,11 +397,7 @@ def _mixed_precision_case(rank, world, name):
         ref_opt.step()
         ref_opt.zero_grad(set_to_none=True)
     assert seen == {torch.float32}, seen  # the policy was in force: the forward ran on fp32 copies
-    ours = [p.full_tensor().detach() for p in model.parameters()]
-    num = sum((a - b).square().sum() for a, b in zip(ours, ref)) ** 0.5
-    den = sum((b.detach() - i).square().sum() for b, i in zip(ref, init)) ** 0.5
-    assert den > 0
-    err = float(num / den)
+    err = rel_update_error([p.full_tensor() for p in model.parameters()], ref, init)
     assert err <= TOL_REL, (name, err)
     return err
 
