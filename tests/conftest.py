@@ -197,6 +197,30 @@ def through_8bit(m, v, block_size: int) -> tuple:
             dequantize_blockwise(qv, av, block_size, signed=False, dtype=torch.float64), (qm, qv))
 
 
+def near_decision_points(signed: bool, block: int = 256) -> torch.Tensor:
+    """Blocks of `block` fp32 values, each opened by its absmax (1, 3 or 0.7), the rest on and one or two ulps
+    beside the midpoints between adjacent values of the signed or unsigned 8-bit map times that absmax: where
+    the nearest code changes and the last bit of x / absmax decides (random data almost never lands there)."""
+    from fastopt.reference.quant import dynamic_map
+    keys = dynamic_map(signed).double()
+    rows = []
+    for amax in (1.0, 3.0, 0.7):
+        mids = ((keys[:-1] + keys[1:]) / 2 * amax).float()
+        vals, up, down = [mids], mids, mids
+        for _ in range(2):
+            up = torch.nextafter(up, torch.tensor(float("inf")))
+            down = torch.nextafter(down, torch.tensor(float("-inf")))
+            vals += [up, down]
+        x = torch.cat(vals)
+        x = x[x.abs() <= amax]  # (the unsigned map's midpoints are positive, and so are their neighbours)
+        for lo in range(0, x.numel(), block - 1):
+            row = torch.zeros(block, dtype=torch.float32)
+            row[0] = amax
+            row[1:1 + x[lo:lo + block - 1].numel()] = x[lo:lo + block - 1]
+            rows.append(row)
+    return torch.cat(rows)
+
+
 def adam_8bit_reference(init, grads, betas, block_size: int, min_8bit_size: int, lrs, update) -> tuple:
     """Adam's moments in float64, one param at a time, those of params of at least `min_8bit_size` elements kept
     between steps in the 8-bit block-wise format (`through_8bit`: quantized from the exact m_t, v_t the update

@@ -9,10 +9,11 @@ import torch
 from conftest import (TOL, Counting, assert_tracks, rel_update_error, step_with_inf_at, group_key,
                       check_bad_key_refused_after_a_step, check_refuses_sparse_and_complex,
                       check_skips_params_without_grad, check_no_host_sync, save_load, feed, adam_8bit_reference,
-                      assert_matches_8bit_reference)
+                      assert_matches_8bit_reference, near_decision_points)
 
 import fastopt
 from fastopt import ops
+from fastopt.reference.quant import quantize_blockwise
 from sr_checks import (assert_sr_beats_nearest, check_noise_varies, check_sr_deterministic,
                        sr_problem)
 
@@ -468,6 +469,60 @@ def test_values_at_the_ends_of_the_rules_are_taken(backend, device):
     ref, codes = lamb8_reference(init, grads, lr=None, lrs=lrs, block_size=4096, min_8bit_size=0, **kw)
     assert all(c is not None for c in codes)
     assert_matches_8bit_reference(opt, params, ref, codes, init, 4096, LAMB_8BIT_KEYS)
+
+
+# eps=0: the interpreted Triton kernels compute 0/0 in lanes they mask off (never stored; what is stored is checked).
+@pytest.mark.filterwarnings("ignore:invalid value encountered in divide:RuntimeWarning")
+def test_eps_zero_and_a_param_of_many_programs_with_32bit_state(backend, device):
+    """32-bit state, eps=0 (a value the rules take): the last program of each param is partly masked, and there
+    m = v = 0, so a lane not masked out of ||a|| would put 0/0 into it (ratio 1, a wrong step). The (90, 100)
+    param spans 71 programs of the kernels under the interpreter, more per-program partials than one block of
+    the segment sum that adds them into its norms. 10 steps against the float64 LAMB."""
+    kw = dict(lr=LR, eps=0.0, weight_decay=0.01)
+    init, grads = make_problem(shapes=[(7,), (300,), (3, 5), (90, 100)], scales=[1.0, 3.0, 0.5, 1.0], steps=10)
+    ours, _ = run(init, grads, torch.float64, device, **kw)
+    ref, *_ = lamb_reference(init, grads, **kw)
+    for i, (a, b, c) in enumerate(zip(ours, ref, init)):
+        assert rel_update_error([a.detach().cpu()], [b], [c]) <= TOL[torch.float64], f"param {i}"
+
+
+def test_8bit_codes_on_the_decision_points_and_of_nan(backend, device):
+    """beta1=0: m_1 is the gradient itself, so one step quantizes a chosen m. Blocks of 256 whose absmax is 1, 3
+    or 0.7 and whose other values sit on and one or two ulps beside the map's decision points (x / absmax, an
+    IEEE division: ties go to the lower code), and a block with a NaN (passed over by the absmax, code 0): every
+    code of exp_avg is fastopt.reference.quant.quantize_blockwise's of m, and so is every absmax."""
+    block = 256
+    x = near_decision_points(True, block)
+    nan_block = x[:block].clone()
+    nan_block[5] = math.nan
+    g = torch.cat([x, nan_block]).double()
+    p = torch.ones(g.numel(), dtype=torch.float64, device=device, requires_grad=True)
+    opt = fastopt.Lamb([p], lr=1e-3, betas=(0.0, 0.999), nbits=8, block_size=block, min_8bit_size=0)
+    p.grad = g.to(device)
+    opt.step()
+    want, want_amax = quantize_blockwise(g, block, signed=True)
+    st = opt.state[p]
+    got = st["exp_avg"].cpu()
+    assert got.dtype == torch.uint8
+    bad = (got != want).nonzero().flatten().tolist()
+    assert not bad, f"{len(bad)} codes differ, first at {bad[:5]}: x={g[bad[:5]].tolist()}"
+    assert torch.equal(st["exp_avg_absmax"].cpu(), want_amax)
+    assert int(got[g.isnan()].item()) == 0
+
+
+# eps=0: as above.
+@pytest.mark.filterwarnings("ignore:invalid value encountered in divide:RuntimeWarning")
+def test_bf16_store_rounds_ties_to_even(backend, device):
+    """bf16 params of 1.0 and an update of exactly 2**-9 (half a bf16 ulp below 1: a tie). beta2=0 and eps=0
+    make a = m / sqrt(v) = 1 and ||p|| = ||a|| (trust ratio 1), without bias correction: round-to-nearest-even
+    keeps 1.0 (0x3F80, even), where rounding ties down would give 1 - 2**-8."""
+    p = torch.ones(300, dtype=torch.bfloat16, device=device, requires_grad=True)
+    opt = fastopt.Lamb([p], lr=2.0 ** -9, betas=(0.0, 0.0), eps=0.0, bias_correction=False)
+    p.grad = torch.ones_like(p)
+    opt.step()
+    want = (torch.ones(300) - 2.0 ** -9).to(torch.bfloat16)
+    assert torch.equal(want, torch.ones(300, dtype=torch.bfloat16))  # torch's own rounding: the tie goes to 1.0
+    assert torch.equal(p.detach().cpu(), want)
 
 
 def test_dequantized_state_dict_round_trip_is_bit_identical(backend, device):

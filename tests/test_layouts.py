@@ -491,6 +491,13 @@ CASES = {
     # 8-bit states of several blocks per rank (GaLore's projected moments, (300, rank), cut over 4 ranks)
     "tall_rows": ((300, 8), (4,), [("S", 0)]),
 }
+# More meshes, for test_dtensor_placements_match_single_process alone (test_sr_layouts steps CASES too)
+MORE_MESHES = {
+    "rows_twice": ((11, 5), (2, 2), [("S", 0), ("S", 0)]),  # both mesh dims cut the rows, in mesh order
+    # 3-D meshes (HSDP x TP: replicate, shard, tensor parallel); 4 ranks, so one mesh dim has size 1
+    "hsdp_x_tp": ((9, 7), (2, 2, 1), [("R",), ("S", 0), ("S", 1)]),
+    "three_dims_3d": ((5, 6, 7), (1, 2, 2), [("S", 2), ("S", 0), ("S", 1)]),
+}
 
 
 def _problem(shapes, seed=0):
@@ -502,12 +509,12 @@ def _problem(shapes, seed=0):
 
 def _meshes_and_placements(cases) -> list:
     """(device mesh, placements) of each (shape, mesh shape, placement specs) case: one mesh per mesh shape,
-    ("dp", "tp") or ("tp",)."""
+    ("rep", "dp", "tp"), ("dp", "tp") or ("tp",)."""
     from torch.distributed.device_mesh import init_device_mesh
     meshes, plc = {}, []
     for _, mesh_shape, pls in cases:
         if mesh_shape not in meshes:
-            names = ("dp", "tp") if len(mesh_shape) == 2 else ("tp",)
+            names = ("rep", "dp", "tp")[-len(mesh_shape):]
             meshes[mesh_shape] = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
         plc.append((meshes[mesh_shape], [placement(s) for s in pls]))
     return plc
@@ -541,12 +548,12 @@ def run_placements(init, grads, plc, make_opt):
 
 def _placements_case(rank, world, name, groups=1):
     """`groups`: the params split over that many param groups (`_make_split`), the single process alike."""
-    shapes = [c[0] for c in CASES.values()]
-    init, grads = _problem(shapes)
+    cases = list(CASES.values()) + list(MORE_MESHES.values())
+    init, grads = _problem([c[0] for c in cases])
     ref = [p.clone().requires_grad_() for p in init]
     ref_opt = _make_split(name, ref, groups)
     step_all(ref_opt, ref, grads)
-    params, opt = run_placements(init, grads, _meshes_and_placements(CASES.values()),
+    params, opt = run_placements(init, grads, _meshes_and_placements(cases),
                                  lambda ps: _make_split(name, ps, groups))
     full = [p.detach().full_tensor() for p in params]
     num = sum((a - b.detach()).square().sum() for a, b in zip(full, ref)) ** 0.5

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import near_decision_points
 
 import fastopt
 from fastopt import ext, ops
@@ -225,6 +226,23 @@ def test_extension_matches_reference_bitwise(built):
                 assert torch.equal(c1, c2) and torch.equal(a1, a2), (block_size, dtype, signed)
                 y1 = torch.ops.fastopt.dequantize_blockwise(c1, a1, code, block_size, dtype)
                 assert torch.equal(y1, R.dequantize_blockwise(c2, a2, block_size, signed, dtype))
+
+
+def test_codes_on_the_decision_points_equal_the_reference(built):
+    """Values on and one or two ulps beside the points where the nearest code changes (conftest's
+    near_decision_points; signed and unsigned maps, blocks of 256 and 64): the extension's codes and absmax
+    equal the reference's, every one, on the CPU and on CUDA where there is a GPU (whose kernels divide by the
+    absmax through its reciprocal, fastopt_core.h's div_fast)."""
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    for signed in (True, False):
+        for block in (256, 64):
+            x = near_decision_points(signed, block)
+            c2, a2 = R.quantize_blockwise(x, block, signed)
+            for dev in devices:
+                c1, a1 = torch.ops.fastopt.quantize_blockwise(x.to(dev), R.dynamic_map(signed, dev), block)
+                bad = (c1.cpu() != c2).nonzero().flatten().tolist()
+                assert not bad, (signed, block, dev, len(bad), x[bad[:5]].tolist())
+                assert torch.equal(a1.cpu(), a2), (signed, block, dev)
 
 
 def test_non_finite_values_quantize_alike_on_both_paths(built):
