@@ -265,6 +265,17 @@ def feed(opt, params, grads) -> None:
         opt.step()
 
 
+def run_changed_midway(cls, init, grads, device, kw: dict, key: str, value, at: int = 3) -> list:
+    """`cls(params, **kw)` on float64 copies of `init` on `device`, stepped with `grads`, its group's `key` set to
+    `value` before step `at` (0-based), as a user or a scheduler sets it: the params after the last step (CPU)."""
+    params = [p.detach().clone().to(device=device, dtype=torch.float64).requires_grad_() for p in init]
+    opt = cls(params, **kw)
+    feed(opt, params, grads[:at])
+    opt.param_groups[0][key] = value
+    feed(opt, params, grads[at:])
+    return [p.detach().cpu() for p in params]
+
+
 def check_skips_params_without_grad(make_opt, device, shapes=((3, 4), (5,))) -> None:
     """`make_opt(a, b, e)` over fp64 params of `shapes` and an empty one: a step with a gradient for `a` and
     the empty `e` only moves `a` and counts its step; `b` (no gradient) and `e` get no state."""

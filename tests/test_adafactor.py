@@ -6,7 +6,7 @@ import torch
 from conftest import (TALL_ROWS, TOL, assert_tracks, rel_update_error, step_with_inf_at,
                       launches_per_step, check_bad_group_refused, check_foreign_group_count_refused,
                       check_refuses_sparse_and_complex, check_skips_params_without_grad, feed, save_load,
-                      check_lr_scheduler_drives_group_lr)
+                      check_lr_scheduler_drives_group_lr, run_changed_midway)
 from transformers.optimization import Adafactor as HFAdafactor
 
 import fastopt
@@ -31,6 +31,8 @@ OPTIONS = {
     "zero_init": dict(),
     # beta1=0 keeps an `exp_avg` (the last update), as transformers does for any beta1 that is not None.
     "beta1_zero": dict(beta1=0.0),
+    # The ends of the rule "(eps1, eps2), each >= 0": g^2 alone in the factors, RMS(p) alone as the scale.
+    "eps_zero": dict(eps=(0.0, 0.0), beta1=0.9),
 }
 STEPS = 10
 
@@ -56,6 +58,9 @@ def state_tensors(opt, params, key):
     return [opt.state[p][key] for p in params if key in opt.state[p]]
 
 
+# eps_zero: the interpreted Triton kernels compute 0/0 in lanes they mask off (never stored; what is stored is
+# checked).
+@pytest.mark.filterwarnings("ignore:invalid value encountered in divide:RuntimeWarning")
 @pytest.mark.parametrize("option", list(OPTIONS))
 def test_matches_transformers_float64(backend, device, option):
     kw = OPTIONS[option]
@@ -231,6 +236,23 @@ def test_grad_scaler_and_skipped_overflow(backend, device):
     opt = fastopt.Adafactor(params, beta1=0.9)
     step_with_inf_at(opt, params, grads, inf_step, device)
     assert rel_update_error([p.cpu() for p in params], [p.cpu() for p in ref], init) <= TOL[torch.float32]
+
+
+# Every hyperparameter a group may change between steps (lr: test_lr_scheduler_drives_group_lr): its new value.
+ADAFACTOR_CHANGES = {"beta1": 0.5, "eps": (1e-3, 1e-2), "clip_threshold": 0.3, "decay_rate": -0.5,
+                     "weight_decay": 0.2, "scale_parameter": False}
+
+
+@pytest.mark.parametrize("key", list(ADAFACTOR_CHANGES))
+def test_hyperparameter_changed_between_steps_takes_effect(backend, device, key):
+    """A group's hyperparameter set between steps (lr fixed) steps from the next step on as transformers'
+    Adafactor does, which reads the group at every step: 6 steps in float64, the change before the fourth (the
+    kernels keep the group's values in a device tensor, which must follow the group)."""
+    kw = dict(lr=3e-2, relative_step=False, beta1=0.9, weight_decay=0.05)
+    init, grads = make_problem(steps=6)
+    ours = run_changed_midway(fastopt.Adafactor, init, grads, device, kw, key, ADAFACTOR_CHANGES[key])
+    ref = run_changed_midway(HFAdafactor, init, grads, "cpu", kw, key, ADAFACTOR_CHANGES[key])
+    assert_tracks(ours, ref, init, torch.float64)
 
 
 def test_lr_scheduler_drives_group_lr(backend, device):

@@ -7,7 +7,7 @@ from came_pytorch import CAME as RefCAME
 from conftest import (TALL_ROWS, TOL, assert_tracks, rel_update_error, step_with_inf_at,
                       launches_per_step, check_bad_group_refused, check_foreign_group_count_refused,
                       check_refuses_sparse_and_complex, check_skips_params_without_grad, feed, save_load,
-                      check_lr_scheduler_drives_group_lr)
+                      check_lr_scheduler_drives_group_lr, run_changed_midway)
 
 import fastopt
 from sr_checks import (assert_sr_beats_nearest, check_noise_varies, check_own_state_dict_keeps_sr,
@@ -20,6 +20,7 @@ OPTIONS = {
     "clip": dict(lr=1e-3, clip_threshold=0.2),
     "betas_eps": dict(lr=2e-3, betas=(0.5, 0.7, 0.8), eps=(1e-3, 1e-4)),
     "all": dict(lr=1e-2, betas=(0.0, 0.6, 0.0), eps=(1e-3, 0.5), clip_threshold=0.5, weight_decay=0.1),
+    "eps_zero": dict(lr=1e-3, eps=(0.0, 0.0)),  # the ends of the rule "(eps1, eps2), each >= 0"
 }
 STATE_KEYS = ("exp_avg", "exp_avg_sq_row", "exp_avg_sq_col", "exp_avg_res_row", "exp_avg_res_col", "exp_avg_sq")
 STEPS = 8
@@ -53,6 +54,9 @@ def assert_states_match(opt, params, ref_opt, ref_params, tol):
         assert float(opt.state[p]["step"]) == float(ref_opt.state[q]["step"])
 
 
+# eps_zero: the interpreted Triton kernels compute 0/0 in lanes they mask off (never stored; what is stored is
+# checked).
+@pytest.mark.filterwarnings("ignore:invalid value encountered in divide:RuntimeWarning")
 @pytest.mark.parametrize("option", list(OPTIONS))
 def test_matches_came_pytorch_float64(backend, device, option):
     kw = OPTIONS[option]
@@ -260,6 +264,22 @@ def test_grad_scaler_and_skipped_overflow(backend, device, nbits):
     opt = fastopt.CAME(params, **kw)
     step_with_inf_at(opt, params, grads, inf_step, device, poison=(1, 0, 0, 0))
     assert rel_update_error([p.cpu() for p in params], [p.cpu() for p in ref], init) <= TOL[torch.float32]
+
+
+# Every hyperparameter a group may change between steps (lr: test_lr_scheduler_drives_group_lr): its new value.
+CAME_CHANGES = {"betas": (0.5, 0.9, 0.99), "eps": (1e-3, 1e-4), "clip_threshold": 0.2, "weight_decay": 0.2}
+
+
+@pytest.mark.parametrize("key", list(CAME_CHANGES))
+def test_hyperparameter_changed_between_steps_takes_effect(backend, device, key):
+    """A group's hyperparameter set between steps (lr fixed) steps from the next step on as came-pytorch's CAME
+    does, which reads the group at every step: 6 steps in float64, the change before the fourth (the kernels keep
+    the group's values in a device tensor, which must follow the group)."""
+    kw = dict(lr=1e-3, weight_decay=0.05)
+    init, grads = make_problem(steps=6)
+    ours = run_changed_midway(fastopt.CAME, init, grads, device, kw, key, CAME_CHANGES[key])
+    ref = run_changed_midway(RefCAME, init, grads, "cpu", kw, key, CAME_CHANGES[key])
+    assert_tracks(ours, ref, init, torch.float64)
 
 
 def test_lr_scheduler_drives_group_lr(backend, device):

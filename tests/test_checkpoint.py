@@ -537,7 +537,8 @@ def test_every_fastopt_optimizer_has_a_case():
 def _set_grads(model, step):
     gs = grads_for(step)
     for n, p in model.named_parameters():
-        p.grad = torch.zeros_like(p) if p.numel() == 0 else gs[n].clone()
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p) if p.numel() == 0 else gs[n].clone()
 
 
 def _run(model, opt, steps):
@@ -1368,7 +1369,8 @@ def test_dcp_flattened_form_resumes(case, form, monkeypatch, tmp_path):
 def test_dcp_flattened_form_takes_a_param_without_state(case, monkeypatch, tmp_path):
     """DCP's flattened form gives every trainable param a state, {} for one that has none (a 0-element param
     never gets any): that loads as no state, as torch's load_state_dict takes a param absent from 'state', and
-    the run resumes bit for bit."""
+    the run resumes bit for bit. A frozen param in the optimizer gets no state (no zero state from
+    state_dict(): all of a frozen model's would be allocated)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
                                                          set_optimizer_state_dict)
@@ -1378,6 +1380,7 @@ def test_dcp_flattened_form_takes_a_param_without_state(case, monkeypatch, tmp_p
     def build():
         model = MLP()
         model.empty = torch.nn.Parameter(torch.zeros(0, 3, dtype=DT))
+        model.frozen = torch.nn.Parameter(torch.linspace(-1, 1, 15, dtype=DT).view(3, 5), requires_grad=False)
         opt = make_opt(case, model)
         return model, opt
 
@@ -1392,6 +1395,9 @@ def test_dcp_flattened_form_takes_a_param_without_state(case, monkeypatch, tmp_p
     box = {"optim": get_optimizer_state_dict(fresh, f_opt, options=flat)}
     dcp.load(box, checkpoint_id=str(tmp_path), no_dist=True)
     assert not any(k.startswith("state.empty.") for k in box["optim"])  # no state saved for it
+    # nor for a frozen param: state_dict() makes zero state for the trainable params alone, as DCP does
+    assert not any(k.startswith("state.frozen.") for k in box["optim"])
+    assert not opt.state.get(model.frozen) and not f_opt.state.get(fresh.frozen)
     set_optimizer_state_dict(fresh, f_opt, box["optim"], options=flat)
     _run(fresh, f_opt, range(HALF, STEPS))
     _run(twin, t_opt, range(HALF, STEPS))

@@ -759,6 +759,29 @@ def test_a_state_dict_of_another_optimizer_class_is_refused_unchanged(src, dst):
     assert [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] == groups
 
 
+@pytest.mark.parametrize("case", list(CASES))
+def test_an_empty_state_in_a_state_dict_loads_as_no_state(case):
+    """A state_dict entry of {} for a param (what DCP's flattened form gives a trainable param without state;
+    torch.optim loads it as no state) loads: that param has no state, the others theirs, and 3 more steps are
+    bit for bit those of an optimizer given the same state_dict without that entry."""
+    ps = make_params("cpu")
+    opt = make(case, ps)
+    run(opt, ps, range(2))
+    sd = opt.state_dict()
+    with_empty = {"state": {**sd["state"], 1: {}}, "param_groups": sd["param_groups"]}
+    without = {"state": {k: v for k, v in sd["state"].items() if k != 1}, "param_groups": sd["param_groups"]}
+    twins = []
+    for loaded in (with_empty, without):
+        qs = [p.detach().clone().requires_grad_() for p in ps]
+        o = make(case, qs)
+        o.load_state_dict(loaded)
+        flat = params_of(o)
+        assert not o.state.get(flat[1]) and o.state.get(flat[0]) and o.state.get(flat[2])
+        run(o, qs, range(2, 5))
+        twins.append(o)
+    assert_same(*twins)
+
+
 # The group keys only fastopt has: without them a group reads as another library's (transformers' Adafactor,
 # came-pytorch's CAME, bitsandbytes' AdamW8bit), which load_state_dict converts.
 FASTOPT_ONLY = {"adafactor": ("bf16_stochastic_round",), "came32": ("bf16_stochastic_round", "nbits"),
@@ -1113,6 +1136,25 @@ def test_a_param_that_sat_steps_out_steps_as_if_it_had_not(case, backend, device
     assert sa.keys() == sb.keys()
     for k in sa:
         assert torch.equal(sa[k], sb[k]), k
+
+
+def test_galore_step_counters_set_from_outside_at_a_skipped_step_keep_the_refresh_schedule():
+    """Two GaLore optimizers (update_proj_gap=3) over the same params and gradients, stepped with GradScaler's
+    grad_scale / found_inf, the third step skipped (found_inf=1); the second has its step counters replaced by
+    copies (state set from outside: the host's mirror of them must read them) just before that skipped step.
+    After 8 calls (7 steps taken) both are bit for bit the same: their bases refreshed at the same steps."""
+    ps_a, ps_b = make_params("cpu"), make_params("cpu")
+    oa, ob = make("galore32", ps_a), make("galore32", ps_b)
+    for t in range(8):
+        for o, ps in ((oa, ps_a), (ob, ps_b)):
+            set_grads(ps, t)
+            if t == 2 and o is ob:
+                for st in o.state.values():
+                    st["step"] = st["step"].clone()
+            o.grad_scale, o.found_inf = torch.ones(()), torch.full((), 1.0 if t == 2 else 0.0)
+            o.step()
+    assert all(float(st["step"]) == 7 for st in ob.state.values())
+    assert_same(oa, ob)
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import (TOL, Counting, assert_tracks, rel_update_error, step_with_inf_at,
                       check_refuses_sparse_and_complex, check_skips_params_without_grad, through_8bit,
-                      check_no_host_sync, snapshot, assert_unchanged, save_load)
+                      check_no_host_sync, snapshot, assert_unchanged, save_load, run_changed_midway)
 
 import fastopt
 from fastopt import ops
@@ -188,6 +188,65 @@ def test_square_matrices_match_galore_torch(backend, device, proj_type):
     for p, q in zip(params[:2], plist[:2]):
         assert set(opt.state[p]) == {"step", "exp_avg", "exp_avg_sq", key}, sorted(opt.state[p])
         assert torch.equal(opt.state[p][key].cpu(), galore_state(ref_opt, q, key).to(torch.float64))
+
+
+def _both(groups, init, grads, device, **kw):
+    """fastopt's and galore-torch's GaLoreAdamW over `groups(params)`, stepped with `grads`: each one's params."""
+    out = []
+    for cls, dev, extra in ((fastopt.GaLoreAdamW, device, {}),
+                            (galore_torch.GaLoreAdamW, "cpu", {"no_deprecation_warning": True})):
+        ps = [x.to(dev).clone().requires_grad_() for x in init]
+        opt = cls(groups(ps), **kw, **extra)
+        step(opt, ps, grads)
+        out.append([p.detach().cpu() for p in ps])
+    return out
+
+
+@pytest.mark.parametrize("proj_type", ["std", "full"])
+def test_rank_equal_to_the_smaller_dim_matches_galore_torch(backend, device, proj_type):
+    """rank = min(m, n), the end of the rule "rank at most min(m, n)": taken, and 7 steps (refreshes at 1, 4, 7)
+    in float64 are galore-torch's, param by param."""
+    init, grads = make_problem([(9, 5), (5, 9), (7,)], steps=7)
+    group = dict(GROUP, rank=5, proj_type=proj_type)
+    ours, ref = _both(lambda ps: [{"params": ps[:2], **group}, {"params": ps[2:]}], init, grads, device,
+                      lr=LR, weight_decay=WD)
+    for i, (a, b, x) in enumerate(zip(ours, ref, init)):
+        assert_tracks([a], [b], [x], torch.float64, what=f"param {i}")
+
+
+def test_groups_step_with_their_own_weight_decay(backend, device):
+    """A projected group and a plain group with a weight_decay of their own (0.3, 0.0) and a plain group that
+    takes the constructor's (0.1): 9 steps (refreshes at 1, 4, 7) in float64 are galore-torch's, param by param."""
+    init, grads = make_problem([(20, 12), (12, 20), (5, 6), (7,)])
+    ours, ref = _both(lambda ps: [{"params": ps[:2], **GROUP, "proj_type": "std", "weight_decay": 0.3},
+                                  {"params": ps[2:3], "weight_decay": 0.0}, {"params": ps[3:]}],
+                      init, grads, device, lr=LR, weight_decay=0.1)
+    for i, (a, b, x) in enumerate(zip(ours, ref, init)):
+        assert_tracks([a], [b], [x], torch.float64, what=f"param {i}")
+
+
+# Every hyperparameter a projected group may change between steps that galore-torch reads at every step (it
+# fixes scale and update_proj_gap in its projector at the first step): its new value.
+GALORE_CHANGES = {"betas": (0.5, 0.9), "eps": 1e-3, "weight_decay": 0.3, "correct_bias": False}
+
+
+@pytest.mark.parametrize("key", list(GALORE_CHANGES))
+def test_hyperparameter_changed_between_steps_takes_effect(backend, device, key):
+    """A projected group's hyperparameter set between steps (lr fixed) steps from the next step on as in
+    galore-torch: 7 steps (refreshes at 1, 4, 7) in float64, the change before the fourth (the kernels keep the
+    group's values in a device tensor, which must follow the group)."""
+    init, grads = make_problem([(20, 12), (12, 20), (5, 6), (7,)], steps=7)
+
+    def grouped(cls, **extra):
+        return lambda ps, **kw: cls([{"params": ps[:2], **GROUP, "proj_type": "std"}, {"params": ps[2:]}],
+                                    **kw, **extra)
+
+    kw = dict(lr=LR, weight_decay=WD)
+    ours = run_changed_midway(grouped(fastopt.GaLoreAdamW), init, grads, device, kw, key, GALORE_CHANGES[key])
+    ref = run_changed_midway(grouped(galore_torch.GaLoreAdamW, no_deprecation_warning=True), init, grads, "cpu", kw,
+                             key, GALORE_CHANGES[key])
+    for i, (a, b, x) in enumerate(zip(ours, ref, init)):
+        assert_tracks([a], [b], [x], torch.float64, what=f"param {i}")
 
 
 @pytest.mark.parametrize("proj_type", ["std", "full"])
@@ -435,8 +494,9 @@ def test_grad_scaler_verdicts_are_resolved_once_per_step_before_its_buckets(back
 # ---- groups, inputs -------------------------------------------------------------------------------------
 def test_get_galore_param_groups():
     torch.manual_seed(0)
+    # model[3]: its smaller dim is the rank, projected (only a dim smaller than the rank keeps a weight plain)
     model = torch.nn.Sequential(torch.nn.Embedding(10, 16), torch.nn.Linear(16, 32), torch.nn.LayerNorm(32),
-                                torch.nn.Linear(32, 12, bias=False), torch.nn.Linear(12, 4))
+                                torch.nn.Linear(32, 8, bias=False), torch.nn.Linear(8, 4))
     groups = fastopt.get_galore_param_groups(model, weight_decay=0.05, rank=8, update_proj_gap=50, scale=0.5,
                                              proj_type="left")
     ids = [[id(p) for p in g["params"]] for g in groups]

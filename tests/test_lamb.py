@@ -9,7 +9,7 @@ import torch
 from conftest import (TOL, Counting, assert_tracks, rel_update_error, step_with_inf_at, group_key,
                       check_bad_key_refused_after_a_step, check_refuses_sparse_and_complex,
                       check_skips_params_without_grad, check_no_host_sync, save_load, feed, adam_8bit_reference,
-                      assert_matches_8bit_reference, near_decision_points)
+                      assert_matches_8bit_reference, near_decision_points, run_changed_midway)
 
 import fastopt
 from fastopt import ops
@@ -50,15 +50,21 @@ def make_problem(shapes=SHAPES, scales=None, steps=STEPS, seed=0, zero_grad=None
 
 
 def lamb_reference(init, grads, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0, bias_correction=True,
-                   max_trust_ratio=None, lrs=None, store=torch.float64):
+                   max_trust_ratio=None, lrs=None, store=torch.float64, change=None):
     """LAMB as issue 4 states it, in float64, one parameter at a time. `store`: round p to this dtype after
-    every step (the precision floor of a param kept in `store`). Returns (params, exp_avg, exp_avg_sq, ratios)."""
-    beta1, beta2 = betas
+    every step (the precision floor of a param kept in `store`). `change`: (k, name, value), the argument `name`
+    is `value` from step k + 1 on. Returns (params, exp_avg, exp_avg_sq, ratios)."""
     ps = [x.to(store).double() for x in init]
     ms = [torch.zeros_like(x) for x in ps]
     vs = [torch.zeros_like(x) for x in ps]
     ratios = []
     for t, step_grads in enumerate(grads, start=1):
+        if change is not None and t == change[0] + 1:
+            h = dict(betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
+                     max_trust_ratio=max_trust_ratio)
+            h[change[1]] = change[2]
+            betas, eps, weight_decay, bias_correction, max_trust_ratio = h.values()
+        beta1, beta2 = betas
         step_lr = lrs[t - 1] if lrs is not None else lr
         eta = step_lr * math.sqrt(1 - beta2 ** t) / (1 - beta1 ** t) if bias_correction else step_lr
         ratios.append([])
@@ -264,6 +270,23 @@ def test_inf_on_the_first_step_changes_nothing(backend, device):
     assert torch.equal(p, p0)
     st = opt.state[p]
     assert float(st["step"]) == 0 and not st["exp_avg"].any() and not st["exp_avg_sq"].any()
+
+
+# Every hyperparameter a group may change between steps (lr: test_lr_scheduler_drives_group_lr): its new value.
+LAMB_CHANGES = {"betas": (0.5, 0.9), "eps": 1e-3, "weight_decay": 0.2, "max_trust_ratio": 0.5,
+                "bias_correction": False}
+
+
+@pytest.mark.parametrize("key", list(LAMB_CHANGES))
+def test_hyperparameter_changed_between_steps_takes_effect(backend, device, key):
+    """A group's hyperparameter set between steps (lr fixed) steps from the next step on as the float64 LAMB
+    with that change: 6 steps, the change before the fourth (the kernels keep the group's values in a device
+    tensor, which must follow the group)."""
+    kw = dict(lr=LR, weight_decay=0.05, max_trust_ratio=2.0)
+    init, grads = make_problem(steps=6)
+    ours = run_changed_midway(fastopt.Lamb, init, grads, device, kw, key, LAMB_CHANGES[key])
+    ref, *_ = lamb_reference(init, grads, **kw, change=(3, key, LAMB_CHANGES[key]))
+    assert_tracks(ours, ref, init, torch.float64)
 
 
 def test_lr_scheduler_drives_group_lr(backend, device):
