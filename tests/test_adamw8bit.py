@@ -390,6 +390,87 @@ def test_extension_table_argument(built):
     assert meta.shape == t8.shape and meta.dtype == torch.int64
 
 
+@pytest.mark.parametrize("bad_step", [torch.ones((), dtype=torch.float64), torch.ones((), dtype=torch.int32),
+                                      torch.ones(2)], ids=["float64", "int32", "two_elements"])
+def test_step_ops_refuse_a_step_count_that_is_not_one_float32(built, bad_step):
+    """The kernels read each param's step count as one fp32 value: a float64, int32 or two-element `steps` entry
+    is refused by the three ops that take it, naming it, before anything is written (read as fp32, its bits
+    would be another count)."""
+    from fastopt.reference import quant as q
+    fo = torch.ops.fastopt
+    eight, full = _op_lists()
+    eight = eight[:-1] + ([bad_step] + eight[-1][1:],)
+    full = full[:-1] + ([bad_step],)
+    before = [t.clone() for ts in eight + full for t in ts]
+    msg = "steps\\[0\\] must be a float32 scalar tensor"
+    with pytest.raises(RuntimeError, match="adamw8bit_step_: " + msg):
+        fo.adamw8bit_step_(*eight, q.dynamic_map(True), q.dynamic_map(False), 1e-2, 0.9, 0.999, 1e-8, 1e-2, 64)
+    with pytest.raises(RuntimeError, match="adamw32_step_: " + msg):
+        fo.adamw32_step_(*full, 1e-2, 0.9, 0.999, 1e-8, 1e-2)
+    with pytest.raises(RuntimeError, match="adamw8bit_table: " + msg):
+        fo.adamw8bit_table(*eight, 64)
+    assert all(torch.equal(a, b) for a, b in zip(before, [t for ts in eight + full for t in ts]))
+
+
+@pytest.mark.parametrize("lr, weight_decay", [(0.3, 0.3), (0.3, 0.7), (1.0, 0.9)])
+def test_decay_factor_is_rounded_once_from_double(impl, lr, weight_decay):
+    """Zero gradients keep m and v at 0, so each step is the decay alone, p <- p * fp32(1 - lr wd), the factor
+    computed in double and rounded once, as torch's AdamW does with Python-float scalars: bit for bit torch's
+    AdamW over 20 steps, an 8-bit param and one with fp32 state alike. For these (lr, wd), fp32(1 - lr wd)
+    differs from 1 - fp32(lr) fp32(wd) computed in fp32 (random gradients would hide one rounding in the
+    8-bit moments' error)."""
+    g = torch.Generator().manual_seed(0)
+    init = [torch.randn(s, generator=g) for s in ((64, 64), (300,))]
+    ours = [torch.nn.Parameter(x.clone()) for x in init]
+    ref = [torch.nn.Parameter(x.clone()) for x in init]
+    opt = fastopt.AdamW8bit(ours, lr=lr, weight_decay=weight_decay)
+    ref_opt = torch.optim.AdamW(ref, lr=lr, weight_decay=weight_decay, foreach=False)
+    for _ in range(20):
+        for p in ours + ref:
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        ref_opt.step()
+    assert opt.state[ours[0]]["state1"].dtype == torch.uint8
+    for a, b in zip(ours, ref):
+        assert torch.equal(a, b)
+
+
+def test_a_nan_moment_is_passed_over_by_its_blocks_absmax(built, monkeypatch):
+    """The extension's 8-bit AdamW: a NaN gradient element (its m and v NaN) takes code 0, and the block's new
+    absmax is the max over the block's other elements, wherever the NaN sits in its block (middle, last, first;
+    the partial last block). Against the same run with those gradient elements 0 instead (their m, v and codes
+    stay 0, never a block's max): after 8 steps of fresh random gradients, the NaN at the last, the absmax and
+    every other element's code and param are bit for bit the same."""
+    monkeypatch.setenv("FASTOPT_BACKEND", "auto")
+    n, steps = 64 * 70 + 17, 8
+    where = [32, 64 + 63, 128, 64 * 5 + 40, 64 * 70 + 16]
+    g = torch.Generator().manual_seed(11)
+    init = torch.randn(n, generator=g)
+    grads = [torch.randn(n, generator=g) for _ in range(steps)]
+    for gr in grads:
+        gr[where] = 0.0
+    runs = {}
+    for poison in (False, True):
+        p = torch.nn.Parameter(init.clone())
+        opt = fastopt.AdamW8bit([p], block_size=64, min_8bit_size=4096)
+        for t, gr in enumerate(grads):
+            p.grad = gr.clone()
+            if poison and t == steps - 1:
+                p.grad[where] = float("nan")
+            opt.step()
+        runs[poison] = (p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()})
+    (p0, s0), (p1, s1) = runs[False], runs[True]
+    assert s1["state1"].dtype == torch.uint8
+    other = torch.ones(n, dtype=torch.bool)
+    other[where] = False
+    for k in ("absmax1", "absmax2"):
+        assert torch.equal(s1[k], s0[k]), k
+    for k in ("state1", "state2"):
+        assert torch.equal(s1[k][other], s0[k][other]), k
+        assert bool((s1[k][~other] == 0).all()), k
+    assert torch.equal(p1[other], p0[other]) and bool(p1[~other].isnan().all())
+
+
 def test_state_dict_roundtrip_weights_only(impl):
     """Save midway, reload with weights_only=True into a fresh optimizer: the continued runs are bitwise equal."""
     init, grads = _problem(seed=3, steps=10)

@@ -245,6 +245,21 @@ def test_codes_on_the_decision_points_equal_the_reference(built):
                 assert torch.equal(a1.cpu(), a2), (signed, block, dev)
 
 
+@pytest.mark.parametrize("blocks", [4, 6], ids=["one_short", "one_long"])
+def test_quantize_multi_op_refuses_an_absmax_of_the_wrong_length(built, blocks):
+    """quantize_blockwise_multi_ writes ceil(n / block_size) absmax values (5 for 300 elements in blocks of 64):
+    an absmax one block short (the partial last block's value would be written past its end) or one too long is
+    refused, naming it, and nothing is written."""
+    n = 300
+    x = torch.randn(n)
+    codes = torch.full((n,), 7, dtype=torch.uint8)
+    absmax = torch.full((blocks,), float("nan"))
+    with pytest.raises(RuntimeError, match=re.escape("quantize_blockwise_multi_: absmax[0] must be float32 with "
+                                                     "ceil(300 / 64)")):
+        torch.ops.fastopt.quantize_blockwise_multi_([x], [codes], [absmax], R.dynamic_map(True), 64)
+    assert bool((codes == 7).all()) and bool(absmax.isnan().all())
+
+
 def test_non_finite_values_quantize_alike_on_both_paths(built):
     """Blocks holding a NaN, an inf, a -inf, NaNs only, and a NaN beside an inf: the C++ kernels and the torch
     reference give the same codes, absmax and dequantized values. A NaN is passed over by the block's absmax (a
