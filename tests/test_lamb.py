@@ -510,10 +510,11 @@ def test_eps_zero_and_a_param_of_many_programs_with_32bit_state(backend, device)
 
 
 def test_8bit_codes_on_the_decision_points_and_of_nan(backend, device):
-    """beta1=0: m_1 is the gradient itself, so one step quantizes a chosen m. Blocks of 256 whose absmax is 1, 3
+    """beta1=0: m_t is the gradient itself, so each step quantizes a chosen m. Blocks of 256 whose absmax is 1, 3
     or 0.7 and whose other values sit on and one or two ulps beside the map's decision points (x / absmax, an
-    IEEE division: ties go to the lower code), and a block with a NaN (passed over by the absmax, code 0): every
-    code of exp_avg is fastopt.reference.quant.quantize_blockwise's of m, and so is every absmax."""
+    IEEE division: ties go to the lower code), and a block with a NaN (passed over by the absmax, code 0),
+    shifted by one block at each of 3 steps: after every step, each code of exp_avg is
+    fastopt.reference.quant.quantize_blockwise's of that step's m, and so is every absmax."""
     block = 256
     x = near_decision_points(True, block)
     nan_block = x[:block].clone()
@@ -521,31 +522,38 @@ def test_8bit_codes_on_the_decision_points_and_of_nan(backend, device):
     g = torch.cat([x, nan_block]).double()
     p = torch.ones(g.numel(), dtype=torch.float64, device=device, requires_grad=True)
     opt = fastopt.Lamb([p], lr=1e-3, betas=(0.0, 0.999), nbits=8, block_size=block, min_8bit_size=0)
-    p.grad = g.to(device)
-    opt.step()
-    want, want_amax = quantize_blockwise(g, block, signed=True)
-    st = opt.state[p]
-    got = st["exp_avg"].cpu()
-    assert got.dtype == torch.uint8
-    bad = (got != want).nonzero().flatten().tolist()
-    assert not bad, f"{len(bad)} codes differ, first at {bad[:5]}: x={g[bad[:5]].tolist()}"
-    assert torch.equal(st["exp_avg_absmax"].cpu(), want_amax)
-    assert int(got[g.isnan()].item()) == 0
+    for t in range(3):
+        gt = torch.roll(g, t * block)
+        p.grad = gt.to(device)
+        opt.step()
+        want, want_amax = quantize_blockwise(gt, block, signed=True)
+        st = opt.state[p]
+        got = st["exp_avg"].cpu()
+        assert got.dtype == torch.uint8
+        bad = (got != want).nonzero().flatten().tolist()
+        assert not bad, f"step {t + 1}: {len(bad)} codes differ, first at {bad[:5]}: x={gt[bad[:5]].tolist()}"
+        assert torch.equal(st["exp_avg_absmax"].cpu(), want_amax), f"step {t + 1}"
+        assert int(got[gt.isnan()].item()) == 0
 
 
 # eps=0: as above.
 @pytest.mark.filterwarnings("ignore:invalid value encountered in divide:RuntimeWarning")
 def test_bf16_store_rounds_ties_to_even(backend, device):
-    """bf16 params of 1.0 and an update of exactly 2**-9 (half a bf16 ulp below 1: a tie). beta2=0 and eps=0
-    make a = m / sqrt(v) = 1 and ||p|| = ||a|| (trust ratio 1), without bias correction: round-to-nearest-even
-    keeps 1.0 (0x3F80, even), where rounding ties down would give 1 - 2**-8."""
+    """bf16 params of 1.0 and updates of exactly 2**-9 either way: beta1 = beta2 = 0 and eps=0 make
+    a = m / sqrt(v) = sign(g) and ||p|| = ||a|| (trust ratio 1), without bias correction. Down, 1 - 2**-9 is half
+    a bf16 ulp below 1 (a tie), and round-to-nearest-even keeps 1.0 (0x3F80, even) where rounding ties down gives
+    1 - 2**-8; up, 1 + 2**-9 is a quarter ulp, 1.0 too. 10 steps of fresh random gradients: p stays 1.0."""
     p = torch.ones(300, dtype=torch.bfloat16, device=device, requires_grad=True)
     opt = fastopt.Lamb([p], lr=2.0 ** -9, betas=(0.0, 0.0), eps=0.0, bias_correction=False)
-    p.grad = torch.ones_like(p)
-    opt.step()
     want = (torch.ones(300) - 2.0 ** -9).to(torch.bfloat16)
     assert torch.equal(want, torch.ones(300, dtype=torch.bfloat16))  # torch's own rounding: the tie goes to 1.0
-    assert torch.equal(p.detach().cpu(), want)
+    gen = torch.Generator().manual_seed(5)
+    for t in range(10):
+        g = torch.randn(300, generator=gen).to(torch.bfloat16)
+        assert bool((g != 0).all()) and bool((g < 0).any()) and bool((g > 0).any())
+        p.grad = g.to(device)
+        opt.step()
+        assert torch.equal(p.detach().cpu(), want), f"step {t + 1}"
 
 
 def test_dequantized_state_dict_round_trip_is_bit_identical(backend, device):

@@ -555,10 +555,7 @@ def _placements_case(rank, world, name, groups=1):
     step_all(ref_opt, ref, grads)
     params, opt = run_placements(init, grads, _meshes_and_placements(cases),
                                  lambda ps: _make_split(name, ps, groups))
-    full = [p.detach().full_tensor() for p in params]
-    num = sum((a - b.detach()).square().sum() for a, b in zip(full, ref)) ** 0.5
-    den = sum((b.detach() - c).square().sum() for b, c in zip(ref, init)) ** 0.5
-    err = float(num / den)
+    err = rel_update_error([p.full_tensor() for p in params], ref, init)
     assert err <= APPROX.get(name, TOL_REL), (name, err)
     checked = 0
     for p, p_ref in zip(params, ref):
