@@ -1345,6 +1345,28 @@ def test_frozen_params_do_not_count_in_the_balance():
     assert sorted(owners.count(r) for r in range(4)) == [2, 2, 2, 2], owners
 
 
+def _assigned(sizes, world=4):
+    """A wrapper's split and owners for params of `sizes` elements (world simulated: made from sizes alone)."""
+    opt = ZeroRedundancyOptimizer.__new__(ZeroRedundancyOptimizer)
+    opt.world_size, opt._params, opt._owner, opt._gidx, opt._loads = world, [], [], {}, [0] * world
+    opt._assign([torch.nn.Parameter(torch.zeros(n)) for n in sizes], splittable=True)
+    return opt
+
+
+def test_split_rule_boundaries_and_the_split_ranges_in_the_balance():
+    """The class docstring's split rule at its bounds, 4 ranks: numel > ceil(T / world) (strictly) and numel >=
+    world * 4096 (inclusive); and the split ranges count in the owners' balance (the whole params go to the
+    ranks holding the smallest ranges)."""
+    assert _assigned([16384] * 4)._split == {}  # exactly the fair share: whole
+    assert list(_assigned([16385, 16383, 16384, 16384])._split) == [0]
+    opt = _assigned([4 * 4096, 100, 100])  # exactly world * 4096 elements, over the fair share: split
+    assert opt._split == {0: zero_module._split_bounds(4 * 4096, 4)}, opt._split
+    assert _assigned([4 * 4096 - 1, 100, 100])._split == {}
+    opt = _assigned([30000, 10, 20])
+    assert [b - a for a, b in zip(opt._split[0], opt._split[0][1:])] == [8192, 8192, 4096, 9520], opt._split
+    assert opt._owner == [-1, 2, 2] and opt._loads == [8192, 8192, 4126, 9520], (opt._owner, opt._loads)
+
+
 def test_whole_params_go_largest_first_and_only_exact_elementwise_optimizers_split():
     """Owners: largest first, each to the least loaded rank (LPT). Sizes 3, 3, 3, 4, 5 on 2 ranks end at loads
     8 and 10 (smallest first would reach 11). Splitting needs the exact type of torch's element-wise optimizers:
@@ -1595,41 +1617,46 @@ def test_add_param_group_distributed(pool):
     assert max(err for err, _ in results) <= TOL[DT]
 
 
-def _add_group_refused(rank, world):
-    """Wide's matrices (the big param among them, split when added) added to a wrapper of Lamb over the vectors,
-    first with an lr Lamb refuses, then with a non-leaf tensor torch refuses: each refusal leaves the wrapper as
-    it was (it kept the params and the group before: the corrected group was refused as "a param appears twice",
-    and the wrapper's groups no longer matched the wrapped optimizer's); the corrected group then trains as in
-    one process."""
+def _add_group_refused(rank, world, first):
+    """A wrapper of Lamb over one of Wide's groups (`first`), the other added to it, first with an lr Lamb refuses,
+    then with a non-leaf tensor torch refuses: each refusal leaves the wrapper as it was (it kept the params and
+    the group before: the corrected group was refused as "a param appears twice", and the wrapper's groups no
+    longer matched the wrapped optimizer's); the corrected group then trains as in one process. first="vecs":
+    the matrices are added (the big param among them, split when added); first="mats": the big param is split
+    from the start, and a refusal keeps its split (a refusal once emptied the wrapper's record of split params)."""
     os.environ["FASTOPT_BACKEND"] = "torch"
     ref_model = Wide()
     model = copy.deepcopy(ref_model)
     init = [p.detach().clone() for p in ref_model.parameters()]
-    (ref_mats, ref_vecs), (mats, vecs) = ref_model.groups(), model.groups()
-    ref_opt = fastopt.Lamb(ref_vecs, lr=1e-2)
-    ref_opt.add_param_group({"params": ref_mats, "weight_decay": 0.1})
-    opt = ZeroRedundancyOptimizer(fastopt.Lamb(vecs, lr=1e-2), partition_grad=True, bucket_size_mb=BUCKET_MB)
+    order = (1, 0) if first == "vecs" else (0, 1)
+    (ref_a, ref_b), (a, b) = ([m.groups()[i] for i in order] for m in (ref_model, model))
+    ref_opt = fastopt.Lamb(ref_a, lr=1e-2)
+    ref_opt.add_param_group({"params": ref_b, "weight_decay": 0.1})
+    opt = ZeroRedundancyOptimizer(fastopt.Lamb(a, lr=1e-2), partition_grad=True, bucket_size_mb=BUCKET_MB)
+    split, loads = dict(opt._split), list(opt._loads)
+    assert bool(split) == (first == "mats"), split
 
     def unchanged():
-        assert len(opt.param_groups) == len(opt.optim.param_groups) == 1 and not opt._split
-        assert len(opt._params) == len(opt._owner) == len(opt._gidx) == len(vecs)
-        assert sum(opt._loads) == sum(p.numel() for p in vecs)
+        assert len(opt.param_groups) == len(opt.optim.param_groups) == 1 and opt._split == split
+        assert len(opt._params) == len(opt._owner) == len(opt._gidx) == len(a) and opt._loads == loads
 
     with pytest.raises(ValueError, match=re.escape("Lamb: param_groups[1]['lr']=-1.0")):
-        opt.add_param_group({"params": mats, "weight_decay": 0.1, "lr": -1.0})
+        opt.add_param_group({"params": b, "weight_decay": 0.1, "lr": -1.0})
     unchanged()
     with pytest.raises(ValueError, match="non-leaf"):
-        opt.add_param_group({"params": mats[1:] + [mats[0] * 1.0]})
+        opt.add_param_group({"params": b[1:] + [b[0] * 1.0]})
     unchanged()
-    opt.add_param_group({"params": mats, "weight_decay": 0.1})
+    opt.add_param_group({"params": b, "weight_decay": 0.1})
     _reference(ref_model, ref_opt, world, 0, STEPS)
     _continue(model, opt, rank, world, 0, STEPS)
     return rel_update_error(list(model.parameters()), list(ref_model.parameters()), init), sorted(opt._split)
 
 
-def test_refused_add_param_group_changes_nothing(pool):
-    results = pool.run(_add_group_refused)
-    assert all(split == [len(Wide().groups()[1])] for _, split in results), results  # the big param is split
+@pytest.mark.parametrize("first", ["vecs", "mats"])
+def test_refused_add_param_group_changes_nothing(pool, first):
+    results = pool.run(_add_group_refused, first)
+    big = len(Wide().groups()[1]) if first == "vecs" else 0  # the big param's index in the wrapper
+    assert all(split == [big] for _, split in results), results  # the big param is split
     assert max(err for err, _ in results) <= TOL[DT]
 
 
