@@ -1250,48 +1250,37 @@ def test_declared_pieces_must_cover_the_tensor_once(pool, name):
 
 def _large_cover_case(rank, world):
     """Right declarations of a (300, 301) tensor (90300 elements: the index sum 0 + ... + 90299 passes 2**31 - 1,
-    the prime check_cover sums modulo): flat ranges, rows by declare_shard's default start, and
-    fastopt.ZeroRedundancyOptimizer splitting it. 3 steps of Adafactor each; their max relative distance from
-    one process. And 5 rows over 4 ranks by the default start (torch.chunk: 2, 2, 1 and an empty piece)."""
+    the prime check_cover sums modulo): rows by declare_shard's default start, flat ranges, and
+    fastopt.ZeroRedundancyOptimizer splitting it; and 5 rows over 4 ranks by the default start (torch.chunk: 2,
+    2, 1 and an empty piece). 3 steps of Adafactor each; their relative distances from one process."""
     from fastopt.distributed import declare_shard, full_tensor
     g = torch.Generator().manual_seed(0)
+    kw = dict(lr=1e-2, relative_step=False, scale_parameter=False, beta1=0.9)
     errs = []
     for shape in ((300, 301), (5, 3)):
         full = torch.randn(shape, generator=g, dtype=torch.float64)
         grads = [torch.randn(shape, generator=g, dtype=torch.float64) for _ in range(3)]
-        kw = dict(lr=1e-2, relative_step=False, scale_parameter=False, beta1=0.9)
         ref = torch.nn.Parameter(full.clone())
-        ref_opt = fastopt.Adafactor([ref], **kw)
-        for gr in grads:
-            ref.grad = gr
-            ref_opt.step()
+        step_all(fastopt.Adafactor([ref], **kw), [ref], [[gr] for gr in grads])
+        chunks = full.chunk(world)
+        rows = (lambda t: t.chunk(world)[rank]) if rank < len(chunks) else (lambda t: t[:0])
         n = -(-full.numel() // world)
         lo, hi = min(rank * n, full.numel()), min((rank + 1) * n, full.numel())
-        cuts = [lambda t: t.chunk(world)[rank] if rank < len(t.chunk(world)) else t[:0]]
+        cuts = [(rows, dict(dim=0))]
         if shape == (300, 301):
-            cuts.append(lambda t: t.reshape(-1)[lo:hi])
-        for cut in cuts:
-            flat = len(cut(full).shape) == 1
-            p = declare_shard(torch.nn.Parameter(cut(full).clone()), shape, dist.group.WORLD,
-                              **(dict(flat_offset=lo) if flat else dict(dim=0)))
+            cuts.append((lambda t: t.reshape(-1)[lo:hi], dict(flat_offset=lo)))
+        for cut, how in cuts:
+            p = declare_shard(torch.nn.Parameter(cut(full).clone()), shape, dist.group.WORLD, **how)
             opt = fastopt.Adafactor([p], **kw)
-            for gr in grads:
-                p.grad = cut(gr).clone()
-                opt.step()
+            step_all(opt, [p], [[cut(gr)] for gr in grads])
             got = full_tensor(p.detach(), opt._layout(p)).view(shape)
             errs.append(rel_update_error([got], [ref.detach()], [full]))
-    full = torch.randn(300, 301, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    grads = [torch.randn(300, 301, generator=torch.Generator().manual_seed(2 + t), dtype=torch.float64)
-             for t in range(3)]
-    ref, p = torch.nn.Parameter(full.clone()), torch.nn.Parameter(full.clone())
-    ref_opt = fastopt.Adafactor([ref], **kw)
-    opt = fastopt.ZeroRedundancyOptimizer(fastopt.Adafactor([p], **kw))
-    assert opt._split, "the (300, 301) param is split"
-    for gr in grads:
-        ref.grad, p.grad = gr.clone(), gr.clone()
-        ref_opt.step()
-        opt.step()
-    errs.append(rel_update_error([p.detach()], [ref.detach()], [full]))
+        if shape == (300, 301):  # every rank steps the whole param, the wrapper splits it
+            p = torch.nn.Parameter(full.clone())
+            zero = fastopt.ZeroRedundancyOptimizer(fastopt.Adafactor([p], **kw))
+            assert zero._split, "the (300, 301) param is split"
+            step_all(zero, [p], [[gr] for gr in grads])
+            errs.append(rel_update_error([p.detach()], [ref.detach()], [full]))
     return errs
 
 

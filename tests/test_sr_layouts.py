@@ -141,59 +141,49 @@ def _held(n, kind, g):
     return keep if not torch.equal(keep, keep[0] + torch.arange(len(keep))) else keep[[0, -1]]
 
 
-def test_element_map_is_flat_index():
-    """`Layout.element_map` (the compact map the stochastic rounding draws its offsets through) gives every real
-    local element the global offset `Layout.flat_index` gives it: dim layouts of 0 to 4 dims holding all, a
-    consecutive range or a non-consecutive subset of each dim; flat ranges of the global tensor, of such a
-    layout (ZeRO over TP) and of a flat range."""
+def _every_layout(shapes):
+    """Layouts of each shape: dim layouts holding all, a consecutive range or a non-consecutive subset of each dim;
+    flat ranges of the global tensor, of such a layout (ZeRO over TP) and of a flat range of it."""
     from fastopt.distributed.layout import Layout
     g = torch.Generator().manual_seed(0)
-
-    def check(lay):
-        table, width, shift = lay.element_map("cpu")
-        q = torch.arange(lay.count) + shift
-        assert torch.equal(table[q // width] + q % width, lay.flat_index("cpu").reshape(-1)), lay
-
-    checked = 0
-    for shape in [(), (7,), (5, 6), (3, 4, 5), (2, 3, 4, 5)]:
+    for shape in shapes:
+        whole_dims = (None,) * len(shape)
         for kinds in itertools.product(["all", "range", "subset"], repeat=len(shape)):
             dims = Layout(shape, tuple(_held(n, k, g) for n, k in zip(shape, kinds)), None, ("k",))
-            check(dims)
+            yield dims
             n = dims.count
             for off, cnt in {(0, n), (1, n - 1), (n // 3, n // 2), (n - 1, 1)}:
                 if cnt > 0:
-                    whole = Layout(shape, (None,) * len(shape), None, ("k",), flat=(off, cnt))
-                    of_dims = Layout(shape, (None,) * len(shape), None, ("k",), flat=(off, cnt), base=dims)
-                    check(whole)
-                    check(of_dims)
+                    of_dims = Layout(shape, whole_dims, None, ("k",), flat=(off, cnt), base=dims)
+                    yield Layout(shape, whole_dims, None, ("k",), flat=(off, cnt))
+                    yield of_dims
                     if cnt > 1:
-                        check(Layout(shape, (None,) * len(shape), None, ("k",), flat=(1, cnt - 1), base=of_dims))
-                    checked += 3
+                        yield Layout(shape, whole_dims, None, ("k",), flat=(1, cnt - 1), base=of_dims)
+
+
+def test_element_map_is_flat_index():
+    """`Layout.element_map` (the compact map the stochastic rounding draws its offsets through) gives every real
+    local element the global offset `Layout.flat_index` gives it, for `_every_layout` of 0 to 4 dims."""
+    checked = 0
+    for lay in _every_layout([(), (7,), (5, 6), (3, 4, 5), (2, 3, 4, 5)]):
+        table, width, shift = lay.element_map("cpu")
+        q = torch.arange(lay.count) + shift
+        assert torch.equal(table[q // width] + q % width, lay.flat_index("cpu").reshape(-1)), lay
+        checked += 1
     assert checked > 300
 
 
 def test_index_prefix_sum_is_the_sum_of_the_first_flat_indices():
     """`_index_prefix_sum(lay, m)` (check_cover's checksum of a piece) is the sum of the first m global flat
-    indices of `Layout.flat_index`, for every m: dim layouts of 1 to 3 dims holding all, a consecutive range or a
-    non-consecutive subset of each dim, flat ranges of them (ZeRO over TP) and of the global tensor. check_cover
-    sums it over the ranks, where a wrong partial-row term of right declarations cancels out."""
-    from fastopt.distributed.layout import Layout, _index_prefix_sum
-    g = torch.Generator().manual_seed(0)
+    indices of `Layout.flat_index`, for every m and `_every_layout` of 1 to 3 dims. check_cover sums it over the
+    ranks, where a wrong partial-row term of right declarations cancels out."""
+    from fastopt.distributed.layout import _index_prefix_sum
     checked = 0
-    for shape in [(7,), (5, 6), (3, 4, 5)]:
-        for kinds in itertools.product(["all", "range", "subset"], repeat=len(shape)):
-            dims = Layout(shape, tuple(_held(n, k, g) for n, k in zip(shape, kinds)), None, ("k",))
-            n = dims.count
-            lays = [dims]
-            for off, cnt in {(0, n), (1, n - 1), (n // 3, n // 2), (n - 1, 1)}:
-                if cnt > 0:
-                    lays += [Layout(shape, (None,) * len(shape), None, ("k",), flat=(off, cnt), base=dims),
-                             Layout(shape, (None,) * len(shape), None, ("k",), flat=(off, cnt))]
-            for lay in lays:
-                idx = lay.flat_index("cpu").reshape(-1)
-                for m in range(lay.count + 1):
-                    assert _index_prefix_sum(lay, m) == int(idx[:m].sum()), (lay, m)
-                    checked += 1
+    for lay in _every_layout([(7,), (5, 6), (3, 4, 5)]):
+        idx = lay.flat_index("cpu").reshape(-1)
+        for m in range(lay.count + 1):
+            assert _index_prefix_sum(lay, m) == int(idx[:m].sum()), (lay, m)
+            checked += 1
     assert checked > 1000
 
 

@@ -1332,37 +1332,37 @@ def test_clip_grad_norm_with_a_rank_that_owns_nothing(pool, partition_grad):
         assert abs(norm - ref) <= 1e-12 * ref, (norm, ref)
 
 
+def _assigned(params, world, splittable=False):
+    """A wrapper's split and owners of `params` over `world` ranks, simulated: made at construction from sizes."""
+    opt = ZeroRedundancyOptimizer.__new__(ZeroRedundancyOptimizer)
+    opt.world_size, opt._params, opt._owner, opt._gidx, opt._loads = world, [], [], {}, [0] * world
+    opt._assign(params, splittable)
+    return opt
+
+
 def test_frozen_params_do_not_count_in_the_balance():
     """A frozen 1000x16 embedding and 8 trainable 16x16 layers over 4 ranks: each rank owns 2 trainable layers
     (counting the embedding's elements left one rank without any). World 4 is simulated: the assignment is
     made at construction from sizes alone."""
     emb = torch.nn.Parameter(torch.zeros(1000, 16), requires_grad=False)
     layers = [torch.nn.Parameter(torch.zeros(16, 16)) for _ in range(8)]
-    opt = ZeroRedundancyOptimizer.__new__(ZeroRedundancyOptimizer)
-    opt.world_size, opt._params, opt._owner, opt._gidx, opt._loads = 4, [], [], {}, [0] * 4
-    opt._assign([emb] + layers)
+    opt = _assigned([emb] + layers, 4)
     owners = [opt._owner[opt._gidx[id(p)]] for p in layers]
     assert sorted(owners.count(r) for r in range(4)) == [2, 2, 2, 2], owners
-
-
-def _assigned(sizes, world=4):
-    """A wrapper's split and owners for params of `sizes` elements (world simulated: made from sizes alone)."""
-    opt = ZeroRedundancyOptimizer.__new__(ZeroRedundancyOptimizer)
-    opt.world_size, opt._params, opt._owner, opt._gidx, opt._loads = world, [], [], {}, [0] * world
-    opt._assign([torch.nn.Parameter(torch.zeros(n)) for n in sizes], splittable=True)
-    return opt
 
 
 def test_split_rule_boundaries_and_the_split_ranges_in_the_balance():
     """The class docstring's split rule at its bounds, 4 ranks: numel > ceil(T / world) (strictly) and numel >=
     world * 4096 (inclusive); and the split ranges count in the owners' balance (the whole params go to the
     ranks holding the smallest ranges)."""
-    assert _assigned([16384] * 4)._split == {}  # exactly the fair share: whole
-    assert list(_assigned([16385, 16383, 16384, 16384])._split) == [0]
-    opt = _assigned([4 * 4096, 100, 100])  # exactly world * 4096 elements, over the fair share: split
+    def split(*sizes):
+        return _assigned([torch.nn.Parameter(torch.zeros(n)) for n in sizes], 4, splittable=True)
+    assert split(*[16384] * 4)._split == {}  # exactly the fair share: whole
+    assert list(split(16385, 16383, 16384, 16384)._split) == [0]
+    opt = split(4 * 4096, 100, 100)  # exactly world * 4096 elements, over the fair share: split
     assert opt._split == {0: zero_module._split_bounds(4 * 4096, 4)}, opt._split
-    assert _assigned([4 * 4096 - 1, 100, 100])._split == {}
-    opt = _assigned([30000, 10, 20])
+    assert split(4 * 4096 - 1, 100, 100)._split == {}
+    opt = split(30000, 10, 20)
     assert [b - a for a, b in zip(opt._split[0], opt._split[0][1:])] == [8192, 8192, 4096, 9520], opt._split
     assert opt._owner == [-1, 2, 2] and opt._loads == [8192, 8192, 4126, 9520], (opt._owner, opt._loads)
 
@@ -1372,9 +1372,7 @@ def test_whole_params_go_largest_first_and_only_exact_elementwise_optimizers_spl
     8 and 10 (smallest first would reach 11). Splitting needs the exact type of torch's element-wise optimizers:
     a subclass may change the math (world 2 simulated: made at construction from sizes alone)."""
     params = [torch.nn.Parameter(torch.zeros(n)) for n in (3, 3, 3, 4, 5)]
-    opt = ZeroRedundancyOptimizer.__new__(ZeroRedundancyOptimizer)
-    opt.world_size, opt._params, opt._owner, opt._gidx, opt._loads = 2, [], [], {}, [0] * 2
-    opt._assign(params)
+    opt = _assigned(params, 2)
     assert opt._owner == [1, 0, 1, 1, 0] and opt._loads == [8, 10], (opt._owner, opt._loads)
 
     class MyAdamW(torch.optim.AdamW):
