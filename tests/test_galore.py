@@ -1464,6 +1464,51 @@ def test_strided_shard_rows_in_two_runs_match_single_process(pool, proj_type):
             _assert_as_galore_torch(full, states, init, ref, ref_opt, plist, (backend, r))
 
 
+# (global shape, mesh shape, placements): batches of matrices with two leading dims, the second one sharded (alone
+# on 4 ranks, and with the first on a 2 x 2 mesh), so that the local matrices' global batch indices
+# (`Layout.batch_index`) are neither a range nor the first dim's.
+LEADS = [((3, 8, 7, 6), (4,), [("S", 1)]), ((4, 2, 6, 9), (2, 2), [("S", 0), ("S", 1)])]
+
+
+def _leads_galore(rank, world, init, grads):
+    """Child: the LEADS params as DTensors stepped by fastopt.GaLoreAdamW; returns the whole params and states."""
+    from dist_utils import placement, whole
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+    meshes = {(4,): init_device_mesh("cpu", (4,), mesh_dim_names=("tp",)),
+              (2, 2): init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))}
+    plc = [(meshes[m], [placement(s) for s in pls]) for _, m, pls in LEADS]
+    params = [torch.nn.Parameter(distribute_tensor(x.clone(), m, pl, src_data_rank=None))
+              for x, (m, pl) in zip(init, plc)]
+    opt = fastopt.GaLoreAdamW([{"params": params, **GROUP}], lr=LR, weight_decay=WD)
+    for step_grads in grads:
+        for p, g, (m, pl) in zip(params, step_grads, plc):
+            p.grad = distribute_tensor(g.clone(), m, pl, src_data_rank=None)
+        opt.step()
+    return [whole(p.detach()) for p in params], [{k: whole(v).clone() for k, v in opt.state[p].items()} for p in params]
+
+
+@pytest.mark.dist
+def test_two_sharded_leading_dims_match_single_process(pool):
+    """4 gloo ranks, batches of matrices (B1, B2, R, C) with B2 sharded (and B1 too, on a 2 x 2 mesh): each local
+    matrix takes the bases of its own global matrix. Params and states against fastopt's GaLoreAdamW on the whole
+    tensors in one process, in float64, over 9 steps of fresh gradients with refreshes at 1, 4 and 7."""
+    init, grads = make_problem([s for s, _, _ in LEADS], seed=8)
+    ref = [x.clone() for x in init]
+    ref_opt = fastopt.GaLoreAdamW([{"params": ref, **GROUP}], lr=LR, weight_decay=WD)
+    for step_grads in grads:
+        for p, g in zip(ref, step_grads):
+            p.grad = g.clone()
+        ref_opt.step()
+    for r, (full, states) in enumerate(pool.run(_leads_galore, init, grads)):
+        for i, (a, b, x) in enumerate(zip(full, ref, init)):
+            assert rel_update_error([a], [b], [x]) <= TOL[torch.float64], (r, i, rel_update_error([a], [b], [x]))
+            for k, v in ref_opt.state[b].items():
+                w = states[i][k]
+                assert w.shape == v.shape, (r, i, k, w.shape, v.shape)
+                assert torch.allclose(w, v, rtol=1e-9, atol=1e-12 * float(v.abs().max())), (r, i, k)
+
+
 MIXED = [(9, 5), (5, 7), (7, 10), (6, 9)]  # DTensors (even index) and flat ranges declared by hand (odd), interleaved
 
 

@@ -781,6 +781,50 @@ def test_phases_batch_exchanges_by_kind_group_and_dtype(pool):
     assert sorted(calls[0][3:]) == ["all_gather", "all_reduce", "reduce_scatter", "reduce_scatter"], calls[0]
 
 
+def _drive_case(rank, world):
+    """phases.drive (the loop of `ops.*_step`: one bucket's step alone) over a step that yields a sum, then a
+    reduce-scatter and an all-gather (what GaLore's step yields for DTensors' sharded moments): each request is
+    done, once, before the step goes on. Inputs made on every rank from seeds, the results taken locally."""
+    from fastopt.distributed import phases
+    from fastopt.distributed.phases import Exchange
+    W = dist.group.WORLD
+
+    def inputs(k, tag, n):
+        return torch.randn(n, generator=torch.Generator().manual_seed(1000 * k + tag), dtype=torch.float64)
+
+    nan = float("nan")
+    buf = inputs(rank, 1, 5)
+    rs_out, rs_in = torch.full((3,), nan, dtype=torch.float64), inputs(rank, 2, world * 3)
+    ag_out, ag_in = torch.full((world * 2,), nan, dtype=torch.float64), inputs(rank, 3, 2)
+    seen, sums = [], []
+
+    def step():
+        yield buf
+        seen.append(buf.clone())
+        yield Exchange("reduce_scatter", rs_out, rs_in, W)
+        seen.append(rs_out.clone())
+        yield Exchange("all_gather", ag_out, ag_in, W)
+        seen.append(ag_out.clone())
+
+    def reduce(b):
+        sums.append(b.numel())
+        dist.all_reduce(b, group=W)
+
+    phases.drive(step(), reduce)
+    want = [sum(inputs(k, 1, 5) for k in range(world)),
+            sum(inputs(k, 2, world * 3)[rank * 3:(rank + 1) * 3] for k in range(world)),
+            torch.cat([inputs(k, 3, 2) for k in range(world)])]
+    assert sums == [5], sums  # the sum alone goes through `reduce`
+    assert len(seen) == len(want), len(seen)
+    for got, w in zip(seen, want):
+        assert torch.allclose(got, w, rtol=1e-12, atol=0), (got, w)
+    return True
+
+
+def test_drive_runs_sums_and_exchanges_of_one_step(pool):
+    assert all(pool.run(_drive_case))
+
+
 @pytest.mark.parametrize("name", list(EXPECTED))
 def test_collectives_per_step_do_not_grow(pool, name):
     counts = pool.run(_count_case, name)
@@ -1636,6 +1680,71 @@ def test_flat_range_with_padding_takes_the_plain_step(backend, device, name, mon
     per_step = [] if kind is None else (lamb.reduction_sizes(shapes, torch.float64) if kind == "lamb" else
                                        {"adafactor": adafactor, "came": came}[kind].reduction_sizes(shapes))
     assert sizes == per_step * STEPS
+
+
+@pytest.mark.parametrize("name", list(LOCAL_OPTS))
+def test_flat_range_of_a_local_tensor_of_another_shape_takes_the_plain_step(backend, device, name, monkeypatch):
+    """`declare_shard(p, ..., flat_offset=o)` takes a local tensor of any shape: its elements, flattened, are the
+    range. A flat layout holding the whole tensor, without padding, in a local tensor of another shape (a column,
+    or the matrix with its dims read the other way: (5, 7) held as (7, 5)) takes exactly the plain step over
+    several steps of fresh gradients: its real elements (`Layout.local_view`) are the flattened local tensor, not
+    the local tensor as it is shaped, which the factored steps would index as the whole tensor. Every other step
+    its grad comes column-major, as a strided grad: read in memory order, it would be refused midway the step."""
+    from fastopt.distributed import declare_shard
+    from fastopt.distributed.layout import Layout
+    shapes = [(5, 7), (3,), (2, 3, 4), (13, 21)]
+    init, grads = _on(device, *_problem(shapes, seed=5))
+    monkeypatch.setattr(Layout, "reduce", lambda self, buf: None)
+    local = [(p.shape[-1], p.numel() // p.shape[-1]) if p.dim() > 1 else (p.numel(), 1) for p in init]
+    plain = [p.clone() for p in init]
+    pieces = [declare_shard(p.reshape(s).clone(), p.shape, "group", flat_offset=0) for p, s in zip(init, local)]
+    assert all(q.dim() == 2 and q.shape != p.shape for p, q in zip(init, pieces))
+    opt_plain, opt_pieces = _make_local(name, plain), _make_local(name, pieces)
+    for step, gs in enumerate(grads):
+        for p, q, g in zip(plain, pieces, gs):
+            p.grad = g.clone()
+            q.grad = g.reshape(q.shape).clone()
+            if step % 2:  # odd steps: the same grad, column-major (a flat range reads its elements in order)
+                q.grad = q.grad.t().contiguous().t()
+        opt_plain.step()
+        opt_pieces.step()
+    for p, q, p0 in zip(plain, pieces, init):
+        assert q.device == device
+        assert _rel(q.reshape(p.shape) - p0, p - p0) <= 1e-12, name
+    for p, q in zip(plain, pieces):
+        for k, v in opt_plain.state[p].items():
+            w = opt_pieces.state[q][k]
+            if w.shape != v.shape:  # element-wise: shaped like the local tensor
+                w = w.reshape(v.shape)
+            assert torch.allclose(w, v, rtol=1e-12, atol=0), (name, k)
+
+
+@pytest.mark.parametrize("name", ["adafactor", "lamb", "adamw8bit"])
+def test_non_contiguous_flat_range_is_refused_before_anything_changes(name, monkeypatch):
+    """A flat range is the local tensor's elements in memory order: a non-contiguous local tensor (every other
+    element of a buffer, or a transposed matrix) is refused by `declare_shard`, naming its strides; one made
+    non-contiguous after its declaration (`.data` replaced) is refused by the step before any param or step
+    counter changes (it was refused midway through the step: the other buckets stepped, the counters advanced)."""
+    from fastopt.distributed import declare_shard
+    from fastopt.distributed.layout import Layout
+    monkeypatch.setattr(Layout, "reduce", lambda self, buf: None)
+    for local, shape in ((torch.randn(14, dtype=torch.float64)[::2], (7,)),
+                         (torch.randn(4, 3, dtype=torch.float64).t(), (3, 4))):
+        with pytest.raises(ValueError, match=r"declare_shard: p holds a flat range .* strides \((2,|1, 3)\)"):
+            declare_shard(local, shape, "group", flat_offset=0)
+    plain = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    piece = declare_shard(torch.randn(3, 4, dtype=torch.float64, requires_grad=True), (3, 4), "group", flat_offset=0)
+    opt = _make_local(name, [{"params": [plain]}, {"params": [piece]}])
+    for t in (plain, piece):
+        t.grad = torch.randn_like(t)
+    opt.step()
+    piece.data = torch.randn(4, 3, dtype=torch.float64).t()
+    before = [plain.detach().clone(), piece.detach().clone()]
+    with pytest.raises(ValueError, match=r"param_groups\[1\]\['params'\]\[0\] is declared a flat range .* strides "
+                                         r"\(1, 3\)"):
+        opt.step()
+    assert torch.equal(plain, before[0]) and torch.equal(piece, before[1])
+    assert [float(opt.state[t]["step"]) for t in (plain, piece)] == [1.0, 1.0]
 
 
 # ---- sharded Adafactor, CAME and GaLore buckets on the Triton kernels (issue 7) ------------------------------

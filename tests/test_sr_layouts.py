@@ -187,6 +187,24 @@ def test_index_prefix_sum_is_the_sum_of_the_first_flat_indices():
     assert checked > 1000
 
 
+def test_batch_index_is_the_global_matrix_of_each_local_matrix():
+    """`Layout.batch_index` (GaLore's rectangles of a (..., R, C) param whose leading dims are sharded: the matrix
+    of the global batch that each local matrix is) gives, for every local matrix in the local tensor's row-major
+    order, the global batch index of its elements' `Layout.flat_index`, for the dim layouts of `_every_layout` of
+    2 to 5 dims: several leading dims, each held whole, as a range or as a subset."""
+    checked = 0
+    for lay in _every_layout([(5, 6), (3, 4, 5), (2, 3, 4, 5), (3, 2, 4, 3, 2)]):
+        if lay.is_flat:
+            continue
+        r, c = lay.global_shape[-2:]
+        f = lay.flat_index("cpu")
+        want = (f[..., 0, 0] // (r * c)).reshape(-1)
+        assert torch.equal(lay.batch_index("cpu"), want), lay
+        assert torch.equal(f // (r * c), want.view(f.shape[:-2] + (1, 1)).expand(f.shape)), lay  # one matrix each
+        checked += 1
+    assert checked > 300
+
+
 @pytest.mark.dist
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("name", list(OPTS))

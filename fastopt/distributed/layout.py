@@ -533,7 +533,7 @@ def declare_shard(p: Tensor, global_shape, group, *, dim: int | None = None, sta
         start: with `dim`, the first global index held here (default: torch.chunk's rule over `group`).
         flat_offset: instead of `dim`, `p` holds the elements [flat_offset, flat_offset + p.numel()) of the
             flattened (row-major) tensor, which may start and end mid-row; those past the end are padding (all
-            of them may be: no real elements here). A wrong offset is refused at the first step, on every rank.
+            of them may be: no real elements here). `p` must be contiguous: its elements in memory order. A wrong offset is refused at the first step, on every rank.
 
     Statistics over the whole tensor (row and column sums, norms) are summed over `group` with one
     collective per phase for all the params that share it. Declare on the very tensor the optimizer gets
@@ -547,6 +547,10 @@ def declare_shard(p: Tensor, global_shape, group, *, dim: int | None = None, sta
     """
     if is_dtensor(p):
         raise ValueError("declare_shard: p is a DTensor; its layout is read off its placements")
+    if flat_offset is not None and not p.is_contiguous():
+        raise ValueError(f"declare_shard: p holds a flat range (flat_offset={flat_offset}), its elements in memory "
+                         f"order, so it must be contiguous (got shape {tuple(p.shape)}, strides {p.stride()}): "
+                         "declare p.contiguous() and give the optimizer that tensor")
     lay = make_layout(tuple(p.shape), global_shape, group, dim=dim, start=start, flat_offset=flat_offset)
     setattr(p, _ATTR, lay)
     _remember(p)

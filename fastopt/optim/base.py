@@ -531,6 +531,16 @@ class FastOptimizer(torch.optim.Optimizer):
         names = [f"param_groups[{gi}]['params'][{pos[id(p)]}] (local shape {tuple(p.shape)})" for p, _ in todo]
         check_cover([lay for _, lay in todo], names, local(todo[0][0]).device, self._name)
 
+    def _check_flat_contiguous(self, params: list[Tensor], layouts: list) -> None:
+        """A flat range (`declare_shard(..., flat_offset=...)`, FSDP1, `setup_distributed`) is its local tensor's
+        elements in memory order, stepped in place through a flat view: a param made non-contiguous since its
+        declaration (`.data` replaced) is refused here, before anything changes."""
+        for p, lay in zip(params, layouts):
+            if lay is not None and lay.is_flat and not local(p).is_contiguous():
+                raise ValueError(f"{self._name}: {self._where(p)} is declared a flat range of a tensor of shape "
+                                 f"{lay.global_shape}, its elements in memory order, but is not contiguous (shape "
+                                 f"{tuple(p.shape)}, strides {p.stride()}): make it contiguous, as when declared")
+
     def _param_ids(self) -> dict[int, int]:
         """{id(p): p's position among this optimizer's params over all param_groups (its state_dict id)}: the
         same in one process and under every layout (DTensors, declared pieces), so it seeds the stochastic
@@ -678,6 +688,7 @@ class FastOptimizer(torch.optim.Optimizer):
                     if not self._supports_layouts:
                         raise NotImplementedError(f"{self._name} does not support sharded parameters yet")
                     layouts = [self._layout(p) for p in params]
+                    self._check_flat_contiguous(params, layouts)
                     self._check_declarations(group, params, layouts)
                 if self._triton_seam:
                     ops.use_triton(params[0])  # a FASTOPT_BACKEND that cannot step these params raises here
@@ -694,6 +705,9 @@ class FastOptimizer(torch.optim.Optimizer):
             # again at each resumption, as the sharded ones resume in phases.run.
             with ops.on_device(device):
                 grads = [_local_grad(p) for p in params]
+                if layouts is not None:  # a flat range is its elements in memory order: a strided grad's, copied
+                    grads = [g.contiguous() if lay is not None and lay.is_flat else g
+                             for g, lay in zip(grads, layouts)]
                 states = [ckpt.local_state(self._init_state(p, group), p) for p in params]
                 scaler = self._scaler_args(device, scalers)
                 self._advance_steps([s["step"] for s in states], scaler)
