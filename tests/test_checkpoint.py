@@ -630,9 +630,10 @@ def _bad_state_dicts(case, good):
     sd = copy.deepcopy(good)
     del sd["state"][pid][key]
     yield "missing key", sd, "missing"
-    sd = copy.deepcopy(good)
-    sd["state"][pid]["step"] = "seven"
-    yield "step", sd, "'step'"
+    for bad in ("seven", torch.tensor([3.0, 3.0]), True):  # not one number: a str, several elements, a bool
+        sd = copy.deepcopy(good)
+        sd["state"][pid]["step"] = bad
+        yield f"step {bad!r}", sd, r"\['step'\] must be a scalar tensor or number"
     for bad in (-1.0, float("inf")):  # a step count no run reaches: the bias corrections would be garbage
         sd = copy.deepcopy(good)
         sd["state"][pid]["step"] = torch.tensor(bad)
@@ -643,21 +644,102 @@ def _bad_state_dicts(case, good):
     yield "not a state_dict", {"state": {}}, "expected a dict with keys"
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_mismatched_state_dict_fails_and_changes_nothing(case, monkeypatch):
+def _trained(case, monkeypatch):
+    """(model, optimizer of `case`) after 3 steps, on the torch back end."""
     monkeypatch.setenv("FASTOPT_BACKEND", "torch")
     model = MLP()
     opt = make_opt(case, model)
     _run(model, opt, range(3))
-    good = save_load(opt.state_dict())
+    return model, opt
+
+
+def _refused_unchanged(case, model, opt, good, variants) -> None:
+    """After 2 more steps: each (what, state_dict, error pattern) of `variants` raises the ValueError matching
+    its pattern and leaves the optimizer as it was; then `good` (saved at step 3) still loads."""
     _run(model, opt, range(3, 5))
     before = _snapshot(opt)
-    for what, sd, pattern in _bad_state_dicts(case, good):
+    for what, sd, pattern in variants:
         with pytest.raises(ValueError, match=pattern):
             opt.load_state_dict(sd)
         assert _same(before, _snapshot(opt)), f"{case}: a {what} mismatch changed the optimizer"
-    opt.load_state_dict(good)  # and the good one still loads
+    opt.load_state_dict(good)
     assert not _same(before, _snapshot(opt))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_mismatched_state_dict_fails_and_changes_nothing(case, monkeypatch):
+    model, opt = _trained(case, monkeypatch)
+    good = save_load(opt.state_dict())
+    _refused_unchanged(case, model, opt, good, list(_bad_state_dicts(case, good)))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_loaded_state_is_the_optimizers_own(case, monkeypatch):
+    """load_state_dict copies what it loads, the step included: the steps after it leave the state_dict as it
+    was, and one state_dict loaded into two optimizers gives two runs, each the uninterrupted one."""
+    monkeypatch.setenv("FASTOPT_BACKEND", "torch")
+    straight = MLP()
+    _run(straight, make_opt(case, straight), range(STEPS))
+    model = MLP()
+    opt = make_opt(case, model)
+    _run(model, opt, range(HALF))
+    sd = save_load(opt.state_dict())
+    kept = copy.deepcopy(sd)
+    runs = []
+    for _ in range(2):
+        resumed = MLP()
+        resumed.load_state_dict(model.state_dict())
+        r_opt = make_opt(case, resumed)
+        r_opt.load_state_dict(sd)
+        runs.append((resumed, r_opt))
+    for resumed, r_opt in runs:
+        _run(resumed, r_opt, range(HALF, STEPS))
+    assert _equal_sd(sd, kept), f"{case}: the steps after loading changed the state_dict"
+    for resumed, _ in runs:
+        for (n, a), b in zip(straight.named_parameters(), resumed.parameters()):
+            assert torch.equal(a, b), f"{case}: {n} differs after resuming"
+
+
+@pytest.mark.parametrize("case", sorted(EIGHT_BIT))
+def test_bad_dequantized_8bit_state_is_refused_unchanged(case, monkeypatch):
+    """The dequantized form of an 8-bit state is checked as the codes are: values of another shape with as many
+    elements (transposed: they would requantize into blocks as many, and be installed in that shape), non-finite
+    values (absmax NaN), a nested dict with more than the values, and the values beside the codes' absmax (two
+    forms of one state) are refused, naming the key, and the optimizer stays as it was."""
+    model, opt = _trained(case, monkeypatch)
+    with ckpt.dequantized_8bit(opt):
+        good = save_load(opt.state_dict())
+    codes = save_load(opt.state_dict())
+    pid, key = next((i, k) for i, st in good["state"].items() for k, v in st.items()
+                    if isinstance(v, dict) and v[ckpt.DEQUANTIZED].dim() == 2
+                    and v[ckpt.DEQUANTIZED].shape[0] != v[ckpt.DEQUANTIZED].shape[1])
+    akey = next(a for g in opt.param_groups for k, (a, _s, _b) in opt._quantized_keys(g).items() if k == key)
+    transposed, nan, extra, both = (copy.deepcopy(good) for _ in range(4))
+    vals = good["state"][pid][key][ckpt.DEQUANTIZED]
+    transposed["state"][pid][key] = {ckpt.DEQUANTIZED: vals.t().contiguous()}
+    nan["state"][pid][key][ckpt.DEQUANTIZED][0, -1] = float("nan")
+    extra["state"][pid][key]["scale"] = torch.ones(1)
+    both["state"][pid][akey] = codes["state"][pid][akey]  # the codes' absmax beside the dequantized values
+    _refused_unchanged(case, model, opt, good, [
+        ("shape", transposed, rf"\[{key!r}\] has shape"), ("nan", nan, rf"\[{key!r}\] holds non-finite"),
+        ("extra key", extra, rf"\[{key!r}\] is a dict with keys"),
+        ("both forms", both, rf"holds both {key!r}.fp32 \(dequantized\) and {akey!r}")])
+
+
+@pytest.mark.parametrize("case", sorted(EIGHT_BIT - {"came_8bit"}))
+def test_8bit_codes_cast_to_floats_beside_their_absmax_are_refused_unchanged(case, monkeypatch):
+    """8-bit codes cast to floating point next to their absmax (a state_dict converted whole, `.float()` on every
+    tensor) are neither the codes nor a dequantized form (which has no absmax): refused, naming the key and the
+    dtype, and the optimizer stays as it was; a cast back to uint8 would take any floats for codes, silently."""
+    model, opt = _trained(case, monkeypatch)
+    good = save_load(opt.state_dict())
+    keys = _codes_keys(opt)
+    pid, key = next((i, k) for i, st in good["state"].items() for k in keys if k in st)
+    assert good["state"][pid][key].dtype == torch.uint8 and keys[key] in good["state"][pid]
+    sd = copy.deepcopy(good)
+    sd["state"][pid][key] = sd["state"][pid][key].float()
+    _refused_unchanged(case, model, opt, good,
+                       [("cast", sd, rf"\[{key!r}\] has dtype torch.float32, expected torch.uint8")])
 
 
 # ---- 8-bit: the dequantized form requantizes exactly where the blocks allow ----------------------------------
@@ -696,6 +778,50 @@ def test_requantize_gives_back_the_dequantized_values(block, signed, monkeypatch
     assert ((back - shifted).abs() <= step * scale * (1 + 1e-5)).all()
 
 
+def test_requantize_gives_back_blocks_led_by_the_signed_maps_lowest_code(monkeypatch):
+    """A block whose largest magnitude is the signed map's lowest value (code 0: -0.99297 times the absmax) gives
+    back its dequantized largest magnitude over 0.99297, which rounds an ulp away from the absmax in about one
+    block in 150, and then the other values of the block come out of other products: requantize tries the scales
+    next to it, so that every block comes back bit for bit, with the very codes."""
+    from fastopt.reference.quant import dynamic_map
+    monkeypatch.setenv("FASTOPT_BACKEND", "torch")
+    g = torch.Generator().manual_seed(0)
+    blocks, block = 4096, 64
+    codes = torch.randint(1, 254, (blocks, block), generator=g)
+    codes[:, 0] = 0  # the block's largest magnitude: codes 1..253 are smaller (254, as large, is left out)
+    codes = codes.to(torch.uint8).view(-1)
+    absmax = torch.rand(blocks, generator=g) * torch.logspace(-6, 2, blocks)[torch.randperm(blocks, generator=g)]
+    vals = fastopt.dequantize_blockwise(codes, absmax, block, True)
+    off = vals.view(blocks, block).abs().amax(dim=1) / -dynamic_map(True)[0] != absmax
+    assert off.sum() >= 5, int(off.sum())  # the case this is about occurs
+    c2, a2 = ckpt.requantize(vals, block, True)
+    assert torch.equal(fastopt.dequantize_blockwise(c2, a2, block, True), vals)
+    assert torch.equal(c2, codes)
+
+
+@pytest.mark.parametrize("case", ["adamw8bit", "lamb_8bit"])
+def test_dequantized_zero_blocks_requantize_into_the_very_codes(case, monkeypatch):
+    """Blocks of an 8-bit state that hold only zeros (rows of a param whose gradient stayed zero: absmax 0) come
+    back from the dequantized form as the very codes saved (the signed map's code of 0), so that the state_dict
+    after a load is the one saved, bit for bit."""
+    monkeypatch.setenv("FASTOPT_BACKEND", "torch")
+    model = MLP()
+    opt = make_opt(case, model)
+    for s in range(HALF):
+        _set_grads(model, s)
+        model.up.weight.grad[:6] = 0  # 72 elements: the first block of 64 stays zero
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    key, akey = next((k, a) for k, (a, signed, _b) in opt._quantized_keys(opt.param_groups[0]).items() if signed)
+    st = opt.state[model.up.weight]
+    assert float(st[akey][0]) == 0 and float(st[akey][1]) > 0 and int(st[key].view(-1)[0]) != 0  # code 0 is not 0
+    with ckpt.dequantized_8bit(opt):
+        sd = save_load(opt.state_dict())
+    loaded = make_opt(case, MLP())
+    loaded.load_state_dict(sd)
+    assert _equal_sd(loaded.state_dict(), opt.state_dict()), case
+
+
 def test_checkpoint_helpers_refuse_what_they_cannot_use():
     """requantize of 8-bit codes (not values) or with a bad block size, and dequantized_8bit of no optimizer or of
     one that keeps no fastopt 8-bit state (a torch optimizer, a model): errors naming the helper, where the codes
@@ -713,6 +839,23 @@ def test_checkpoint_helpers_refuse_what_they_cannot_use():
     with pytest.raises(TypeError, match="dequantized_8bit: name the optimizers"):
         with ckpt.dequantized_8bit():
             pass
+
+
+def test_dequantized_8bit_nests(monkeypatch):
+    """An inner `dequantized_8bit` block (a helper that saves within one, called within another) leaves the
+    outer one's form in place when it ends, and the optimizer's own form comes back after the outer one."""
+    monkeypatch.setenv("FASTOPT_BACKEND", "torch")
+    model, opt = _nbits_side("adamw8bit", 8)
+    _run(model, opt, range(2))
+    keys = _codes_keys(opt)
+    with ckpt.dequantized_8bit(opt):
+        with ckpt.dequantized_8bit(opt):
+            inner = opt.state_dict()
+        outer = opt.state_dict()
+    after = opt.state_dict()
+    for sd in (inner, outer):
+        assert all(isinstance(st[k], dict) and a not in st for st in sd["state"].values() for k, a in keys.items())
+    assert all(st[k].dtype == torch.uint8 and a in st for st in after["state"].values() for k, a in keys.items())
 
 
 # ---- 8-bit and 32-bit state of the same optimizer (nbits, min_8bit_size) --------------------------------------
@@ -899,6 +1042,67 @@ def test_dequantized_state_under_the_codes_key_still_loads(case, tmp_path, monke
                 assert torch.equal(back.view_as(st[k]), st[k]), (case, i, k)
                 checked += 1
     assert checked, case
+
+
+@pytest.mark.parametrize("case", sorted(EIGHT_BIT))
+def test_whole_numbers_that_cannot_be_codes_load_into_32bit_state(case, monkeypatch):
+    """fp32 values under the codes' key without the absmax, into the optimizer with 32-bit state (where DCP casts
+    8-bit codes): only whole numbers from 0 to 255 may be codes, and all zeros only under the signed map after a
+    step. Negative whole numbers (signed states), 256, and the zeros of an unsigned state after steps load as
+    values (the requantized state gives them back); the codes of an unsigned state, up to its 255, are refused,
+    naming it."""
+    monkeypatch.setenv("FASTOPT_BACKEND", "torch")
+    src_model, src_opt = _nbits_side(case, 8)
+    _run(src_model, src_opt, range(HALF))
+    with ckpt.dequantized_8bit(src_opt):
+        dq = src_opt.state_dict()
+    codes_sd = src_opt.state_dict()
+    older = {**dq, "state": {i: {k: (v[ckpt.DEQUANTIZED] if isinstance(v, dict) else v) for k, v in st.items()}
+                             for i, st in dq["state"].items()}}
+    kinds = {k: signed for g in src_opt.param_groups for k, (a, signed, _b) in src_opt._quantized_keys(g).items()
+             if any(a in src_opt.state[p] for p in g["params"])}
+
+    def edited(fill):  # `older` with fill(key, signed, values) under each codes' key (None: as it is)
+        sd = copy.deepcopy(older)
+        for st in sd["state"].values():
+            for k, signed in kinds.items():
+                if k in st:
+                    new = fill(k, signed, st[k])
+                    st[k] = st[k] if new is None else new
+        return sd
+    variants = [("negative", edited(lambda k, s, v: torch.full_like(v, -3.0) if s else None)),
+                ("256", edited(lambda k, s, v: torch.full_like(v, 256.0)))]
+    if not all(kinds.values()):
+        variants.append(("unsigned zeros", edited(lambda k, s, v: None if s else torch.zeros_like(v))))
+    for what, sd in variants:
+        assert all(float(st["step"]) > 0 for st in sd["state"].values())
+        model, opt = _nbits_side(case, 32)
+        opt.load_state_dict(save_load(sd))
+        ps = [(q, g) for g in opt.param_groups for q in g["params"]]
+        checked = 0
+        for i, st in sd["state"].items():
+            q, g = ps[i]
+            for k, (a, signed, block) in opt._quantized_keys(g).items():
+                if k in st and a in opt.state[q]:
+                    back = fastopt.dequantize_blockwise(opt.state[q][k], opt.state[q][a], block, signed)
+                    assert torch.equal(back.view_as(st[k]), st[k]), (case, what, i, k)
+                    checked += 1
+        assert checked, (case, what)
+    for k, signed in kinds.items():
+        if signed:
+            continue
+        sd = copy.deepcopy(older)
+        cast = 0
+        for i, st in sd["state"].items():
+            if k in st:
+                st[k] = codes_sd["state"][i][k].float().view_as(st[k])
+                cast += int((st[k] == 255).any())
+        assert cast, (case, k)
+        model, opt = _nbits_side(case, 32)
+        before = _snapshot(opt)
+        with pytest.raises(ValueError, match=rf"\[{k!r}\] holds whole numbers from 0 to 255 and no"):
+            opt.load_state_dict(save_load(sd))
+        assert _same(before, _snapshot(opt)), (case, k)
 
 
 # ---- interoperability ----------------------------------------------------------------------------------------
@@ -1319,6 +1523,56 @@ def test_load_state_dict_agrees_over_the_params_groups_only(pool):
     results = pool.run(_submesh_case)  # the pool's timeout turns a hang into a failure
     want = {"unchanged": True, "unchanged_0": True, "unchanged_1": True}
     assert results[0] == results[1] == want and results[2] == results[3] == {}, results
+
+
+def _one_rank_refuses_case(rank, world):
+    """Two matrices sharded over the 4 ranks; the state_dict's first state is unreadable on rank 1 only (a
+    state_dict edited there), which stops that rank's load at it: its verdict, the cause, must be every rank's,
+    not a difference in the states the ranks would load (rank 1 has none to compare after the first). Then a
+    DTensor state on a mesh of the same ranks in another order (each piece of the param's local shape, holding
+    other elements) is refused on every rank, not taken piece by piece."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+    os.environ["FASTOPT_BACKEND"] = "torch"
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(distribute_tensor(torch.randn(s, generator=g, dtype=DT), mesh, [Shard(0)],
+                                                   src_data_rank=None)) for s in ((8, 6), (4, 10))]
+    opt = fastopt.Lamb(params, lr=1e-2)
+    for step in range(2):
+        gen = torch.Generator().manual_seed(1000 + step)
+        for p in params:
+            p.grad = distribute_tensor(torch.randn(p.shape, generator=gen, dtype=DT), mesh, [Shard(0)],
+                                       src_data_rank=None)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    before = _snapshot(opt)
+    sd = copy.deepcopy(opt.state_dict())
+    if rank == 1:
+        sd["state"][0]["step"] = "seven"
+    with pytest.raises(ValueError) as info:
+        opt.load_state_dict(sd)
+    out = dict(message=str(info.value), unchanged=_same(before, _snapshot(opt)))
+    # A state on a mesh of the same ranks in another order: pieces of the same shape, of other elements.
+    other = DeviceMesh("cpu", list(reversed(range(world))))
+    sd = copy.deepcopy(opt.state_dict())
+    sd["state"][0]["exp_avg"] = DTensor.from_local(sd["state"][0]["exp_avg"].to_local(), other, [Shard(0)],
+                                                   run_check=False)
+    with pytest.raises(ValueError) as info:
+        opt.load_state_dict(sd)
+    out.update(mesh=str(info.value), mesh_unchanged=_same(before, _snapshot(opt)))
+    return out
+
+
+@pytest.mark.dist
+def test_refusals_over_a_mesh_name_their_cause_on_every_rank(pool):
+    results = pool.run(_one_rank_refuses_case)
+    for rank, res in enumerate(results):
+        assert res["unchanged"] and res["mesh_unchanged"], rank
+        assert re.search(r"state\[0\]\['exp_avg'\] is a DTensor on another device mesh than its param", res["mesh"]), \
+            (rank, res["mesh"])
+        assert re.search(r"state\[0\]\['step'\] must be a scalar tensor or number, got str" +
+                         ("" if rank == 1 else r".* \(on rank 1\)$"), res["message"]), (rank, res["message"])
 
 
 @pytest.mark.parametrize("case, form", [(c, "codes") for c in CASES] + [(c, "dequantized") for c in sorted(EIGHT_BIT)]
