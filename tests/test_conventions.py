@@ -23,6 +23,7 @@ import contextlib
 import copy
 import pickle
 import re
+import types
 
 import pytest
 import torch
@@ -1015,6 +1016,32 @@ def test_a_back_end_that_cannot_step_is_named_before_anything_changes(case, monk
     assert not torch.equal(ps[0], before[ps[0]][0])
 
 
+@pytest.mark.skipif(not fastopt.ops.triton_available(), reason="needs Triton")
+def test_without_the_interpreter_no_numpy_clash_is_named(monkeypatch):
+    """Triton before 3.7 beside NumPy 2.4 only troubles the interpreter: without TRITON_INTERPRET (unset, "0" or
+    empty: a GPU machine running compiled kernels, e.g. torch 2.11's Triton 3.6 with NumPy 2.4) there is no clash,
+    so that conftest runs the suite and compile_check (which replaces ops.interpreting, with no interpreter) has
+    FASTOPT_BACKEND=triton take CPU tensors. A version it cannot read counts as the oldest (0, 0)."""
+    import numpy
+    import triton
+    from fastopt import ops
+    assert ops.major_minor("2.10.0+cu128") == (2, 10) and ops.major_minor("3.10") == (3, 10)
+    assert ops.major_minor("main") == (0, 0) and ops.interpreter_clash("main", "2.4.0")
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    monkeypatch.setattr(numpy, "__version__", "2.4.6")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert ops._interpreter_clash_here() is None
+    for interpret in ("0", ""):
+        monkeypatch.setenv("TRITON_INTERPRET", interpret)
+        assert ops._interpreter_clash_here() is None, interpret
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert "install numpy<2.4 or triton>=3.7" in ops._interpreter_clash_here()
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setenv("FASTOPT_BACKEND", "triton")
+    monkeypatch.setattr(ops, "interpreting", lambda: True)  # as compile_check does
+    assert ops.use_triton(torch.empty(1)) is True
+
+
 # ---- several GPUs in one process ----------------------------------------------------------------------------
 TRITON_CASES = [c for c in CASES if c != "adamw8bit"]  # AdamW8bit runs in the extension, which guards its device
 
@@ -1090,6 +1117,32 @@ def test_resumed_steps_leave_no_device_guard_open(monkeypatch):
         assert next(a) == next(b) and current[0] == 0
     assert list(a) == list(b) == [] and current[0] == 0
     assert seen == [(n, k, d) for k in range(3) for n, d in (("a", 1), ("b", 2))]
+
+
+def test_each_bucket_step_enters_its_own_device(monkeypatch):
+    """on_device of a CUDA device is torch.cuda.device of it (which makes it current once entered; only built here,
+    so no GPU is needed), nothing for a CPU one; each *_phases op enters it with its params' device, not the
+    current one or the CPU's, at every resumption (params that only name a device here)."""
+    from fastopt import ops
+    guard = ops.on_device(torch.device("cuda", 1))
+    assert isinstance(guard, torch.cuda.device) and guard.idx == 1
+    assert isinstance(ops.on_device(torch.device("cpu")), contextlib.nullcontext)
+    entered = []
+
+    @contextlib.contextmanager
+    def on_device(dev):
+        entered.append(dev)
+        yield
+
+    monkeypatch.setattr(ops, "on_device", on_device)
+
+    def phases(params, grads, states):
+        yield "sums"
+        yield "norms"
+
+    on_gpu1 = [types.SimpleNamespace(device=torch.device("cuda", 1))]
+    assert list(ops._on_params_device(phases)(on_gpu1, [], [])) == ["sums", "norms"]
+    assert entered == [torch.device("cuda", 1)] * 3  # two phases and the resumption that ends it
 
 
 @pytest.mark.gpu

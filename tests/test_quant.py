@@ -357,6 +357,34 @@ def test_back_end_setting_and_device_pick_the_path(monkeypatch):
         assert ops.use_triton(cuda_like) is True
 
 
+def test_use_triton_without_triton_and_on_devices_it_does_not_run(monkeypatch):
+    """Without Triton installed, auto steps every tensor with the torch reference (CUDA ones too: they would import
+    the kernels and fail) and FASTOPT_BACKEND=triton says what to install, on every device; with it, `triton`
+    refuses tensors on a device that is neither CUDA nor CPU (meta here), under TRITON_INTERPRET=1 too (only CPU
+    tensors go to the interpreter)."""
+    cuda_like = types.SimpleNamespace(device=torch.device("cuda", 0))
+    cpu, meta = torch.empty(1), torch.empty(1, device="meta")
+    monkeypatch.setattr(ops, "triton_available", lambda: False)
+    for interpret in ("0", "1"):
+        monkeypatch.setenv("TRITON_INTERPRET", interpret)
+        monkeypatch.setenv("FASTOPT_BACKEND", "auto")
+        assert ops.use_triton(cuda_like) is False and ops.use_triton(cpu) is False, interpret
+        monkeypatch.setenv("FASTOPT_BACKEND", "triton")
+        for t in (cuda_like, cpu):
+            with pytest.raises(RuntimeError, match=re.escape("FASTOPT_BACKEND=triton but Triton is not installed: "
+                                                             "pip install triton")):
+                ops.use_triton(t)
+    monkeypatch.setattr(ops, "triton_available", lambda: True)
+    for interpret in ("0", "1"):
+        monkeypatch.setenv("TRITON_INTERPRET", interpret)
+        with pytest.raises(RuntimeError, match=re.escape("(and cpu ones under TRITON_INTERPRET=1), not on meta "
+                                                         "tensors: use FASTOPT_BACKEND=auto or torch")):
+            ops.use_triton(meta)
+        monkeypatch.setenv("FASTOPT_BACKEND", "auto")
+        assert ops.use_triton(meta) is False
+        monkeypatch.setenv("FASTOPT_BACKEND", "triton")
+
+
 def test_adamw8bit_step_table_cache_follows_tensors_that_move_or_shrink(built, monkeypatch):
     """ops.adamw8bit_step with a `cache` steps bit for bit as with none (the step op then builds its own tables):
     while the tensors stay put (no table built again), after a grad moves (both built again), and after every
@@ -472,6 +500,20 @@ def test_fake_kernels_give_the_real_shapes_and_dtypes(built):
     real = fo.adamw32_table(*full)
     fake = fo.adamw32_table(*[[t.to(meta) for t in ts] for ts in full])
     assert (fake.shape, fake.dtype) == (real.shape, real.dtype)
+
+
+def test_fake_adamw8bit_table_has_the_real_shape(built):
+    """The meta kernel of adamw8bit_table (torch.compile traces the 8-bit step with it): the shape and dtype of the
+    CPU op's table, for one param and for several (one of a partial block)."""
+    fo, meta, bs = torch.ops.fastopt, torch.device("meta"), 64
+    for sizes in ((7,), (7, 3000, 64)):
+        lists = ([torch.zeros(n) for n in sizes], [torch.zeros(n) for n in sizes],
+                 [torch.zeros(n, dtype=torch.uint8) for n in sizes], [torch.zeros(n, dtype=torch.uint8) for n in sizes],
+                 [torch.zeros(-(-n // bs)) for n in sizes], [torch.zeros(-(-n // bs)) for n in sizes],
+                 [torch.ones(()) for _ in sizes])
+        real = fo.adamw8bit_table(*lists, bs)
+        fake = fo.adamw8bit_table(*[[t.to(meta) for t in ts] for ts in lists], bs)
+        assert fake.device == meta and (fake.shape, fake.dtype) == (real.shape, real.dtype), sizes
 
 
 def test_build_key_names_everything_the_library_depends_on(tmp_path, monkeypatch):
@@ -601,6 +643,163 @@ def test_a_failed_load_raises_the_same_error_every_time(monkeypatch):
     with pytest.raises(RuntimeError) as again:
         ext.load(verbose=False)
     assert again.value is first.value and tries == [True]
+
+
+def test_build_key_names_the_python_and_the_libstdcxx_it_links(monkeypatch):
+    """The build folder changes with the Python version (torch's headers and the extension's flags are per
+    interpreter; several virtual environments share ~/.cache/torch_extensions) and with the libstdc++ the library
+    is linked against (`_runtime_libstdcxx`), CPU and CUDA builds alike."""
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0")
+    monkeypatch.delenv("CXX", raising=False)
+
+    def keys():
+        return ext.build_key(False), ext.build_key(True)
+
+    base = keys()
+    for change in (lambda mp: mp.setattr(ext, "sys", types.SimpleNamespace(version_info=(3, 99, 0))),
+                   lambda mp: mp.setattr(ext, "_runtime_libstdcxx", lambda: ("/opt/other/lib64/libstdc++.so.6",))):
+        with monkeypatch.context() as mp:
+            change(mp)
+            changed = keys()
+        assert changed[0] != base[0] and changed[1] != base[1]
+        assert keys() == base
+
+
+def test_cuda_kernels_are_built_only_where_torch_can_run_them(monkeypatch):
+    """FASTOPT_EXT_CUDA=0|1 decides (blanks aside); unset or anything else, the CUDA kernels are built where torch is
+    a CUDA build that sees a GPU, not for a CUDA torch on a machine without one (nvcc would be needed for nothing)
+    nor for a CPU-only torch. The architectures: TORCH_CUDA_ARCH_LIST (blanks aside), else every visible GPU's,
+    each once, in order (the build key must not change with the order the GPUs are numbered in)."""
+    for avail, cuda, want in ((True, "12.8", True), (False, "12.8", False), (True, None, False)):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda avail=avail: avail)
+        monkeypatch.setattr(torch.version, "cuda", cuda)
+        for flag in ("", " ", "auto", "yes"):
+            monkeypatch.setenv("FASTOPT_EXT_CUDA", flag)
+            assert ext._with_cuda() is want, (avail, cuda, flag)
+        monkeypatch.delenv("FASTOPT_EXT_CUDA")
+        assert ext._with_cuda() is want, (avail, cuda)
+        for flag, forced in (("0", False), (" 0 ", False), ("1", True), (" 1", True)):
+            monkeypatch.setenv("FASTOPT_EXT_CUDA", flag)
+            assert ext._with_cuda() is forced, (avail, cuda, flag)
+    caps = {0: (9, 0), 1: (8, 0), 2: (9, 0), 3: (8, 6)}
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(caps))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: caps[i])
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    assert ext._cuda_arch_list() == "8.0;8.6;9.0"
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", " ")
+    assert ext._cuda_arch_list() == "8.0;8.6;9.0"
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", " 7.5;8.0 ")
+    assert ext._cuda_arch_list() == "7.5;8.0"
+
+
+def _stub_build(tmp_path, monkeypatch, log, compile_=None):
+    """The build of `_build_and_load` stubbed as in test_cache_lock_and_architectures_of_a_build_without_compiling:
+    nothing is compiled or loaded."""
+    from torch.utils import cpp_extension
+
+    def fake_compile(name, build_directory, with_cuda, **kw):
+        log.append(("compile", with_cuda, os.environ.get("TORCH_CUDA_ARCH_LIST")))
+        (Path(build_directory) / f"{name}.so").write_bytes(b"\x7fELF")
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(cpp_extension, "load", compile_ or fake_compile)
+    monkeypatch.setattr(torch.ops, "load_library", lambda path: log.append(("dlopen", Path(path).name)))
+    monkeypatch.setattr(ext, "_check_toolchain", lambda with_cuda: log.append(("toolchain", with_cuda)))
+
+
+def test_a_marked_build_whose_library_is_gone_is_built_again(tmp_path, monkeypatch):
+    """A build folder with BUILD_OK but no library (deleted by hand, or by a cache cleaner that removes large files)
+    is neither taken from the cache nor as built by another process: it is built again (build stubbed)."""
+    monkeypatch.setenv("FASTOPT_EXT_CUDA", "0")
+    log = []
+    _stub_build(tmp_path, monkeypatch, log)
+    name = f"fastopt_ext_{ext.build_key(False)}"
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "BUILD_OK").write_text(ext.build_key(False) + "\n")
+    assert ext._build_and_load(False) == "built"
+    assert log == [("toolchain", False), ("compile", False, None)], log
+    assert (tmp_path / name / f"{name}.so").is_file()
+
+
+def test_a_cuda_build_puts_the_architecture_setting_back_exactly_even_when_it_fails(tmp_path, monkeypatch):
+    """TORCH_CUDA_ARCH_LIST set but empty (or blank) means "the visible GPUs'": the build compiles for those, and the
+    variable is put back as it was (not left at the GPUs' list), after a build that fails too (build stubbed;
+    two GPUs faked)."""
+    monkeypatch.setenv("FASTOPT_EXT_CUDA", "1")
+    caps = {0: (9, 0), 1: (8, 0)}
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(caps))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: caps[i])
+    for i, setting in enumerate(("", " ")):
+        monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", setting)
+        log = []
+        _stub_build(tmp_path / f"built{i}", monkeypatch, log)
+        assert ext._build_and_load(False) == "built"
+        assert log == [("toolchain", True), ("compile", True, "8.0;9.0")], log
+        assert os.environ["TORCH_CUDA_ARCH_LIST"] == setting
+
+        def broken(name, build_directory, with_cuda, **kw):
+            log.append(("compile", with_cuda, os.environ.get("TORCH_CUDA_ARCH_LIST")))
+            raise RuntimeError("Error building extension")
+
+        log.clear()
+        _stub_build(tmp_path / f"broken{i}", monkeypatch, log, broken)
+        with pytest.raises(RuntimeError, match="Error building extension"):
+            ext._build_and_load(False)
+        assert log == [("toolchain", True), ("compile", True, "8.0;9.0")], log
+        assert os.environ["TORCH_CUDA_ARCH_LIST"] == setting
+        assert not list((tmp_path / f"broken{i}").rglob("BUILD_OK"))
+
+
+def test_a_library_that_does_not_load_is_remembered_like_a_failed_build(tmp_path, monkeypatch):
+    """A cached library that dlopen refuses (cut short on disk: OSError, not RuntimeError) fails load() as a build
+    error does: is_available() False (not raising), load_error() that OSError, the same exception raised again by a
+    later load() without another try (this process's own extension state is put back after)."""
+    monkeypatch.setattr(ext, "_loaded", False)
+    monkeypatch.setattr(ext, "_error", None)
+    monkeypatch.setattr(ext, "_how", None)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setenv("FASTOPT_EXT_CUDA", "0")
+    name = f"fastopt_ext_{ext.build_key(False)}"
+    (tmp_path / name).mkdir()
+    (tmp_path / name / f"{name}.so").write_bytes(b"\x7fELF")
+    (tmp_path / name / "BUILD_OK").write_text(ext.build_key(False) + "\n")
+    assert not ext.is_available()
+    first = ext.load_error()
+    assert isinstance(first, OSError) and ext.how_loaded() is None
+    tries = []
+    monkeypatch.setattr(ext, "_build_and_load", lambda verbose: tries.append(verbose))
+    with pytest.raises(OSError) as again:
+        ext.load()
+    assert again.value is first and tries == []
+
+
+def test_toolchain_check_asks_for_nvcc_only_for_the_cuda_kernels(monkeypatch):
+    """No CUDA toolkit (CUDA_HOME None): a CPU build goes ahead, with a CUDA torch or a CPU-only one; a CUDA build
+    names the toolkit of torch's CUDA version, or (CPU-only torch) the torch build (ninja stubbed as present; the
+    compiler is this Python, which is on PATH)."""
+    from torch.utils import cpp_extension
+    monkeypatch.setattr(cpp_extension, "verify_ninja_availability", lambda: None)
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", None)
+    monkeypatch.setenv("CXX", sys.executable)
+    for cuda, says in (("12.8", "which need nvcc from the CUDA toolkit 12.8"), (None, "is a CPU-only build")):
+        monkeypatch.setattr(torch.version, "cuda", cuda)
+        ext._check_toolchain(False)
+        with pytest.raises(RuntimeError, match=re.escape(says)):
+            ext._check_toolchain(True)
+
+
+def test_a_loaded_extension_is_not_looked_up_again(built, monkeypatch):
+    """Once loaded, load() returns at once: the 8-bit ops call it at every use (a step of AdamW8bit), and a second
+    look-up would hash every source (build_key), dlopen the library and register the fake kernels again."""
+    ext.load()
+    tries = []
+    monkeypatch.setattr(ext, "_build_and_load", lambda verbose: tries.append(verbose) or "cache")
+    monkeypatch.setattr(ext, "_register_fakes", lambda: tries.append("fakes"))
+    monkeypatch.setenv("FASTOPT_BACKEND", "auto")
+    codes, absmax = ops.quantize_blockwise(torch.linspace(-1, 1, 300), 64)
+    ext.load()
+    assert ext.is_available() and ext.how_loaded() in ("built", "waited", "cache") and tries == []
+    assert codes.shape == (300,) and absmax.shape == (5,)
 
 
 _BUILD_SCRIPT = textwrap.dedent("""
