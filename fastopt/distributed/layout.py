@@ -533,7 +533,8 @@ def declare_shard(p: Tensor, global_shape, group, *, dim: int | None = None, sta
         start: with `dim`, the first global index held here (default: torch.chunk's rule over `group`).
         flat_offset: instead of `dim`, `p` holds the elements [flat_offset, flat_offset + p.numel()) of the
             flattened (row-major) tensor, which may start and end mid-row; those past the end are padding (all
-            of them may be: no real elements here). `p` must be contiguous: its elements in memory order. A wrong offset is refused at the first step, on every rank.
+            of them may be: no real elements here). `p` must be contiguous: its elements in memory order. A
+            wrong offset is refused at the first step, on every rank.
 
     Statistics over the whole tensor (row and column sums, norms) are summed over `group` with one
     collective per phase for all the params that share it. Declare on the very tensor the optimizer gets
