@@ -1496,10 +1496,7 @@ def test_two_sharded_leading_dims_match_single_process(pool):
     init, grads = make_problem([s for s, _, _ in LEADS], seed=8)
     ref = [x.clone() for x in init]
     ref_opt = fastopt.GaLoreAdamW([{"params": ref, **GROUP}], lr=LR, weight_decay=WD)
-    for step_grads in grads:
-        for p, g in zip(ref, step_grads):
-            p.grad = g.clone()
-        ref_opt.step()
+    step(ref_opt, ref, grads)
     for r, (full, states) in enumerate(pool.run(_leads_galore, init, grads)):
         for i, (a, b, x) in enumerate(zip(full, ref, init)):
             assert rel_update_error([a], [b], [x]) <= TOL[torch.float64], (r, i, rel_update_error([a], [b], [x]))

@@ -1643,13 +1643,19 @@ def _on(device, init, grads):
 
 # One process, `Layout.reduce` patched out: no gloo here, so these run on every `device` of the back end
 # (CUDA for the compiled kernels, which refuse CPU tensors without TRITON_INTERPRET=1).
+@pytest.mark.parametrize("form", ["padded", "reshaped"])
 @pytest.mark.parametrize("name", list(LOCAL_OPTS))
-def test_flat_range_with_padding_takes_the_plain_step(backend, device, name, monkeypatch):
-    """A flat layout holding the whole tensor plus 3 padding elements (NaN gradients there, which would poison
-    every norm if read) takes exactly the plain step, leaves the padding as it was, and reduces exactly the
-    buffers that `reduction_sizes` (the benchmark's count) says, one per phase for the whole bucket. The (13, 21)
-    matrix has 273 real elements: 8-bit states of several blocks, the last one partial (64 and CAME's 256), whose
-    scales must be cut to the blocks of the real elements, the partial one kept."""
+def test_flat_range_takes_the_plain_step(backend, device, name, form, monkeypatch):
+    """A flat layout holding the whole tensor takes exactly the plain step over several steps of fresh gradients,
+    and reduces exactly the buffers that `reduction_sizes` (the benchmark's count) says, one per phase for the
+    whole bucket. "padded": a 1-D local tensor plus 3 padding elements (NaN gradients there, which would poison
+    every norm if read), left as they were. "reshaped": no padding, in a local tensor of another shape (a
+    column, or the matrix with its dims read the other way: (5, 7) held as (7, 5)): its real elements
+    (`Layout.local_view`) are the flattened local tensor, not the local tensor as it is shaped, which the
+    factored steps would index as the whole tensor. On odd steps the grads come strided (a flat range reads its
+    elements in memory order: they were refused midway through the step). The (13, 21) matrix has 273 real
+    elements: 8-bit states of several blocks, the last one partial (64 and CAME's 256), whose scales must be cut
+    to the blocks of the real elements, the partial one kept."""
     from fastopt.distributed import declare_shard
     from fastopt.distributed.layout import Layout
     from fastopt.reference import adafactor, came, lamb
@@ -1657,66 +1663,39 @@ def test_flat_range_with_padding_takes_the_plain_step(backend, device, name, mon
     init, grads = _on(device, *_problem(shapes))
     sizes = []
     monkeypatch.setattr(Layout, "reduce", lambda self, buf: sizes.append((buf.numel(), buf.dtype)))
+    pad = 3 if form == "padded" else 0
+
+    def cut(t, fill):  # the local tensor holding all of `t`
+        if pad:
+            return torch.cat([t.reshape(-1), t.new_full((pad,), fill)])
+        return t.reshape(t.shape[-1], -1) if t.dim() > 1 else t.reshape(-1, 1)
+
     plain = [p.clone() for p in init]
-    padded = [declare_shard(torch.cat([p.reshape(-1), p.new_full((3,), 7.0)]), p.shape, "group", flat_offset=0)
-              for p in init]
-    opt_plain, opt_padded = _make_local(name, plain), _make_local(name, padded)
-    for gs in grads:
-        for p, q, g in zip(plain, padded, gs):
+    pieces = [declare_shard(cut(p, 7.0).clone(), p.shape, "group", flat_offset=0) for p in init]
+    assert pad or all(q.dim() == 2 and q.shape != p.shape for p, q in zip(init, pieces))
+    opt_plain, opt_pieces = _make_local(name, plain), _make_local(name, pieces)
+    for t, gs in enumerate(grads):
+        for p, q, g in zip(plain, pieces, gs):
             p.grad = g.clone()
-            q.grad = torch.cat([g.reshape(-1), g.new_full((3,), float("nan"))])
+            q.grad = cut(g, float("nan"))
+            if t % 2:  # the same values, every other element of a buffer twice the size
+                q.grad = torch.stack([q.grad, q.grad], -1)[..., 0]
+                assert not q.grad.is_contiguous()
         opt_plain.step()
-        opt_padded.step()
-    for p, q, p0 in zip(plain, padded, init):
-        assert q.device == device and torch.equal(q[-3:], q.new_full((3,), 7.0))
-        assert _rel(q[:-3].view_as(p) - p0, p - p0) <= 1e-12, name
-    for p, q in zip(plain, padded):
+        opt_pieces.step()
+    for p, q, p0 in zip(plain, pieces, init):
+        assert q.device == device and torch.equal(q.reshape(-1)[p.numel():], q.new_full((pad,), 7.0))
+        assert _rel(q.reshape(-1)[:p.numel()].view_as(p) - p0, p - p0) <= 1e-12, name
+    for p, q in zip(plain, pieces):
         for k, v in opt_plain.state[p].items():
-            w = opt_padded.state[q][k]
-            if w.shape != v.shape:  # element-wise: the padded state's first elements
+            w = opt_pieces.state[q][k]
+            if w.shape != v.shape:  # element-wise: shaped like the local tensor, the real elements first
                 w = w.reshape(-1)[:v.numel()].view_as(v)
             assert torch.allclose(w, v, rtol=1e-12, atol=0), (name, k)
     kind = SIZES.get(name)
     per_step = [] if kind is None else (lamb.reduction_sizes(shapes, torch.float64) if kind == "lamb" else
                                        {"adafactor": adafactor, "came": came}[kind].reduction_sizes(shapes))
     assert sizes == per_step * STEPS
-
-
-@pytest.mark.parametrize("name", list(LOCAL_OPTS))
-def test_flat_range_of_a_local_tensor_of_another_shape_takes_the_plain_step(backend, device, name, monkeypatch):
-    """`declare_shard(p, ..., flat_offset=o)` takes a local tensor of any shape: its elements, flattened, are the
-    range. A flat layout holding the whole tensor, without padding, in a local tensor of another shape (a column,
-    or the matrix with its dims read the other way: (5, 7) held as (7, 5)) takes exactly the plain step over
-    several steps of fresh gradients: its real elements (`Layout.local_view`) are the flattened local tensor, not
-    the local tensor as it is shaped, which the factored steps would index as the whole tensor. Every other step
-    its grad comes column-major, as a strided grad: read in memory order, it would be refused midway the step."""
-    from fastopt.distributed import declare_shard
-    from fastopt.distributed.layout import Layout
-    shapes = [(5, 7), (3,), (2, 3, 4), (13, 21)]
-    init, grads = _on(device, *_problem(shapes, seed=5))
-    monkeypatch.setattr(Layout, "reduce", lambda self, buf: None)
-    local = [(p.shape[-1], p.numel() // p.shape[-1]) if p.dim() > 1 else (p.numel(), 1) for p in init]
-    plain = [p.clone() for p in init]
-    pieces = [declare_shard(p.reshape(s).clone(), p.shape, "group", flat_offset=0) for p, s in zip(init, local)]
-    assert all(q.dim() == 2 and q.shape != p.shape for p, q in zip(init, pieces))
-    opt_plain, opt_pieces = _make_local(name, plain), _make_local(name, pieces)
-    for step, gs in enumerate(grads):
-        for p, q, g in zip(plain, pieces, gs):
-            p.grad = g.clone()
-            q.grad = g.reshape(q.shape).clone()
-            if step % 2:  # odd steps: the same grad, column-major (a flat range reads its elements in order)
-                q.grad = q.grad.t().contiguous().t()
-        opt_plain.step()
-        opt_pieces.step()
-    for p, q, p0 in zip(plain, pieces, init):
-        assert q.device == device
-        assert _rel(q.reshape(p.shape) - p0, p - p0) <= 1e-12, name
-    for p, q in zip(plain, pieces):
-        for k, v in opt_plain.state[p].items():
-            w = opt_pieces.state[q][k]
-            if w.shape != v.shape:  # element-wise: shaped like the local tensor
-                w = w.reshape(v.shape)
-            assert torch.allclose(w, v, rtol=1e-12, atol=0), (name, k)
 
 
 @pytest.mark.parametrize("name", ["adafactor", "lamb", "adamw8bit"])

@@ -555,6 +555,24 @@ def test_build_key_names_everything_the_library_depends_on(tmp_path, monkeypatch
         assert keys() == base
 
 
+def _stub_build(tmp_path, monkeypatch, log, check=None):
+    """The build of `_build_and_load` stubbed, its cache in `tmp_path`: the compiler, the toolchain check and the
+    loader log to `log`; the compiler then runs `check(name, build_directory)` if given (which may raise, as a
+    failed build) and writes a library file. Nothing is compiled or loaded."""
+    from torch.utils import cpp_extension
+
+    def fake_compile(name, build_directory, with_cuda, **kw):
+        log.append(("compile", with_cuda, os.environ.get("TORCH_CUDA_ARCH_LIST")))
+        if check is not None:
+            check(name, Path(build_directory))
+        (Path(build_directory) / f"{name}.so").write_bytes(b"\x7fELF")
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(cpp_extension, "load", fake_compile)
+    monkeypatch.setattr(torch.ops, "load_library", lambda path: log.append(("dlopen", Path(path).name)))
+    monkeypatch.setattr(ext, "_check_toolchain", lambda with_cuda: log.append(("toolchain", with_cuda)))
+
+
 def test_cache_lock_and_architectures_of_a_build_without_compiling(tmp_path, monkeypatch):
     """How a load finds, builds or waits for the library, with the compiler, the toolchain check and the loader
     stubbed (nothing is compiled or loaded): a folder with a library but no BUILD_OK (a build killed while
@@ -562,14 +580,11 @@ def test_cache_lock_and_architectures_of_a_build_without_compiling(tmp_path, mon
     then marked; the next load takes the cache alone (no toolchain check); one that finds the library built by
     another process once it holds the lock says "waited". A CUDA build compiles for the architectures of
     `_cuda_arch_list()` and puts TORCH_CUDA_ARCH_LIST back as it was, set or not."""
-    from torch.utils import cpp_extension
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     monkeypatch.setenv("FASTOPT_EXT_CUDA", "0")
     monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
     log = []
 
-    def compile_(name, build_directory, with_cuda, **kw):
-        d = Path(build_directory)
+    def locked(name, d):
         assert not (d / "lock").exists(), "torch's stale build lock is still there: its build would wait forever"
         if sys.platform != "win32":
             import fcntl
@@ -579,13 +594,8 @@ def test_cache_lock_and_architectures_of_a_build_without_compiling(tmp_path, mon
                     fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
             finally:
                 os.close(fd)
-        log.append(("compile", with_cuda, os.environ.get("TORCH_CUDA_ARCH_LIST")))
-        (d / f"{name}.so").write_bytes(b"\x7fELF")
 
-    monkeypatch.setattr(cpp_extension, "load", compile_)
-    monkeypatch.setattr(torch.ops, "load_library", lambda path: log.append(("dlopen", Path(path).name)))
-    monkeypatch.setattr(ext, "_check_toolchain", lambda with_cuda: log.append(("toolchain", with_cuda)))
-
+    _stub_build(tmp_path, monkeypatch, log, locked)
     name = f"fastopt_ext_{ext.build_key(False)}"
     (tmp_path / name).mkdir()
     (tmp_path / name / f"{name}.so").write_bytes(b"\x7fE")  # cut short
@@ -692,21 +702,6 @@ def test_cuda_kernels_are_built_only_where_torch_can_run_them(monkeypatch):
     assert ext._cuda_arch_list() == "7.5;8.0"
 
 
-def _stub_build(tmp_path, monkeypatch, log, compile_=None):
-    """The build of `_build_and_load` stubbed as in test_cache_lock_and_architectures_of_a_build_without_compiling:
-    nothing is compiled or loaded."""
-    from torch.utils import cpp_extension
-
-    def fake_compile(name, build_directory, with_cuda, **kw):
-        log.append(("compile", with_cuda, os.environ.get("TORCH_CUDA_ARCH_LIST")))
-        (Path(build_directory) / f"{name}.so").write_bytes(b"\x7fELF")
-
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    monkeypatch.setattr(cpp_extension, "load", compile_ or fake_compile)
-    monkeypatch.setattr(torch.ops, "load_library", lambda path: log.append(("dlopen", Path(path).name)))
-    monkeypatch.setattr(ext, "_check_toolchain", lambda with_cuda: log.append(("toolchain", with_cuda)))
-
-
 def test_a_marked_build_whose_library_is_gone_is_built_again(tmp_path, monkeypatch):
     """A build folder with BUILD_OK but no library (deleted by hand, or by a cache cleaner that removes large files)
     is neither taken from the cache nor as built by another process: it is built again (build stubbed)."""
@@ -737,8 +732,7 @@ def test_a_cuda_build_puts_the_architecture_setting_back_exactly_even_when_it_fa
         assert log == [("toolchain", True), ("compile", True, "8.0;9.0")], log
         assert os.environ["TORCH_CUDA_ARCH_LIST"] == setting
 
-        def broken(name, build_directory, with_cuda, **kw):
-            log.append(("compile", with_cuda, os.environ.get("TORCH_CUDA_ARCH_LIST")))
+        def broken(name, build_directory):
             raise RuntimeError("Error building extension")
 
         log.clear()
