@@ -4,7 +4,8 @@
 loads the shared library, which registers the ops under `torch.ops.fastopt` (TORCH_LIBRARY; no Python
 module). The build is cached under `$TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions`) in a folder
 named by a hash of the sources, the torch version, the CUDA version and the CUDA architectures, so a change
-of any of them rebuilds and a warm cache loads in about the time it takes to `dlopen` the library.
+of any of them rebuilds and a warm cache loads in about the time it takes to `dlopen` the library. A cached
+library that `dlopen` refuses (cut short on disk) is built again, from nothing.
 
 Several processes (ranks) starting together on a cold cache take an exclusive file lock (`fcntl.flock`,
 released by the kernel even if the holder dies): one builds, the others wait and then load its result.
@@ -145,18 +146,26 @@ def _build_and_load(verbose: bool) -> str:
     build_dir = root / name
     lib = build_dir / f"{name}.so"
     done = build_dir / "BUILD_OK"
+    refused = None  # the library's stamp when dlopen refused it: built again, unless another process did
     if done.is_file() and lib.is_file():  # warm cache: no compiler, no ninja, no lock
-        torch.ops.load_library(str(lib))
-        return "cache"
+        seen = _stamp(lib)
+        try:
+            torch.ops.load_library(str(lib))
+            return "cache"
+        except OSError:  # cut short or damaged on disk (dlopen's error): built again below
+            refused = seen
     _check_toolchain(with_cuda)
     build_dir.mkdir(parents=True, exist_ok=True)
     src = source_dir()
     sources = [str(src / s) for s in _SOURCES_CPU + (_SOURCES_CUDA if with_cuda else ())]
     defines = ["-DFASTOPT_WITH_CUDA"] if with_cuda else []
     with _FileLock(root / f"{name}.lock"):
-        if done.is_file() and lib.is_file():  # another process built it while we waited
-            torch.ops.load_library(str(lib))
+        if done.is_file() and lib.is_file() and (refused is None or _stamp(lib) != refused):
+            torch.ops.load_library(str(lib))  # another process built it while we waited
             return "waited"
+        if refused is not None:  # from nothing: ninja would take the damaged library, newer than its objects, as built
+            shutil.rmtree(build_dir)
+            build_dir.mkdir(parents=True)
         # torch's own build lock: left behind by a build that was killed, it would make load() wait forever;
         # under our lock no other process is building.
         (build_dir / "lock").unlink(missing_ok=True)
@@ -176,6 +185,15 @@ def _build_and_load(verbose: bool) -> str:
                     os.environ["TORCH_CUDA_ARCH_LIST"] = old_arch
         done.write_text(key + "\n")
     return "built"
+
+
+def _stamp(path: Path) -> tuple | None:
+    """Which file is at `path` (inode, modification time, size), or None: a rebuilt library is another one."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size
 
 
 class _FileLock:

@@ -744,20 +744,68 @@ def test_a_cuda_build_puts_the_architecture_setting_back_exactly_even_when_it_fa
         assert not list((tmp_path / f"broken{i}").rglob("BUILD_OK"))
 
 
+def test_a_cached_library_that_does_not_load_is_built_again_from_nothing(tmp_path, monkeypatch):
+    """A marked build whose library dlopen refuses (cut short on disk) is built again under the lock, from an empty
+    folder (ninja would take the damaged library, newer than its objects, as built); a process that finds, once it
+    holds the lock, another library than the one refused (built by another process meanwhile) loads that one (build
+    and loader stubbed)."""
+    monkeypatch.setenv("FASTOPT_EXT_CUDA", "0")
+    name = f"fastopt_ext_{ext.build_key(False)}"
+    for rebuilt_meanwhile in (False, True):
+        root = tmp_path / str(rebuilt_meanwhile)
+        log = []
+        _stub_build(root, monkeypatch, log, lambda name, d: log.append(sorted(f.name for f in d.iterdir())))
+        d = root / name
+        d.mkdir(parents=True)
+        for f, data in ((f"{name}.so", b"\x7fE"), ("bindings.o", b""), ("BUILD_OK", ext.build_key(False) + "\n")):
+            (d / f).write_bytes(data) if isinstance(data, bytes) else (d / f).write_text(data)
+
+        def dlopen(path):
+            log.append(("dlopen", Path(path).read_bytes()))
+            if Path(path).read_bytes() == b"\x7fE":
+                if rebuilt_meanwhile:
+                    os.replace(d / "bindings.o", path)  # another file: a library another process built
+                raise OSError(f"{path}: file too short")
+
+        monkeypatch.setattr(torch.ops, "load_library", dlopen)
+        if rebuilt_meanwhile:
+            assert ext._build_and_load(False) == "waited"
+            assert log == [("dlopen", b"\x7fE"), ("toolchain", False), ("dlopen", b"")], log
+        else:
+            assert ext._build_and_load(False) == "built"
+            assert log == [("dlopen", b"\x7fE"), ("toolchain", False), ("compile", False, None), []], log
+            assert (d / "BUILD_OK").read_text() == ext.build_key(False) + "\n"
+            assert (d / f"{name}.so").read_bytes() == b"\x7fELF"
+            log.clear()
+            assert ext._build_and_load(False) == "cache" and log == [("dlopen", b"\x7fELF")], log
+
+
 def test_a_library_that_does_not_load_is_remembered_like_a_failed_build(tmp_path, monkeypatch):
-    """A cached library that dlopen refuses (cut short on disk: OSError, not RuntimeError) fails load() as a build
-    error does: is_available() False (not raising), load_error() that OSError, the same exception raised again by a
-    later load() without another try (this process's own extension state is put back after)."""
+    """A library that dlopen refuses, cached and then built again (cut short on disk both times: OSError, not
+    RuntimeError), fails load() as a build error does: is_available() False (not raising), load_error() that
+    OSError, the same exception raised again by a later load() without another try (this process's own extension
+    state is put back after; the compiler stubbed, the loader real)."""
+    from torch.utils import cpp_extension
     monkeypatch.setattr(ext, "_loaded", False)
     monkeypatch.setattr(ext, "_error", None)
     monkeypatch.setattr(ext, "_how", None)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     monkeypatch.setenv("FASTOPT_EXT_CUDA", "0")
+    monkeypatch.setattr(ext, "_check_toolchain", lambda with_cuda: None)
+    builds = []
+
+    def cut_short(name, build_directory, **kw):  # as torch's: compile, link, then load the library
+        builds.append(name)
+        (Path(build_directory) / f"{name}.so").write_bytes(b"\x7fELF")
+        torch.ops.load_library(str(Path(build_directory) / f"{name}.so"))
+
+    monkeypatch.setattr(cpp_extension, "load", cut_short)
     name = f"fastopt_ext_{ext.build_key(False)}"
     (tmp_path / name).mkdir()
     (tmp_path / name / f"{name}.so").write_bytes(b"\x7fELF")
     (tmp_path / name / "BUILD_OK").write_text(ext.build_key(False) + "\n")
     assert not ext.is_available()
+    assert builds == [name] and not (tmp_path / name / "BUILD_OK").exists()
     first = ext.load_error()
     assert isinstance(first, OSError) and ext.how_loaded() is None
     tries = []
