@@ -761,6 +761,33 @@ def test_a_state_dict_of_another_optimizer_class_is_refused_unchanged(src, dst):
 
 
 @pytest.mark.parametrize("case", list(CASES))
+def test_a_key_named_like_another_class_hyperparameter_resumes_from_its_own_state_dict(case, backend, device):
+    """Every group holds a key of the user's own (torch.optim keeps any), named like a hyperparameter of another
+    fastopt class (Adafactor's `beta1`; GaLore's `scale` for Adafactor): the state_dict saved after 3 steps, through
+    torch.save, loads into a fresh optimizer of the same groups, and its next 4 steps are bit for bit the
+    uninterrupted run's; the loaded groups keep the key. Before, the optimizer refused its own state_dict as
+    another class's (the key named it), so such a run could not resume from its checkpoints."""
+    extra = {"scale": 2.0} if case == "adafactor" else {"beta1": 0.5}
+    ps, qs = make_params(device), make_params(device)
+    opt = make(case, ps)
+    for g in opt.param_groups:
+        g.update(extra)
+    run(opt, ps, range(3))
+    saved = save_load(opt.state_dict())
+    with torch.no_grad():
+        for p, q in zip(ps, qs):
+            q.copy_(p)
+    fresh = make(case, qs)
+    for g in fresh.param_groups:
+        g.update(extra)
+    fresh.load_state_dict(saved)
+    assert all(g[k] == v for g in fresh.param_groups for k, v in extra.items())
+    run(opt, ps, range(3, 7))
+    run(fresh, qs, range(3, 7))
+    assert_same(opt, fresh)
+
+
+@pytest.mark.parametrize("case", list(CASES))
 def test_an_empty_state_in_a_state_dict_loads_as_no_state(case):
     """A state_dict entry of {} for a param (what DCP's flattened form gives a trainable param without state;
     torch.optim loads it as no state) loads: that param has no state, the others theirs, and 3 more steps are

@@ -862,7 +862,9 @@ class FastOptimizer(torch.optim.Optimizer):
             if not ours <= theirs:
                 raise ValueError(f"{where}: param_groups[{gi}] lacks {sorted(ours - theirs)}: "
                                  f"not {'an' if name[0] in 'AEIOU' else 'a'} {name} state_dict")
-            others = _other_classes_keys(type(self), theirs)
+            # Keys this group holds too say nothing: torch.optim keeps any key a user puts in a group, and a run
+            # must resume from its own state_dict whatever its keys are named.
+            others = _other_classes_keys(type(self), theirs - set(g))
             if others:  # Lamb's groups hold every key of GaLoreAdamW's plain groups (correct_bias has a default)
                 raise ValueError(f"{where}: param_groups[{gi}] has {', '.join(sorted(others))}: not "
                                  f"{'an' if name[0] in 'AEIOU' else 'a'} {name} state_dict, but one of "
