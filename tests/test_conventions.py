@@ -988,6 +988,29 @@ def test_grads_in_another_dtype_step_as_their_copy_in_the_param_dtype(case, back
     assert_same(opt, ref)
 
 
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_grad_in_a_wider_dtype_than_its_param_is_refused_unchanged(case, backend, device):
+    """fp32 grads of bf16 or fp16 params, and bf16 grads of fp16 ones (torch allows any grad dtype with
+    `p.grad_dtype = None`), would lose precision rounded to the param's dtype, and an fp16 param's range (a grad
+    past 65504 became inf, the param NaN): refused after 2 good steps, naming the param and both dtypes, before any
+    param or state changes. (A narrower grad steps as its copy in the param's dtype: the test above.)"""
+    for dtype, wider, lost in ((torch.bfloat16, F32, "precision."), (torch.float16, F32, "range and precision."),
+                               (torch.float16, torch.bfloat16, "range and precision.")):
+        ps = make_params(device, dtype)
+        opt = make(case, ps)
+        run(opt, ps, range(2))
+        before = snapshot(opt)
+        set_grads(ps, 2)
+        last = params_of(opt)[-1]
+        last.grad_dtype = None
+        last.grad = last.grad.to(wider)
+        gi, pi = len(opt.param_groups) - 1, len(opt.param_groups[-1]["params"]) - 1
+        with pytest.raises(RuntimeError, match=re.escape(
+                f"param_groups[{gi}]['params'][{pi}] is {dtype} but its grad is {wider}") + ".*" + re.escape(lost)):
+            opt.step()
+        assert_unchanged(opt, before)
+
+
 @pytest.mark.parametrize("case", ["adafactor", "came32", "lamb32", "adamw8bit"])
 def test_fused_ops_take_grads_in_another_dtype_as_the_param_dtype(case, backend, device, monkeypatch):
     """fastopt.ops' fused steps handed bf16 grads of fp32 params as they are (the optimizers cast such grads

@@ -367,6 +367,13 @@ class FastOptimizer(torch.optim.Optimizer):
                     raise RuntimeError(f"{self._name} does not support complex parameters")
                 if not p.is_floating_point():
                     raise RuntimeError(f"{self._name}: parameter of dtype {p.dtype} is not floating point")
+                if torch.promote_types(p.dtype, p.grad.dtype) != p.dtype:
+                    raise RuntimeError(
+                        f"{self._name}: param_groups[{gi}]['params'][{pi}] is {p.dtype} but its grad is "
+                        f"{p.grad.dtype} (p.grad_dtype): a param is stepped with a grad of its own dtype, or of one "
+                        f"that converts to it exactly (FSDP1's keep_low_precision_grads); rounded to {p.dtype}, "
+                        f"this grad would lose {'range and ' if p.dtype == torch.float16 else ''}precision. Keep "
+                        f"the param in {torch.promote_types(p.dtype, p.grad.dtype)} or its grads in {p.dtype}")
                 if ckpt.is_dtensor(p) != ckpt.is_dtensor(p.grad):
                     kinds = ("a DTensor", "a plain tensor") if ckpt.is_dtensor(p) else ("a plain tensor", "a DTensor")
                     raise RuntimeError(f"{self._name}: param_groups[{gi}]['params'][{pi}] is {kinds[0]} (shape "
@@ -972,9 +979,10 @@ def _local_grad(p: Tensor) -> Tensor:
     param's is redistributed to them first, as the DTensor ops of torch's own optimizers do implicitly (FSDP2 does
     it itself): pure tensor parallelism leaves `Partial(sum)` grads on replicated norm weights under
     SequenceParallel, and `Replicate` grads on an embedding sharded by `RowwiseParallel(input_layouts=
-    Replicate())`. One collective per such param (none from Replicate to Shard). A grad in another dtype than
-    its param (FSDP1's `keep_low_precision_grads`) is stepped as a copy in the param's, as torch's optimizers
-    promote it. An FSDP1 piece stepped without a grad here (`fsdp_grads`: it has no elements here): zeros."""
+    Replicate())`. One collective per such param (none from Replicate to Shard). A grad in a narrower dtype than
+    its param (FSDP1's `keep_low_precision_grads`) is stepped as a copy in the param's (exact; `_check_grads`
+    refuses a wider one, which torch allows with `p.grad_dtype = None`). An FSDP1 piece stepped without a grad
+    here (`fsdp_grads`: it has no elements here): zeros."""
     g = p.grad
     if g is None:
         return torch.zeros_like(local(p))
