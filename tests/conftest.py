@@ -310,6 +310,22 @@ def check_refuses_sparse_and_complex(make_opt, device) -> None:
     with pytest.raises(RuntimeError, match="complex parameters"):
         opt.step()
     assert torch.equal(a, a0) and not opt.state[a]
+    # A real param whose grad is complex (set through `.data`, which torch's dtype check does not see): its
+    # imaginary part would be dropped by the cast to the param's dtype.
+    r = torch.randn(3, 3, device=device, requires_grad=True)
+    opt = make_opt(a, r)
+    a.grad, r.grad = torch.randn_like(a), torch.randn_like(r)
+    r.grad.data = torch.randn(3, 3, dtype=torch.complex64, device=device)
+    with pytest.raises(RuntimeError, match="complex parameters"):
+        opt.step()
+    assert torch.equal(a, a0) and not opt.state[a]
+    # An integer param (torch.optim takes it as a leaf; its grad set by hand): no float step can update it.
+    i = torch.zeros(3, 3, dtype=torch.int64, device=device)
+    opt = make_opt(a, i)
+    a.grad, i.grad = torch.randn_like(a), torch.ones_like(i)
+    with pytest.raises(RuntimeError, match=r"parameter of dtype torch.int64 is not floating point"):
+        opt.step()
+    assert torch.equal(a, a0) and not opt.state[a]
 
 
 def group_key(name: str, gi: int) -> str:

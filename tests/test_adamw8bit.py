@@ -556,6 +556,8 @@ def test_non_contiguous_param(impl):
     (dict(weight_decay=True), "weight_decay"), (dict(block_size=100), "block_size"),
     (dict(block_size=8192), "block_size"), (dict(block_size=True), "block_size"),
     (dict(min_8bit_size=-1), "min_8bit_size"), (dict(min_8bit_size=1.5), "min_8bit_size"),
+    (dict(betas=(0.9, 0.999, 0.9999)), "betas"), (dict(block_size=32), "block_size"),
+    (dict(min_8bit_size=True), "min_8bit_size"),
 ])
 def test_invalid_arguments(kw, name, monkeypatch):
     """Refused with a ValueError naming the argument: as a constructor argument; as a group's key, in the

@@ -422,6 +422,7 @@ BAD_GROUPS = [
     (dict(betas=(0.9, 0.999)), "betas"),
     (dict(eps=(-1.0, 1e-16)), "eps[0]"),
     (dict(eps=(1e-30, float("inf"))), "eps[1]"),
+    (dict(eps=(1e-30, 1e-16, 1e-3)), "eps"),
     (dict(clip_threshold=0.0), "clip_threshold"),
     (dict(weight_decay=-0.1), "weight_decay"),
     (dict(nbits=4), "nbits"),

@@ -655,13 +655,21 @@ def _name(case):
 @pytest.mark.parametrize("case", list(CASES))
 def test_numpy_scalars_step_like_python_numbers(case, backend, device):
     """np.float32 / np.int64 hyperparameters (torch.optim takes them), in the constructor and set in a group
-    between steps, step bit for bit like the Python numbers they hold, and the groups hold those numbers."""
+    between steps, step bit for bit like the Python numbers they hold, and the groups hold those numbers; the
+    pairs and triples (betas, eps) given as lists of numpy scalars are held as tuples of Python floats."""
     np = pytest.importorskip("numpy")
     lr = np.float32(1e-2)
     ps, tw = make_params(device), make_params(device)
-    opt = make(case, ps, lr=lr, weight_decay=np.float32(0.25))
-    twin = make(case, tw, lr=float(lr), weight_decay=0.25)
+    tuples = {k: v for k, v in make(case, make_params(device)).defaults.items() if isinstance(v, tuple)}
+    assert tuples  # betas or eps
+    opt = make(case, ps, lr=lr, weight_decay=np.float32(0.25),
+               **{k: [np.float32(x) for x in v] for k, v in tuples.items()})
+    twin = make(case, tw, lr=float(lr), weight_decay=0.25,
+                **{k: tuple(float(np.float32(x)) for x in v) for k, v in tuples.items()})
     assert type(opt.param_groups[0]["lr"]) is float and opt.param_groups[0]["lr"] == float(lr)
+    for g, h in zip(opt.param_groups, twin.param_groups):
+        for k in tuples:
+            assert type(g[k]) is tuple and all(type(x) is float for x in g[k]) and g[k] == h[k], (k, g[k])
     for t in range(4):
         if t == 2:
             for g, h in zip(opt.param_groups, twin.param_groups):
@@ -876,7 +884,9 @@ def test_galore_groups_refused_as_torch_refuses_them():
 
 def test_galore_takes_named_params_in_projected_groups(backend, device):
     """(name, param) pairs in a projected group (torch.optim takes them, and so did GaLore's other groups): the
-    group keeps the names, as torch's does, and steps bit for bit like the same params unnamed."""
+    group keeps the names, as torch's does, and steps bit for bit like the same params unnamed; a state_dict
+    without names (the unnamed twin's) loads, and the groups keep their names, as torch's update_group keeps
+    them."""
     named = [(f"w{i}", p) for i, p in enumerate(make_params(device))]
     ps = make_params(device)
     opt = fastopt.GaLoreAdamW([{"params": [named[0], named[2]], "rank": 2, "update_proj_gap": 3},
@@ -888,6 +898,14 @@ def test_galore_takes_named_params_in_projected_groups(backend, device):
     for t in range(4):
         run(opt, mine, [t])
         run(twin, ps, [t])
+    assert_same(opt, twin)
+    sd = twin.state_dict()
+    assert not any("param_names" in g for g in sd["param_groups"])
+    opt.load_state_dict(sd)
+    assert [g.get("param_names") for g in opt.param_groups] == [["w0", "w2"], ["w1"]]
+    assert opt.state_dict()["param_groups"][1]["param_names"] == ["w1"]
+    run(opt, mine, [4])
+    run(twin, ps, [4])
     assert_same(opt, twin)
 
 
@@ -1265,7 +1283,8 @@ def test_params_of_two_dtypes_in_one_group_step_as_in_groups_of_one_dtype(case, 
     """One param group of fp32 and fp64 params (a model partly kept in fp64, or fp32 norms beside low-precision
     matrices): each dtype is a bucket of its own, so every param steps as in a group of its dtype alone, over
     several steps of fresh gradients (a bucket keyed without the dtype steps the fp64 params in the fp32 ones'
-    launches or arithmetic)."""
+    launches or arithmetic), and keeps a kernels' cache of its own (one cache of both would be rebuilt for each
+    bucket in turn, at every step)."""
     dtypes = [F32, F64, F64]  # the fp32 param first: a bucket of both would take its dtype
     mixed = [p.to(dtype=d).detach().requires_grad_() for p, d in zip(make_params(device, F64), dtypes)]
     init = [p.detach().clone() for p in mixed]
@@ -1282,6 +1301,8 @@ def test_params_of_two_dtypes_in_one_group_step_as_in_groups_of_one_dtype(case, 
         err = rel_update_error([p], [ref], [init[i]])
         assert err <= TOL[d], (case, i, d, err)
         assert float(opt.state[p]["step"]) == float(refs[d].state[ref]["step"]) == 5
+    buckets = {(id(g), p.dtype) for g in opt.param_groups for p in g["params"]}
+    assert len(opt._plans) == len(buckets), (case, len(opt._plans), len(buckets))
 
 
 @pytest.mark.parametrize("case", ["lamb8", "galore8", "came8", "adamw8bit"])

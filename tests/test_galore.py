@@ -268,7 +268,9 @@ def test_correct_bias_false_matches_galore_torch(backend, device, proj_type):
 def test_state_dict_without_correct_bias_loads_as_corrected(backend):
     """A state_dict saved before `correct_bias` was a group key (bias corrections always on) loads with
     correct_bias=True into an optimizer built with False, and the next steps are those of the run it came from,
-    bit for bit; a pickled optimizer whose groups lack it steps the same way."""
+    bit for bit; a pickled optimizer whose groups lack it steps the same way. A state_dict that holds
+    correct_bias=False keeps it, loaded into an optimizer built with True (the default fills a missing key only),
+    and steps like an optimizer built with False given it."""
     if backend == "triton" and not ops.interpreting():
         pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")  # bit for bit: CPU only
     init, grads = make_problem(MATS + PLAIN, seed=6)
@@ -290,6 +292,18 @@ def test_state_dict_without_correct_bias_loads_as_corrected(backend):
         step(o, ps, grads[4:])
     for a, b, c in zip(params, twin, old_params):
         assert torch.equal(a, b) and torch.equal(a, c)
+    off = opt.state_dict()
+    for g in off["param_groups"]:
+        g["correct_bias"] = False
+    runs = []
+    for built_with in (True, False):
+        qs = [p.detach().clone().requires_grad_() for p in params]
+        o = make_opt(qs, correct_bias=built_with)
+        o.load_state_dict(off)
+        assert [g["correct_bias"] for g in o.param_groups] == [False, False]
+        step(o, qs, grads[:2])
+        runs.append(qs)
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
 # ---- nbits=8 ------------------------------------------------------------------------------------------
@@ -563,6 +577,8 @@ def test_skips_params_without_grad_and_empty_params(backend, device):
     (dict(nbits=8, min_8bit_size=-1), "min_8bit_size"),
     (dict(group=dict(rank=0)), "param_groups[0]['rank']"),
     (dict(group=dict(rank=2.0)), "param_groups[0]['rank']"),
+    (dict(group=dict(rank=True)), "param_groups[0]['rank']"),
+    (dict(group=dict(rank=2, update_proj_gap=True)), "param_groups[0]['update_proj_gap']"),
     (dict(group=dict(rank=6)), "param_groups[0]['rank']"),  # larger than min(m, n) = 5
     (dict(group=dict(rank=2, proj_type="diag")), "param_groups[0]['proj_type']"),
     (dict(group=dict(rank=2, update_proj_gap=0)), "param_groups[0]['update_proj_gap']"),
