@@ -40,7 +40,9 @@ A param's state, in memory and in a state_dict:
   With DCP, the template and the checkpoint must hold the same form: DDP -> FSDP2/TP fails with DCP's
   "Missing key in checkpoint ... state1.fp32" unless the DDP side saved within `dequantized_8bit(opt)` (do
   that whenever a checkpoint may be resumed under another layout); FSDP2/TP -> single process or DDP needs
-  its template built within `dequantized_8bit(opt)`, or DCP misses `state1`.
+  its template built within `dequantized_8bit(opt)`, or DCP misses `state1`. So does a full state on rank 0
+  (`full_state_dict=True`) loaded into plain params: torch's unflattening otherwise fails on rank 0 (IndexError)
+  and the other ranks take zeroed moments.
 - 8-bit and 32-bit state of one optimizer (`nbits`; AdamW8bit's and others' `min_8bit_size`): a state_dict's
   param_groups replace the optimizer's, these settings included (torch's rule; DCP fills the template's groups
   from the checkpoint's alike), so a state_dict loads as the optimizer that saved it: a plain state_dict of
