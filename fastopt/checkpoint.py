@@ -287,6 +287,8 @@ def import_state(st, p: Tensor, spec: dict, quantized: dict, forms: dict, where:
                          f"unexpected {extra}): not this optimizer's state, or other hyperparameters")
     out, problem = {}, None
     step = st["step"]
+    if is_dtensor(step):  # kept as it comes, it would be a DTensor in the state: the kernels mix it with plain tensors
+        raise ValueError(f"{where}['step'] is a DTensor; this state is a plain tensor, the same on every rank")
     if isinstance(step, Tensor) and step.numel() == 1 and not step.is_complex():
         step = step.detach().reshape(()).to(dtype=torch.float32, copy=True)
     elif isinstance(step, (int, float)) and not isinstance(step, bool):

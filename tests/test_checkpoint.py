@@ -1533,6 +1533,85 @@ def test_load_state_dict_agrees_over_the_params_groups_only(pool):
     assert results[0] == results[1] == want and results[2] == results[3] == {}, results
 
 
+def _outside_mesh_case(rank, world):
+    """A matrix sharded over a mesh of ranks {0, 1} alone (every rank builds it, as torch requires) and a plain
+    matrix, in a 4-rank world: ranks 2, 3 hold nothing of the DTensor and no group of its mesh. The state_dict of
+    HALF steps loads into a new optimizer on every rank and the run resumes as the uninterrupted one of a single
+    process; a non-finite value in rank 1's piece is refused on ranks 0 and 1 (named as rank 1's on rank 0), and
+    nothing changes there, while ranks 2, 3 load theirs."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+    os.environ["FASTOPT_BACKEND"] = "torch"
+    sub = DeviceMesh("cpu", [0, 1])
+    g = torch.Generator().manual_seed(0)
+    init = {"a": torch.randn(8, 6, generator=g, dtype=DT), "b": torch.randn(3, 5, generator=g, dtype=DT)}
+
+    def module(sharded):
+        m = torch.nn.Module()
+        for n, v in init.items():
+            t = distribute_tensor(v.clone(), sub, [Shard(0)], src_data_rank=None) if sharded and n == "a" else v.clone()
+            m.register_parameter(n, torch.nn.Parameter(t))
+        return m
+
+    def run(m, opt, steps):
+        for step in steps:
+            gen = torch.Generator().manual_seed(1000 + step)
+            for n, p in m.named_parameters():
+                gr = torch.randn(init[n].shape, generator=gen, dtype=DT)
+                p.grad = distribute_tensor(gr, sub, [Shard(0)], src_data_rank=None) if ckpt.is_dtensor(p) else gr
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    ref = module(False)
+    ref_opt = make_opt("lamb", ref)
+    run(ref, ref_opt, range(HALF))
+    mid = full_params(ref)
+    run(ref, ref_opt, range(HALF, STEPS))
+    first = module(True)
+    first_opt = make_opt("lamb", first)
+    run(first, first_opt, range(HALF))
+    sd = copy.deepcopy(first_opt.state_dict())
+    model = module(True)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(getattr(first, n))  # nothing to copy on ranks 2, 3: their pieces of `a` are empty
+    opt = make_opt("lamb", model)
+    opt.load_state_dict(copy.deepcopy(sd))
+    out = {}
+    before = _snapshot(opt)
+    bad = copy.deepcopy(sd)
+    if rank == 1:
+        a = bad["state"][0]["exp_avg"]
+        piece = a.to_local().clone()
+        piece[0, 0] = float("nan")
+        bad["state"][0]["exp_avg"] = DTensor.from_local(piece, sub, a.placements, run_check=False, shape=a.shape,
+                                                        stride=a.stride())
+    if rank < 2:
+        with pytest.raises(ValueError, match=r"state\[0\]\['exp_avg'\] holds non-finite" +
+                           ("" if rank == 1 else r".*on rank 1")):
+            opt.load_state_dict(bad)
+        out["unchanged"] = _same(before, _snapshot(opt))
+    else:
+        opt.load_state_dict(bad)
+    run(model, opt, range(HALF, STEPS))
+    params = {"b": model.b.detach()}
+    if rank < 2:
+        params["a"] = model.a.detach().full_tensor()  # a collective over ranks 0, 1 alone
+    else:
+        assert model.a.to_local().numel() == 0
+    out["err"] = rel_err(params, {n: full_params(ref)[n] for n in params}, {n: mid[n] for n in params})
+    dist.barrier()
+    return out
+
+
+@pytest.mark.dist
+def test_load_state_dict_of_a_dtensor_on_a_mesh_without_this_rank(pool):
+    results = pool.run(_outside_mesh_case)  # the pool's timeout turns a hang into a failure
+    assert [sorted(r) for r in results] == [["err", "unchanged"]] * 2 + [["err"]] * 2, results
+    for rank, res in enumerate(results):
+        assert res.get("unchanged", True), rank
+        assert res["err"] <= TOL[DT], (rank, res["err"])
+
+
 def _one_rank_refuses_case(rank, world):
     """Two matrices sharded over the 4 ranks; the state_dict's first state is unreadable on rank 1 only (a
     state_dict edited there), which stops that rank's load at it: its verdict, the cause, must be every rank's,
@@ -1581,6 +1660,121 @@ def test_refusals_over_a_mesh_name_their_cause_on_every_rank(pool):
             (rank, res["mesh"])
         assert re.search(r"state\[0\]\['step'\] must be a scalar tensor or number, got str" +
                          ("" if rank == 1 else r".* \(on rank 1\)$"), res["message"]), (rank, res["message"])
+
+
+def _whole_states_case(rank, world):
+    """Adafactor (with momentum) over a matrix sharded over the 4 ranks and a plain matrix, after 2 steps. A
+    DTensor (replicated, of the right global shape) where a state must be a plain tensor, the same on every rank:
+    the row statistic of the sharded param, any state of the plain param (the kernels get it as it is, beside a
+    plain grad), the step, is refused on every rank, and nothing changes; the state_dict itself loads."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    os.environ["FASTOPT_BACKEND"] = "torch"
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(distribute_tensor(torch.randn(8, 6, generator=g, dtype=DT), mesh, [Shard(0)],
+                                                   src_data_rank=None)),
+              torch.nn.Parameter(torch.randn(3, 5, generator=g, dtype=DT))]
+    cls_name, kw = CASES["adafactor_momentum"]
+    opt = getattr(fastopt, cls_name)(params, **kw)
+    for step in range(2):
+        gen = torch.Generator().manual_seed(1000 + step)
+        for p in params:
+            gr = torch.randn(p.shape, generator=gen, dtype=DT)
+            p.grad = distribute_tensor(gr, mesh, [Shard(0)], src_data_rank=None) if ckpt.is_dtensor(p) else gr
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    before = _snapshot(opt)
+    out = {}
+    for pid, key in ((0, "exp_avg_sq_row"), (0, "step"), (1, "exp_avg_sq_col"), (1, "exp_avg"), (1, "step")):
+        sd = copy.deepcopy(opt.state_dict())
+        whole = sd["state"][pid][key]
+        assert not ckpt.is_dtensor(whole), (pid, key)
+        sd["state"][pid][key] = DTensor.from_local(whole, mesh, [Replicate()], run_check=False)
+        error = None
+        try:
+            opt.load_state_dict(sd)
+        except ValueError as e:
+            error = str(e)
+        out[f"{pid}.{key}"] = (error, _same(before, _snapshot(opt)))
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    out["loads"] = _same(before, _snapshot(opt))
+    return out
+
+
+@pytest.mark.dist
+def test_dtensor_for_a_whole_state_is_refused_unchanged(pool):
+    for rank, res in enumerate(pool.run(_whole_states_case)):
+        assert res.pop("loads"), rank
+        for where, (error, unchanged) in res.items():
+            pid, key = where.split(".")
+            assert error is not None and re.search(
+                rf"state\[{pid}\]\['{key}'\] is a DTensor; this state is a plain tensor", error), (rank, where, error)
+            assert unchanged, (rank, where)
+
+
+def _whole_codes_case(rank, world):
+    """The 8-bit codes and absmax of whole tensors (what plain params save) load into the same matrix sharded
+    over the 4 ranks and resume (within the 8-bit noise: requantized into each piece's blocks); with one absmax
+    block too few or too many (the codes' shape right) they are refused on every rank, naming the state, and
+    nothing changes."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    os.environ["FASTOPT_BACKEND"] = "torch"
+    mesh = init_device_mesh("cpu", (world,))
+    init = torch.randn(16, 10, generator=torch.Generator().manual_seed(0), dtype=DT)  # 3 blocks of 64
+
+    def run(p, opt, steps):
+        for step in steps:
+            gr = torch.randn(p.shape, generator=torch.Generator().manual_seed(1000 + step), dtype=DT)
+            p.grad = distribute_tensor(gr, mesh, [Shard(0)], src_data_rank=None) if ckpt.is_dtensor(p) else gr
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    ref = torch.nn.Parameter(init.clone())
+    kw = CASES["adamw8bit"][1]
+    ref_opt = fastopt.AdamW8bit([ref], **kw)
+    run(ref, ref_opt, range(HALF))
+    mid, sd = ref.detach().clone(), copy.deepcopy(ref_opt.state_dict())
+    run(ref, ref_opt, range(HALF, STEPS))
+    twin = torch.nn.Parameter(init.clone())
+    twin_opt = fastopt.AdamW8bit([twin], **{**kw, **TWIN_32["adamw8bit"][1]})  # 32-bit state: the 8-bit noise
+    run(twin, twin_opt, range(STEPS))
+
+    def err(p):
+        return float((full(p.detach()) - ref.detach()).norm() / (ref.detach() - mid).norm())
+    p = torch.nn.Parameter(distribute_tensor(init.clone(), mesh, [Shard(0)], src_data_rank=None))
+    opt = fastopt.AdamW8bit([p], **kw)
+    run(p, opt, range(1))  # a state of its own, which a refused load must leave as it is
+    before = _snapshot(opt)
+    out = {}
+    for name, edit in (("fewer", lambda a: a[:-1]), ("more", lambda a: torch.cat([a, a[-1:]]))):
+        bad = copy.deepcopy(sd)
+        assert bad["state"][0]["state2"].dtype == torch.uint8 and bad["state"][0]["absmax2"].numel() == 3
+        bad["state"][0]["absmax2"] = edit(bad["state"][0]["absmax2"])
+        error = None
+        try:
+            opt.load_state_dict(bad)
+        except ValueError as e:
+            error = str(e)
+        out[name] = (error, _same(before, _snapshot(opt)))
+    p = torch.nn.Parameter(distribute_tensor(mid.clone(), mesh, [Shard(0)], src_data_rank=None))
+    opt = fastopt.AdamW8bit([p], **kw)
+    opt.load_state_dict(copy.deepcopy(sd))
+    run(p, opt, range(HALF, STEPS))
+    out.update(err=err(p), noise=err(twin))
+    return out
+
+
+@pytest.mark.dist
+def test_whole_8bit_codes_with_other_blocks_into_dtensor_params_are_refused_unchanged(pool):
+    for rank, res in enumerate(pool.run(_whole_codes_case)):
+        assert res["err"] <= res["noise"], (rank, res["err"], res["noise"])
+        for name, blocks in (("fewer", 2), ("more", 4)):
+            error, unchanged = res[name]
+            assert error is not None and re.search(
+                rf"state\[0\]\['state2'\] holds 8-bit codes of shape \(16, 10\) with {blocks} blocks in 'absmax2'; "
+                r"for a DTensor param", error), (rank, name, error)
+            assert unchanged, (rank, name)
 
 
 @pytest.mark.parametrize("case, form", [(c, "codes") for c in CASES] + [(c, "dequantized") for c in sorted(EIGHT_BIT)]
