@@ -84,6 +84,20 @@ class MLP(torch.nn.Module):
         return self.norm(self.down(torch.relu(self.up(x))))
 
 
+def step_fresh(opt, params, steps):
+    """`steps` steps of `opt` over `params` (plain or DTensor): at each, fresh gradients from randn seeded by the
+    step, drawn in the params' order and placed like their param (the same on every rank and under any layout)."""
+    from torch.distributed.tensor import distribute_tensor
+    for step in steps:
+        gen = torch.Generator().manual_seed(1000 + step)
+        for p in params:
+            gr = torch.randn(p.shape, generator=gen, dtype=DT)
+            p.grad = distribute_tensor(gr, p.device_mesh, p.placements, src_data_rank=None) \
+                if ckpt.is_dtensor(p) else gr
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
 def grads_for(step):
     """Fresh full-rank gradients of every param at `step`: the same on every rank."""
     g = torch.Generator().manual_seed(1000 + step)
@@ -431,14 +445,7 @@ def _other_placements_case(rank, world, case):
         return m
 
     def run(m, opt, steps):
-        for step in steps:
-            gen = torch.Generator().manual_seed(1000 + step)
-            for n, p in m.named_parameters():
-                gr = torch.randn(shapes[n], generator=gen, dtype=DT)
-                p.grad = distribute_tensor(gr, p.device_mesh, p.placements, src_data_rank=None) \
-                    if ckpt.is_dtensor(p) else gr
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        step_fresh(opt, list(m.parameters()), steps)
 
     ref = module(init)
     ref_opt = make_opt(case, ref)
@@ -1554,13 +1561,7 @@ def _outside_mesh_case(rank, world):
         return m
 
     def run(m, opt, steps):
-        for step in steps:
-            gen = torch.Generator().manual_seed(1000 + step)
-            for n, p in m.named_parameters():
-                gr = torch.randn(init[n].shape, generator=gen, dtype=DT)
-                p.grad = distribute_tensor(gr, sub, [Shard(0)], src_data_rank=None) if ckpt.is_dtensor(p) else gr
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        step_fresh(opt, list(m.parameters()), steps)
     ref = module(False)
     ref_opt = make_opt("lamb", ref)
     run(ref, ref_opt, range(HALF))
@@ -1626,13 +1627,7 @@ def _one_rank_refuses_case(rank, world):
     params = [torch.nn.Parameter(distribute_tensor(torch.randn(s, generator=g, dtype=DT), mesh, [Shard(0)],
                                                    src_data_rank=None)) for s in ((8, 6), (4, 10))]
     opt = fastopt.Lamb(params, lr=1e-2)
-    for step in range(2):
-        gen = torch.Generator().manual_seed(1000 + step)
-        for p in params:
-            p.grad = distribute_tensor(torch.randn(p.shape, generator=gen, dtype=DT), mesh, [Shard(0)],
-                                       src_data_rank=None)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    step_fresh(opt, params, range(2))
     before = _snapshot(opt)
     sd = copy.deepcopy(opt.state_dict())
     if rank == 1:
@@ -1677,13 +1672,7 @@ def _whole_states_case(rank, world):
               torch.nn.Parameter(torch.randn(3, 5, generator=g, dtype=DT))]
     cls_name, kw = CASES["adafactor_momentum"]
     opt = getattr(fastopt, cls_name)(params, **kw)
-    for step in range(2):
-        gen = torch.Generator().manual_seed(1000 + step)
-        for p in params:
-            gr = torch.randn(p.shape, generator=gen, dtype=DT)
-            p.grad = distribute_tensor(gr, mesh, [Shard(0)], src_data_rank=None) if ckpt.is_dtensor(p) else gr
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    step_fresh(opt, params, range(2))
     before = _snapshot(opt)
     out = {}
     for pid, key in ((0, "exp_avg_sq_row"), (0, "step"), (1, "exp_avg_sq_col"), (1, "exp_avg"), (1, "step")):
@@ -1725,11 +1714,7 @@ def _whole_codes_case(rank, world):
     init = torch.randn(16, 10, generator=torch.Generator().manual_seed(0), dtype=DT)  # 3 blocks of 64
 
     def run(p, opt, steps):
-        for step in steps:
-            gr = torch.randn(p.shape, generator=torch.Generator().manual_seed(1000 + step), dtype=DT)
-            p.grad = distribute_tensor(gr, mesh, [Shard(0)], src_data_rank=None) if ckpt.is_dtensor(p) else gr
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        step_fresh(opt, [p], steps)
     ref = torch.nn.Parameter(init.clone())
     kw = CASES["adamw8bit"][1]
     ref_opt = fastopt.AdamW8bit([ref], **kw)
