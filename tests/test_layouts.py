@@ -408,6 +408,175 @@ def test_fsdp2_mixed_precision_matches_single_process_on_the_same_gradients(pool
     assert len(errs) == WORLD
 
 
+# ---- training loops as users write them: DDP, HSDP, TP against one process on the whole batch ----------------
+FLOW_STEPS = 8
+FLOW_OPTS = ("adafactor", "galore", "lamb")
+FLOW_TOL = 1e-12  # relative update error, fp64: only summation orders differ (measured <= 3e-15)
+FLOW_SKIP = (1, 4)  # steps whose forward leaves `_Branchy.extra` out (HSDP)
+
+
+class _Branchy(torch.nn.Module):
+    """Embedding, a pre-norm MLP branch, a branch `extra` that a step may leave out, a norm and the LM head."""
+
+    def __init__(self, vocab, d, f):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, d)
+        self.norm1 = torch.nn.LayerNorm(d)
+        self.up = torch.nn.Linear(d, f)
+        self.down = torch.nn.Linear(f, d, bias=False)
+        self.extra = torch.nn.Linear(d, d)
+        self.norm2 = torch.nn.LayerNorm(d)
+        self.head = torch.nn.Linear(d, vocab, bias=False)
+
+    def forward(self, tok, use_extra=True):
+        x = self.emb(tok)
+        x = x + self.down(torch.relu(self.up(self.norm1(x))))
+        if use_extra:
+            x = x + torch.tanh(self.extra(x))
+        return self.head(self.norm2(x))
+
+
+def _flow_batches(n, vocab, seq):
+    """`n` fresh global micro-batches of 8 sequences."""
+    g = torch.Generator().manual_seed(2)
+    return [(torch.randint(0, vocab, (8, seq), generator=g), torch.randint(0, vocab, (8, seq), generator=g))
+            for _ in range(n)]
+
+
+def _flow_reference(name, dims, accum=1, skip=(), seq=4):
+    """One process: FLOW_STEPS steps of `name` on `_Branchy(*dims)`, each over `accum` whole micro-batches (each
+    loss divided by `accum`), `extra` left out at the steps in `skip`. Returns (init params, final params)."""
+    torch.manual_seed(0)
+    model = _Branchy(*dims).double()
+    init = [p.detach().clone() for p in model.parameters()]
+    opt = _make_opt(name, list(model.parameters()))
+    batches = _flow_batches(FLOW_STEPS * accum, dims[0], seq)
+    for t in range(FLOW_STEPS):
+        for tok, tgt in batches[t * accum:(t + 1) * accum]:
+            (_loss_of(model(tok, t not in skip), tgt) / accum).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return init, [p.detach() for p in model.parameters()]
+
+
+def _loss_of(logits, tgt):
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), tgt.flatten())
+
+
+def _ddp_flows_case(rank, world):
+    """DDP as memory-lean runs configure it: grads are views into its buckets (gradient_as_bucket_view), which a
+    tiny bucket_cap_mb cuts into many, so that grads start at odd offsets of shared storage; zero_grad keeps them
+    (set_to_none=False); two micro-batches a step, the first under no_sync(); torch's allreduce_hook as comm
+    hook. Each optimizer follows one process on the whole batch, and steps DDP's grads bit for bit as it steps
+    copies of them on plain params."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    dims = (11, 9, 13)
+    errs = {}
+    for name in FLOW_OPTS:
+        init, ref = _flow_reference(name, dims, accum=2)
+        model = _Branchy(*dims).double()
+        with torch.no_grad():
+            for p, p0 in zip(model.parameters(), init):
+                p.copy_(p0)
+        ddp = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True, bucket_cap_mb=1e-4)
+        ddp.register_comm_hook(dist.group.WORLD, allreduce_hook)
+        params = list(model.parameters())
+        copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
+        opt, copies_opt = _make_opt(name, params), _make_opt(name, copies)
+        batches = _flow_batches(2 * FLOW_STEPS, dims[0], 4)
+        offsets = set()
+        for t in range(FLOW_STEPS):
+            for a, (tok, tgt) in enumerate(batches[2 * t:2 * t + 2]):
+                with ddp.no_sync() if a == 0 else contextlib.nullcontext():
+                    (_loss_of(ddp(tok.chunk(world)[rank]), tgt.chunk(world)[rank]) / 2).backward()
+            offsets |= {p.grad.storage_offset() for p in params}
+            for c, p in zip(copies, params):
+                c.grad = p.grad.clone()
+            opt.step()
+            copies_opt.step()
+            opt.zero_grad(set_to_none=False)
+            copies_opt.zero_grad(set_to_none=True)
+        assert any(o % 2 for o in offsets), offsets  # the grads were views at odd offsets into the buckets
+        assert all(torch.equal(p, c) for p, c in zip(params, copies)), name
+        errs[name] = rel_update_error(params, ref, init)
+        assert errs[name] <= FLOW_TOL, (name, errs[name])
+    return errs
+
+
+def _sp_plan() -> dict:
+    """Megatron-style TP with sequence parallelism: the norms on sequence shards (SequenceParallel: replicated
+    weights whose grads come Partial), the head's logits sharded over the vocabulary for loss_parallel()."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+    return {"emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm1": SequenceParallel(), "up": ColwiseParallel(input_layouts=Shard(1)),
+            "down": RowwiseParallel(output_layouts=Shard(1)), "norm2": SequenceParallel(),
+            "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)}
+
+
+def _fsdp2_tp_flows_case(rank, world):
+    """HSDP (FSDP2 over a 2 x 2 replicate x shard mesh), a unit per Linear and the root, uneven shards, params kept
+    gathered between forward and backward (reshard_after_forward=False), two micro-batches a step, the first
+    without gradient sync (set_requires_gradient_sync(False)), the `extra` unit left out of the forward at the
+    steps FLOW_SKIP (no grad: the optimizer skips it, as one process does); then 4-way TP with sequence-parallel
+    norms and loss_parallel(). Each optimizer follows one process on the whole batch."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+    from dist_utils import whole
+    errs = {}
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    dims = (11, 9, 13)
+    for name in FLOW_OPTS:
+        init, ref = _flow_reference(name, dims, accum=2, skip=FLOW_SKIP)
+        model = _Branchy(*dims).double()
+        with torch.no_grad():
+            for p, p0 in zip(model.parameters(), init):
+                p.copy_(p0)
+        for m in (model.up, model.down, model.extra, model.head, model):
+            fully_shard(m, mesh=mesh, reshard_after_forward=False)
+        opt = _make_opt(name, list(model.parameters()))
+        batches = _flow_batches(2 * FLOW_STEPS, dims[0], 4)
+        for t in range(FLOW_STEPS):
+            for a, (tok, tgt) in enumerate(batches[2 * t:2 * t + 2]):
+                model.set_requires_gradient_sync(a == 1)
+                (_loss_of(model(tok.chunk(world)[rank], t not in FLOW_SKIP), tgt.chunk(world)[rank]) / 2).backward()
+            assert (model.extra.weight.grad is None) == (t in FLOW_SKIP), t
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        errs["hsdp", name] = rel_update_error([p.full_tensor() for p in model.parameters()], ref, init)
+        assert errs["hsdp", name] <= FLOW_TOL, (name, errs["hsdp", name])
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    dims, every = (12, 8, 16), range(FLOW_STEPS)  # split evenly over 4 (DTensor.from_local's assumption)
+    for name in ("adafactor", "lamb"):
+        init, ref = _flow_reference(name, dims, skip=every, seq=8)
+        model = _Branchy(*dims).double()
+        with torch.no_grad():
+            for p, p0 in zip(model.parameters(), init):
+                p.copy_(p0)
+        parallelize_module(model, mesh, _sp_plan())
+        opt = _make_opt(name, list(model.parameters()))
+        for tok, tgt in _flow_batches(FLOW_STEPS, dims[0], 8):
+            logits = model(tok, use_extra=False)
+            with loss_parallel():
+                _loss_of(logits, tgt).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        errs["tp", name] = rel_update_error([whole(p) for p in model.parameters()], ref, init)
+        assert errs["tp", name] <= FLOW_TOL, (name, errs["tp", name])
+    return errs
+
+
+def test_ddp_bucket_views_no_sync_and_comm_hook_match_single_process(pool):
+    errs = pool.run(_ddp_flows_case)
+    assert all(e == errs[0] for e in errs), errs  # every rank holds the same params
+
+
+def test_hsdp_accumulation_skipped_unit_and_sequence_parallel_tp_match_single_process(pool):
+    errs = pool.run(_fsdp2_tp_flows_case)
+    assert len(errs) == WORLD
+
+
 def _svd_spread_case(rank, world, mode):
     """`_model_case` for GaLore, counting the SVDs of the distributed optimizer apart from the reference's."""
     from fastopt.reference import galore as ref_galore
