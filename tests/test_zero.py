@@ -865,6 +865,40 @@ def test_split_param_without_gradients(pool, partition_grad, overlap):
     _check_equal_across_ranks(results)
 
 
+class WideT(Wide):
+    """Wide with `big` and `w` stored transposed: non-contiguous params (a `Parameter(x.t())`, a weight tied
+    transposed). `big` is over the split rule's sizes, but a piece must view the param's flat storage: it stays
+    whole; `w` (a bucket of its own) is broadcast through a packed buffer."""
+
+    def __init__(self, seed=0):
+        super().__init__(seed)
+        self.big = torch.nn.Parameter(self.big.detach().t().contiguous().t())
+        self.w = torch.nn.Parameter(self.w.detach().t().contiguous().t())
+
+
+def _non_contiguous(rank, world, partition_grad, overlap):
+    ref_model, ref_opt, model, opt, init = _ref_and_zero("AdamW", partition_grad, overlap, WideT)
+    layout = [(p.is_contiguous(), q.is_contiguous()) for p, q in zip(model.parameters(), ref_model.parameters())]
+    ours = _continue(model, opt, rank, world, 0, SPLIT_STEPS)
+    ref = _reference(ref_model, ref_opt, world, 0, SPLIT_STEPS)
+    full = opt.state_dict(consolidated=True, to=None)
+    return dict(err=rel_update_error(ours, ref, init), state_err=_state_err(full, ref_opt.state_dict()),
+                split=sorted(opt._split), layout=layout, params=ours)
+
+
+@pytest.mark.parametrize("partition_grad,overlap", [(False, False), (True, True)])
+def test_non_contiguous_params(pool, partition_grad, overlap):
+    """Non-contiguous params train as in one process: the big one is owned whole (not split), and the owners'
+    broadcast of a non-contiguous param goes through a contiguous buffer."""
+    results = pool.run(_non_contiguous, partition_grad, overlap)
+    for r, res in enumerate(results):
+        assert res["layout"] == [(False, False)] * 2 + [(True, True)] * 3, res["layout"]
+        assert res["split"] == [], res["split"]
+        assert res["err"] <= TOL[DT], f"rank {r}: params: relative update error {res['err']:.3g}"
+        assert res["state_err"] <= TOL[DT], f"rank {r}: state: relative error {res['state_err']:.3g}"
+    _check_equal_across_ranks(results)
+
+
 # ---- params frozen or unfrozen after construction ------------------------------------------------------
 def _refreeze(rank, world, partition_grad, overlap, accum):
     """w2 frozen at construction and unfrozen at step 3, b1 frozen at step 5 (with its state kept), on the
@@ -1381,6 +1415,13 @@ def test_frozen_params_do_not_count_in_the_balance():
     opt = _assigned([emb] + layers, 4)
     owners = [opt._owner[opt._gidx[id(p)]] for p in layers]
     assert sorted(owners.count(r) for r in range(4)) == [2, 2, 2, 2], owners
+    # Nor in the loads that later groups are balanced against (add_param_group): the embedding's owner gets
+    # one of the next 4 layers like every other rank.
+    opt = _assigned([emb] + layers[:4], 4)
+    opt._assign(layers[4:])
+    owners = [opt._owner[opt._gidx[id(p)]] for p in layers]
+    assert sorted(owners.count(r) for r in range(4)) == [2, 2, 2, 2], owners
+    assert opt._loads == [512] * 4, opt._loads
 
 
 def test_split_rule_boundaries_and_the_split_ranges_in_the_balance():
@@ -1951,6 +1992,9 @@ def test_single_rank_is_the_wrapped_optimizer(device, partition_grad):
     sd = opt.state_dict(consolidated=True)
     assert _state_err(sd, ref_opt.state_dict()) == 0.0
     assert sorted(sd) == ["param_groups", "state"]
+    for to in (1, -1, 0.0):  # a rank of the group (here only 0), or None
+        with pytest.raises(ValueError, match=re.escape(f"to={to!r} must be a rank in [0, 1) or None")):
+            opt.state_dict(consolidated=True, to=to)
     # Loaded into a fresh wrapper (built with lr=1e-2), the saved lr is the wrapper's too: its groups drive the step.
     model2 = copy.deepcopy(model)
     opt2 = ZeroRedundancyOptimizer(mk(model2), partition_grad=partition_grad)
