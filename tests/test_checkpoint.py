@@ -1509,13 +1509,7 @@ def _submesh_case(rank, world):
     sd = copy.deepcopy(opt.state_dict())
     if rank == 1:
         sd["state"][1]["exp_avg"][0, 0] = float("nan")  # the declared piece: plain local state
-    if rank < 2:
-        with pytest.raises(ValueError, match=r"state\[1\]\['exp_avg'\] holds non-finite" +
-                           ("" if rank == 1 else r".*on rank 1")):
-            opt.load_state_dict(sd)
-        out["unchanged"] = _same(before, _snapshot(opt))
-    else:
-        opt.load_state_dict(sd)
+    _nan_refused_on_ranks_0_1(opt, sd, 1, rank, before, out)
     # A state missing on one rank of a param's group (the declared piece's), or from another step there (the
     # DTensor's): that rank would restart its piece, or step it apart, silently. Refused there, and only there.
     for pid, edit in ((1, lambda st: st.pop(1)), (0, lambda st: st[0].update(step=torch.tensor(5.0)))):
@@ -1538,6 +1532,19 @@ def test_load_state_dict_agrees_over_the_params_groups_only(pool):
     results = pool.run(_submesh_case)  # the pool's timeout turns a hang into a failure
     want = {"unchanged": True, "unchanged_0": True, "unchanged_1": True}
     assert results[0] == results[1] == want and results[2] == results[3] == {}, results
+
+
+def _nan_refused_on_ranks_0_1(opt, sd, pid, rank, before, out):
+    """`sd`, with a NaN in rank 1's piece of state[pid]['exp_avg'] (a param shared by ranks 0 and 1 alone), is
+    refused on ranks 0 and 1 (named as rank 1's on rank 0), which stay as `before` (out["unchanged"]); ranks 2 and
+    3 load it."""
+    if rank < 2:
+        with pytest.raises(ValueError, match=rf"state\[{pid}\]\['exp_avg'\] holds non-finite" +
+                           ("" if rank == 1 else r".*on rank 1")):
+            opt.load_state_dict(sd)
+        out["unchanged"] = _same(before, _snapshot(opt))
+    else:
+        opt.load_state_dict(sd)
 
 
 def _outside_mesh_case(rank, world):
@@ -1586,13 +1593,7 @@ def _outside_mesh_case(rank, world):
         piece[0, 0] = float("nan")
         bad["state"][0]["exp_avg"] = DTensor.from_local(piece, sub, a.placements, run_check=False, shape=a.shape,
                                                         stride=a.stride())
-    if rank < 2:
-        with pytest.raises(ValueError, match=r"state\[0\]\['exp_avg'\] holds non-finite" +
-                           ("" if rank == 1 else r".*on rank 1")):
-            opt.load_state_dict(bad)
-        out["unchanged"] = _same(before, _snapshot(opt))
-    else:
-        opt.load_state_dict(bad)
+    _nan_refused_on_ranks_0_1(opt, bad, 0, rank, before, out)
     run(model, opt, range(HALF, STEPS))
     params = {"b": model.b.detach()}
     if rank < 2:
