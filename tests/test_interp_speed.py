@@ -63,6 +63,42 @@ def _shapes_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, W: tl.constexpr):
     tl.store(out_ptr + BLOCK + w, cols.to(tl.float16).to(tl.float32) * (w < W - 1))
 
 
+@triton.jit
+def _scalars_kernel(x_ptr, i_ptr, f_ptr, g_ptr, k, j, n, BLOCK: tl.constexpr, C: tl.constexpr):
+    """Blocks of fp32, bf16, fp16, fp64, int32, int64, uint8 and bool with Python numbers and constexprs on either
+    side (fp32-representable, fp64-only, integers past int32 and uint32), scalar kernel arguments (k: a float, j: an
+    int), integer wrap-around, division and modulo, pointer arithmetic with blocks and Python ints."""
+    offs = tl.arange(0, BLOCK)
+    m = offs < n
+    x = tl.load(x_ptr + offs, mask=m, other=0.0)
+    i = tl.load(i_ptr + offs, mask=m, other=1)
+    xb, xh, xd = x.to(tl.bfloat16), x.to(tl.float16), x.to(tl.float64)
+    il, iu, ib = i.to(tl.int64), i.to(tl.uint8), i > 0
+    fs = (x * 0.5 + 1e-30, 2.0 - x, 1.0 / (x + 3.0), x * k, k - x, x / k, xb * 0.1 - 3, 1.5 * xb + k,
+          xh * 1.5 + 1, 2 - xh, xd * 0.1 + 1e-320, 1e300 * xd, xd - k, x + True, x * C, C / (xd + 5.0),
+          tl.maximum(x, 0.0), tl.minimum(xb, -0.0), x % 2.0, x + i, xb * i, xh + iu, xd * il, x - 3)
+    gs = (i * 3 + 7, i * 1000003, 7 - i, i // 3, i % 5, -9 // (i + 100), il * 2**40, il + 2**31, i + -2**31,
+          il + 2**40, iu + 200, iu * 3, 250 - iu, ib + 1, ib & True, i * j, j - il, iu + j, i * C, C - i,
+          tl.minimum(i, 3), i << 2, i >> 1, i.to(tl.uint32) + 4294967295)
+    for r in tl.static_range(len(fs)):
+        tl.store(f_ptr + r * BLOCK + offs, fs[r].to(tl.float64))
+    for r in tl.static_range(len(gs)):
+        tl.store((g_ptr + 1) + r * BLOCK + offs - 1, gs[r].to(tl.int64))
+    tl.store(g_ptr + len(gs) * BLOCK + 0 * j, j + 1)
+
+
+@triton.jit
+def _refused_kernel(i_ptr, CASE: tl.constexpr):
+    i = tl.load(i_ptr + tl.arange(0, 4))
+    if CASE == 0:
+        i = i + 2**31  # an int32 block: 2**31 is uint32, no wider kind, so int32, out of its range
+    elif CASE == 1:
+        i = i.to(tl.uint8) + -1
+    else:
+        i = 1.5 + i.to(tl.pointer_type(tl.int32))  # a float offset
+    tl.store(i_ptr + tl.arange(0, 4), i.to(tl.int32))
+
+
 def _run(x):
     out, red = torch.empty_like(x), torch.empty(3 * triton.cdiv(x.numel(), 32), dtype=torch.float32)
     _kernel[(triton.cdiv(x.numel(), 32),)](x, out, red, x.numel(), BLOCK=32)
@@ -93,7 +129,9 @@ def test_nested_calls_give_the_same_bits_and_skip_the_repatch():
     def memoized():
         sem = it.interpreter_semantic
         return (it._get_np_dtype, it.InterpreterBuilder.get_block_ty, tl.block_type.with_element_ty,
-                tl.tensor.__init__, it._patch_lang, sem.broadcast_impl_value, sem.computation_type_impl, sem.cast)
+                tl.tensor.__init__, it._patch_lang, sem.broadcast_impl_value, sem.computation_type_impl, sem.cast,
+                sem.binary_op_type_checking_impl, sem.binary_op_sanitize_overflow_impl, it._patch_attr,
+                tl.core._unwrap_if_constexpr)
 
     ours_fns = memoized()
     with _counting_patches(ours):
@@ -130,6 +168,40 @@ def test_nested_calls_give_the_same_bits_and_skip_the_repatch():
         y = torch.where(ref > 0, ref * (i * 0.5), -ref) + 1.5
         acc += torch.where(y > 0, y * (i * 0.5 + 1.0), -y) + 1.5 - torch.sqrt(y.abs() + 1.0)
     assert torch.allclose(fast[0], acc, rtol=1e-6, atol=1e-6)
+
+
+def test_binary_operations_with_python_numbers_give_the_same_bits():
+    """The fast paths of binary operations (a block and a Python number or a scalar, blocks of one shape and a
+    pointer, the skipped overflow check) and the kept builtin wrappers, against Triton's own, bit for bit."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(50, generator=g) * 4
+    x[:6] = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e-40])
+    i = torch.randint(-2**31, 2**31, (50,), generator=g, dtype=torch.int32)
+    i[:4] = torch.tensor([0, -1, 2**31 - 1, -2**31], dtype=torch.int32)
+    outs = []
+    for mode in (contextlib.nullcontext, interp_speed.triton_as_it_is):
+        for k, j in ((0.75, 3), (float("nan"), -5), (-0.0, 2**31 - 1), (1e-320, 0), (float("inf"), 2**40)):
+            f, gi = torch.zeros(24 * 64, dtype=torch.float64), torch.zeros(24 * 64 + 1, dtype=torch.int64)
+            with mode():
+                _scalars_kernel[(1,)](x, i, f, gi, k, j, 50, BLOCK=64, C=3)
+            outs.append((f.view(torch.int64), gi))
+    fast, slow = outs[:5], outs[5:]
+    for (f1, g1), (f2, g2) in zip(fast, slow):
+        assert torch.equal(f1, f2) and torch.equal(g1, g2)
+    assert fast[0][0].ne(0).sum() > 20 * 50 and fast[0][1].ne(0).sum() > 20 * 50
+
+
+def test_refused_operands_raise_as_under_triton():
+    """Operands Triton refuses (fast paths leave their checks to Triton's code): the same error either way."""
+    from triton.runtime.errors import InterpreterError
+    for case, match in ((0, "out of range for type int32"), (1, "unsigned tensor and a negative scalar"),
+                        (2, "invalid operands of type pointer<int32> and triton.language.float32")):
+        raised = []
+        for mode in (contextlib.nullcontext, interp_speed.triton_as_it_is):
+            with mode(), pytest.raises(InterpreterError, match=match) as e:
+                _refused_kernel[(1,)](torch.ones(4, dtype=torch.int32), CASE=case)
+            raised.append(str(e.value))
+        assert raised[0] == raised[1]
 
 
 @triton.jit
