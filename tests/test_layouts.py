@@ -1815,16 +1815,17 @@ def _on(device, init, grads):
 @pytest.mark.parametrize("form", ["padded", "reshaped"])
 @pytest.mark.parametrize("name", list(LOCAL_OPTS))
 def test_flat_range_takes_the_plain_step(backend, device, name, form, monkeypatch):
-    """A flat layout holding the whole tensor takes exactly the plain step over several steps of fresh gradients,
-    and reduces exactly the buffers that `reduction_sizes` (the benchmark's count) says, one per phase for the
-    whole bucket. "padded": a 1-D local tensor plus 3 padding elements (NaN gradients there, which would poison
-    every norm if read), left as they were. "reshaped": no padding, in a local tensor of another shape (a
+    """A flat layout holding the whole tensor takes exactly the plain step over several steps of fresh gradients (the
+    oracle: the plain step on the plain-torch back end, to 1e-12; the kernels' plain step is held to the float64
+    references by their own tests), and reduces exactly the buffers that `reduction_sizes` (the benchmark's count) says,
+    one per phase for the whole bucket. "padded": a 1-D local tensor plus 3 padding elements (NaN gradients there, which
+    would poison every norm if read), left as they were. "reshaped": no padding, in a local tensor of another shape (a
     column, or the matrix with its dims read the other way: (5, 7) held as (7, 5)): its real elements
-    (`Layout.local_view`) are the flattened local tensor, not the local tensor as it is shaped, which the
-    factored steps would index as the whole tensor. On odd steps the grads come strided (a flat range reads its
-    elements in memory order: they were refused midway through the step). The (13, 21) matrix has 273 real
-    elements: 8-bit states of several blocks, the last one partial (64 and CAME's 256), whose scales must be cut
-    to the blocks of the real elements, the partial one kept."""
+    (`Layout.local_view`) are the flattened local tensor, not the local tensor as it is shaped, which the factored steps
+    would index as the whole tensor. On odd steps the grads come strided (a flat range reads its elements in memory
+    order: they were refused midway through the step). The (13, 21) matrix has 273 real elements: 8-bit states of
+    several blocks, the last one partial (64 and CAME's 256), whose scales must be cut to the blocks of the real
+    elements, the partial one kept."""
     from fastopt.distributed import declare_shard
     from fastopt.distributed.layout import Layout
     from fastopt.reference import adafactor, came, lamb
@@ -1850,7 +1851,9 @@ def test_flat_range_takes_the_plain_step(backend, device, name, form, monkeypatc
             if t % 2:  # the same values, every other element of a buffer twice the size
                 q.grad = torch.stack([q.grad, q.grad], -1)[..., 0]
                 assert not q.grad.is_contiguous()
-        opt_plain.step()
+        with monkeypatch.context() as m:
+            m.setenv("FASTOPT_BACKEND", "torch")
+            opt_plain.step()
         opt_pieces.step()
     for p, q, p0 in zip(plain, pieces, init):
         assert q.device == device and torch.equal(q.reshape(-1)[p.numel():], q.new_full((pad,), 7.0))
@@ -1907,13 +1910,19 @@ KERNEL_STEPS = {"adafactor": "adafactor_phases", "adafactor_relative": "adafacto
 # The interpreter is slow: whole-model runs only for the layouts the placement and flat-range cases below do not
 # already cover one by one (strided FSDP2 + TP, hand-declared dims beside unsharded buckets, ZeRO over TP).
 KERNEL_MODES = ["fsdp_tp", "explicit", "colossal", "fsdp1"]
+# The interpreter's cost is per step: the kernel runs take 6 steps (STEPS is 8 for the plain-torch runs of the same
+# cases), 2 of them after the reload at RELOAD_AT = 4 (the first builds the kernels' tables, the second reuses
+# them); GaLore 7, so that its refresh every 3 steps comes once after the reload too (step 7), as well as with
+# the tables of earlier steps cached (step 4).
+KERNEL_RUN_STEPS = {"galore": 7, "galore8": 7}
 needs_interpreter = pytest.mark.skipif(not (fastopt.ops.triton_available() and fastopt.ops.interpreting()),
                                        reason="the gloo cases hold CPU tensors: needs TRITON_INTERPRET=1")
 
 
 def _on_kernels(rank, world, case, *args):
     """`case(rank, world, *args)` (its last argument: the optimizer's name) with the sharded buckets on the
-    kernels; every sharded bucket of the run must have taken that optimizer's op (`KERNEL_STEPS`), at least one."""
+    kernels, over `KERNEL_RUN_STEPS` steps (STEPS set for the run); every sharded bucket of the run must have taken
+    that optimizer's op (`KERNEL_STEPS`), at least one."""
     import os
 
     import triton
@@ -1961,6 +1970,8 @@ def _on_kernels(rank, world, case, *args):
                (ref_galore, "galore_phases", refuse), (cls, "__getitem__", None)]
     saved = [(mod, attr, getattr(mod, attr)) for mod, attr, _ in patches]
     orig_getitem = cls.__getitem__
+    global STEPS
+    all_steps, STEPS = STEPS, KERNEL_RUN_STEPS.get(args[-1], 6)
     try:
         for mod, attr, wrap in patches:
             if wrap is not None:
@@ -1968,6 +1979,7 @@ def _on_kernels(rank, world, case, *args):
         cls.__getitem__ = lambda self, grid: launches.append(self) or orig_getitem(self, grid)
         out = case(rank, world, *args)
     finally:
+        STEPS = all_steps
         for mod, attr, fn in saved:
             setattr(mod, attr, fn)
     want = KERNEL_STEPS[args[-1]]
@@ -2160,7 +2172,8 @@ def test_kernels_flat_ranges_match_single_process(pool, name):
 @pytest.mark.parametrize("name", ["adafactor", "came", "came8"])
 def test_kernels_reduce_the_reference_buffers_in_fp32(backend, device, name, monkeypatch):
     """fp32 params on a flat layout (the whole tensor, then padding): every backend hands `reduce` exactly the
-    float64 buffers of `reduction_sizes`, and the padded run tracks the plain fp32 one."""
+    float64 buffers of `reduction_sizes`, and the padded run tracks the plain fp32 one (the oracle, on the
+    plain-torch back end)."""
     from fastopt.distributed import declare_shard
     from fastopt.distributed.layout import Layout
     from fastopt.reference import adafactor, came
@@ -2177,7 +2190,9 @@ def test_kernels_reduce_the_reference_buffers_in_fp32(backend, device, name, mon
         for p, q, g in zip(plain, padded, gs):
             p.grad = g.float()
             q.grad = torch.cat([g.float().reshape(-1), g.new_full((3,), float("nan"), dtype=torch.float32)])
-        opt_plain.step()
+        with monkeypatch.context() as m:
+            m.setenv("FASTOPT_BACKEND", "torch")
+            opt_plain.step()
         opt_padded.step()
     for p, q, p0 in zip(plain, padded, init):
         assert _rel(q[:-3].view_as(p) - p0, p - p0) <= 1e-5, name
