@@ -131,7 +131,7 @@ def test_nested_calls_give_the_same_bits_and_skip_the_repatch():
         return (it._get_np_dtype, it.InterpreterBuilder.get_block_ty, tl.block_type.with_element_ty,
                 tl.tensor.__init__, it._patch_lang, sem.broadcast_impl_value, sem.computation_type_impl, sem.cast,
                 sem.binary_op_type_checking_impl, sem.binary_op_sanitize_overflow_impl, it._patch_attr,
-                tl.core._unwrap_if_constexpr)
+                tl.core._unwrap_if_constexpr, it._convert_float)
 
     ours_fns = memoized()
     with _counting_patches(ours):
@@ -202,6 +202,80 @@ def test_refused_operands_raise_as_under_triton():
                 _refused_kernel[(1,)](torch.ones(4, dtype=torch.int32), CASE=case)
             raised.append(str(e.value))
         assert raised[0] == raised[1]
+
+
+@triton.jit
+def _casts_kernel(x_ptr, b_ptr, f_ptr, h_ptr, n, BLOCK: tl.constexpr):
+    """fp32 and bf16 blocks (masked loads with `other`) cast to each other, to fp16 and fp64 and to every integer
+    width and back, through where/maximum/minimum and reductions; masked stores of fp64 and bf16."""
+    offs = tl.arange(0, BLOCK)
+    m = offs < n
+    x = tl.load(x_ptr + offs, mask=m, other=-2.5)
+    b = tl.load(b_ptr + offs, mask=m, other=1.0)
+    xb, bf = x.to(tl.bfloat16), b.to(tl.float32)
+    c = tl.where(x == x, tl.minimum(tl.maximum(x, -100.0), 100.0), 0.0)  # NaN-free, in every integer's range
+    cb = c.to(tl.bfloat16)
+    fs = (xb.to(tl.float32), bf, xb.to(tl.float32) * bf, x.to(tl.float16).to(tl.float32), b.to(tl.float16),
+          b.to(tl.float64), xb.to(tl.float64), (bf * 3.0).to(tl.bfloat16).to(tl.float32), tl.maximum(xb, b),
+          tl.where(m, xb, b), cb.to(tl.int8), cb.to(tl.int16), cb.to(tl.int32), cb.to(tl.int64), c.to(tl.int8),
+          tl.abs(cb).to(tl.uint8), tl.abs(cb).to(tl.uint16), tl.abs(cb).to(tl.uint32), tl.abs(cb).to(tl.uint64),
+          c.to(tl.int32).to(tl.bfloat16), tl.abs(c).to(tl.uint8).to(tl.bfloat16), c.to(tl.int64).to(tl.bfloat16),
+          c.to(tl.int16).to(tl.float32).to(tl.bfloat16), cb.to(tl.float16).to(tl.bfloat16))
+    for r in tl.static_range(len(fs)):
+        tl.store(f_ptr + r * BLOCK + offs, fs[r].to(tl.float64), mask=m)
+    s = tl.sum(tl.where(m, cb, 0.0).to(tl.float32), axis=0) + tl.max(tl.where(m, bf, -1e30), axis=0)
+    tl.store(f_ptr + len(fs) * BLOCK, s.to(tl.bfloat16).to(tl.float64))
+    tl.store(h_ptr + offs, xb, mask=m)
+    tl.store(h_ptr + BLOCK + offs, (bf * 3.0 + x).to(tl.bfloat16), mask=m)
+
+
+def test_bf16_fp32_conversions_give_the_same_bits():
+    """The conversion between bf16 and fp32 (its fast path: a 16-bit shift, arrays without nonzero subnormals)
+    against Triton's, bit for bit: every bf16 value, every upper half of an fp32 with lower halves of all kinds,
+    subnormals among them (Triton's path), non-contiguous views; then kernels casting and reducing both ways."""
+    import numpy as np
+    from triton.runtime import interpreter as it
+    fast = it._convert_float
+    with interp_speed.triton_as_it_is():
+        slow = it._convert_float
+    assert fast is not slow
+
+    def same(a, *args):
+        r, t = fast(a, *args), slow(a, *args)
+        assert type(r) is type(t) and r.dtype == t.dtype and r.shape == t.shape
+        assert r.flags.c_contiguous == t.flags.c_contiguous and np.array_equal(r, t)
+
+    bf = np.arange(2**16, dtype=np.uint16)
+    normal = bf[((bf & 0x7FFF) == 0) | ((bf & 0x7FFF) >= 0x80)]  # no nonzero subnormal: the fast path
+    for a in (normal, bf, normal[:65280].reshape(255, 256).T, normal[::7], np.array([0x8000, 0x7F80], np.uint16)):
+        same(a, tl.bfloat16, tl.float32, None)
+    hi = np.arange(2**16, dtype=np.uint32) << np.uint32(16)
+    for lo in (0, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFF, 0x1234, 0xBEEF):
+        u = hi | np.uint32(lo)
+        no_sub = u[((u & 0x7F800000) != 0) | ((u & 0x7FFFFF) == 0)]
+        for a in (no_sub, u, no_sub[::3], no_sub[:2**15].reshape(128, 256).T):
+            same(a.view(np.float32), tl.float32, tl.bfloat16, None)
+    assert not np.array_equal(fast(bf, tl.bfloat16, tl.float32, None), bf.astype(np.uint32) << np.uint32(16))
+
+    g = torch.Generator().manual_seed(2)
+    runs = []
+    for sub in (False, True):
+        x = torch.randn(40, generator=g) * 30
+        x[:7] = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 3.4e38, -1e-30])
+        b = (torch.randn(40, generator=g) * 30).to(torch.bfloat16)
+        b[:5] = torch.tensor([0.0, -0.0, float("inf"), float("nan"), -3e38]).to(torch.bfloat16)
+        if sub:  # subnormals: Triton's conversion
+            x[7], b[5] = 1e-40, 1e-40
+        outs = []
+        for mode in (contextlib.nullcontext, interp_speed.triton_as_it_is):
+            f, h = torch.full((24 * 64 + 1,), 7.0, dtype=torch.float64), torch.full((128,), 7.0).to(torch.bfloat16)
+            with mode():
+                _casts_kernel[(1,)](x, b, f, h, 40, BLOCK=64)
+            outs.append((f.view(torch.int64), h.view(torch.int16)))
+        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+        assert outs[0][0][:64].ne(torch.tensor(7.0, dtype=torch.float64).view(torch.int64)).sum() == 40
+        runs.append(outs[0])
+    assert not torch.equal(runs[0][0], runs[1][0])
 
 
 @triton.jit
