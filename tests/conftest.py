@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import re
@@ -113,6 +114,15 @@ def backend(request, monkeypatch):
         from fastopt.kernels import common
         monkeypatch.setattr(common, "POISON", True)
     return request.param
+
+
+@contextlib.contextmanager
+def on_torch_backend(monkeypatch):
+    """FASTOPT_BACKEND=torch for the block, the test's back end after it: an oracle that a comparison with a
+    tolerance holds the back end under test to (the plain-torch reference, which the references test in float64)."""
+    with monkeypatch.context() as m:
+        m.setenv("FASTOPT_BACKEND", "torch")
+        yield
 
 
 @pytest.fixture(params=["cpu"] + (["cuda"] if torch.cuda.is_available() else []))

@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import DIST_WORLD, rel_update_error
+from conftest import DIST_WORLD, on_torch_backend, rel_update_error
 from dist_utils import placement, scaled_dtensor_step
 
 import fastopt
@@ -459,6 +459,15 @@ def _flow_reference(name, dims, accum=1, skip=(), seq=4):
     return init, [p.detach() for p in model.parameters()]
 
 
+def _branchy_at(init, dims):
+    """A fresh `_Branchy(*dims)` in float64 holding the params `init` (the reference's start)."""
+    model = _Branchy(*dims).double()
+    with torch.no_grad():
+        for p, p0 in zip(model.parameters(), init):
+            p.copy_(p0)
+    return model
+
+
 def _loss_of(logits, tgt):
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), tgt.flatten())
 
@@ -474,10 +483,7 @@ def _ddp_flows_case(rank, world):
     errs = {}
     for name in FLOW_OPTS:
         init, ref = _flow_reference(name, dims, accum=2)
-        model = _Branchy(*dims).double()
-        with torch.no_grad():
-            for p, p0 in zip(model.parameters(), init):
-                p.copy_(p0)
+        model = _branchy_at(init, dims)
         ddp = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True, bucket_cap_mb=1e-4)
         ddp.register_comm_hook(dist.group.WORLD, allreduce_hook)
         params = list(model.parameters())
@@ -529,10 +535,7 @@ def _fsdp2_tp_flows_case(rank, world):
     dims = (11, 9, 13)
     for name in FLOW_OPTS:
         init, ref = _flow_reference(name, dims, accum=2, skip=FLOW_SKIP)
-        model = _Branchy(*dims).double()
-        with torch.no_grad():
-            for p, p0 in zip(model.parameters(), init):
-                p.copy_(p0)
+        model = _branchy_at(init, dims)
         for m in (model.up, model.down, model.extra, model.head, model):
             fully_shard(m, mesh=mesh, reshard_after_forward=False)
         opt = _make_opt(name, list(model.parameters()))
@@ -550,10 +553,7 @@ def _fsdp2_tp_flows_case(rank, world):
     dims, every = (12, 8, 16), range(FLOW_STEPS)  # split evenly over 4 (DTensor.from_local's assumption)
     for name in ("adafactor", "lamb"):
         init, ref = _flow_reference(name, dims, skip=every, seq=8)
-        model = _Branchy(*dims).double()
-        with torch.no_grad():
-            for p, p0 in zip(model.parameters(), init):
-                p.copy_(p0)
+        model = _branchy_at(init, dims)
         parallelize_module(model, mesh, _sp_plan())
         opt = _make_opt(name, list(model.parameters()))
         for tok, tgt in _flow_batches(FLOW_STEPS, dims[0], 8):
@@ -1851,8 +1851,7 @@ def test_flat_range_takes_the_plain_step(backend, device, name, form, monkeypatc
             if t % 2:  # the same values, every other element of a buffer twice the size
                 q.grad = torch.stack([q.grad, q.grad], -1)[..., 0]
                 assert not q.grad.is_contiguous()
-        with monkeypatch.context() as m:
-            m.setenv("FASTOPT_BACKEND", "torch")
+        with on_torch_backend(monkeypatch):
             opt_plain.step()
         opt_pieces.step()
     for p, q, p0 in zip(plain, pieces, init):
@@ -2190,8 +2189,7 @@ def test_kernels_reduce_the_reference_buffers_in_fp32(backend, device, name, mon
         for p, q, g in zip(plain, padded, gs):
             p.grad = g.float()
             q.grad = torch.cat([g.float().reshape(-1), g.new_full((3,), float("nan"), dtype=torch.float32)])
-        with monkeypatch.context() as m:
-            m.setenv("FASTOPT_BACKEND", "torch")
+        with on_torch_backend(monkeypatch):
             opt_plain.step()
         opt_padded.step()
     for p, q, p0 in zip(plain, padded, init):

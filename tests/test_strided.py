@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import on_torch_backend
 
 import fastopt
 
@@ -53,8 +54,7 @@ def _run(name, strided, device) -> list:
 @pytest.mark.parametrize("name", list(OPTS))
 def test_strided_params_step_like_their_contiguous_copies(name, backend, device, monkeypatch):
     """The contiguous copies (the oracle) step on the plain-torch back end, the strided params on `backend`."""
-    with monkeypatch.context() as m:
-        m.setenv("FASTOPT_BACKEND", "torch")
+    with on_torch_backend(monkeypatch):
         ref, ref_opt = _run(name, False, device)
     ours, opt = _run(name, True, device)
     for a, b in zip(ours, ref):
