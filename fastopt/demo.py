@@ -474,10 +474,19 @@ def main(argv=None) -> list[dict] | None:
             torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
         return run(args, Parallel(0, 1, 1, 1, device))
     import torch.multiprocessing as mp
+    # CPU ranks fork from a forkserver that imported torch, fastopt and this module once, instead of each
+    # importing them (seconds apiece, on every rank of a small CPU machine). GPU ranks are spawned: nothing
+    # may have initialized CUDA in a process they fork from.
+    method = "forkserver" if args.device == "cpu" and "forkserver" in mp.get_all_start_methods() else "spawn"
+    if method == "forkserver":
+        mp.set_forkserver_preload(["torch", "torch.distributed.tensor", "torch.distributed.tensor.parallel",
+                                   "torch.distributed.fsdp", "fastopt", "fastopt.demo"]
+                                  + (["transformers.models.llama.modeling_llama"] if args.model == "llama" else []))
     with tempfile.TemporaryDirectory(prefix="fastopt-demo-") as tmp:
         # file:// rendezvous: no port to pick or to collide with.
         try:
-            mp.spawn(_spawned, args=(world, args, f"file://{os.path.join(tmp, 'rendezvous')}"), nprocs=world)
+            mp.start_processes(_spawned, args=(world, args, f"file://{os.path.join(tmp, 'rendezvous')}"),
+                               nprocs=world, start_method=method)
         except KeyboardInterrupt:  # Ctrl-C reached every process of the group: they have stopped
             print("\ninterrupted", file=sys.stderr)
             raise SystemExit(130) from None

@@ -10,10 +10,15 @@ says which ranks never answered.
 Starting processes costs seconds (each imports torch), so the tests share one `DistPool` of 4 ranks (the
 session-scoped `pool` fixture of tests/conftest.py): the same processes and process group serve every call,
 and the pool restarts itself after a failure, so one failing test cannot poison the next, and once its ranks
-hold more than MAX_GROUPS process groups (below).
+hold more than MAX_GROUPS process groups (below). Without CUDA the ranks fork from a forkserver that imported
+torch, Triton, fastopt and the test modules once for this Python process (`_preload`): a start or restart then
+costs a fork a rank, not its imports (torch and fastopt about 6 CPU s, the test modules it runs more), which
+took a quarter of the suite's CPU on the 2-core CI machine. With CUDA they are spawned: the test modules ask for
+CUDA devices when imported, and a process forked after that cannot use CUDA.
 
-Children run with one intra-op thread and with the parent's environment plus `env`; `FASTOPT_BACKEND` can
-also be set by `fn` itself, since fastopt reads it at every call.
+Children run with one intra-op thread and with the parent's environment at the pool's start plus `env` (set
+as the rank's first act: a forked rank inherits the forkserver's); `FASTOPT_BACKEND` can also be set by `fn`
+itself, since fastopt reads it at every call.
 """
 from __future__ import annotations
 
@@ -21,11 +26,13 @@ import os
 import pickle
 import queue
 import shutil
+import sys
 import tempfile
 import time
 import traceback
 from datetime import timedelta
 
+import torch
 import torch.multiprocessing as mp
 
 __all__ = ["run", "DistPool", "DistError", "placement"]
@@ -35,7 +42,9 @@ class DistError(RuntimeError):
     """A function run on the process group raised on some rank, or some rank never answered."""
 
 
-def _worker(rank: int, world_size: int, init_file: str, tasks, results, coll_timeout: float) -> None:
+def _worker(rank: int, world_size: int, init_file: str, tasks, results, coll_timeout: float, env: dict) -> None:
+    os.environ.clear()
+    os.environ.update(env)
     import torch
     import torch.distributed as dist
 
@@ -75,6 +84,19 @@ def _groups_alive() -> int:
 MAX_GROUPS = 32
 
 
+START_METHOD = "spawn" if torch.cuda.is_available() else "forkserver"
+
+
+def _preload() -> list:
+    """What the forkserver imports before it forks ranks: torch's distributed packages, Triton, fastopt, and this
+    folder's modules that this process has imported (the test modules, whose functions the ranks run)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    ours = sorted(name for name, mod in list(sys.modules.items())
+                  if "." not in name and os.path.dirname(os.path.abspath(getattr(mod, "__file__", None) or "/")) == here
+                  and name != "compile_check")  # which exits when imported under the interpreter
+    return ["torch", "torch.distributed.tensor", "torch.distributed.fsdp", "triton", "fastopt", *ours]
+
+
 class DistPool:
     """`world_size` spawned gloo processes that run functions on request; use as a context manager."""
 
@@ -94,18 +116,20 @@ class DistPool:
         self.close()
 
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context(START_METHOD)
+        if START_METHOD == "forkserver":
+            ctx.set_forkserver_preload(_preload())  # read when this Python process's forkserver starts
         self._dir = tempfile.mkdtemp(prefix="fastopt-dist-")
         init_file = os.path.join(self._dir, "rendezvous")
         self._tasks = [ctx.SimpleQueue() for _ in range(self.world_size)]
         self._results = ctx.Queue()
         saved = dict(os.environ)
         os.environ.update({"OMP_NUM_THREADS": "1", **self.env})
-        try:
+        try:  # the environment is also the forkserver's, where this starts it
             # A collective left waiting by a failed rank gives up after `timeout` too.
             self._procs = [ctx.Process(target=_worker, daemon=True,
                                        args=(r, self.world_size, init_file, self._tasks[r], self._results,
-                                             self.timeout))
+                                             self.timeout, dict(os.environ)))
                            for r in range(self.world_size)]
             for p in self._procs:
                 p.start()
