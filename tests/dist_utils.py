@@ -14,7 +14,10 @@ hold more than MAX_GROUPS process groups (below). Without CUDA the ranks fork fr
 torch, Triton, fastopt and the test modules once for this Python process (`_preload`): a start or restart then
 costs a fork a rank, not its imports (torch and fastopt about 6 CPU s, the test modules it runs more), which
 took a quarter of the suite's CPU on the 2-core CI machine. With CUDA they are spawned: the test modules ask for
-CUDA devices when imported, and a process forked after that cannot use CUDA.
+CUDA devices when imported, and a process forked after that cannot use CUDA. Forked ranks share the
+forkserver's str hash seed, where torchrun's processes each draw one: ranks iterating a set of strings in
+different orders (a collective per key in set order) would go unnoticed in the pool; `run`'s fresh processes
+are spawned.
 
 Children run with one intra-op thread and with the parent's environment at the pool's start plus `env` (set
 as the rank's first act: a forked rank inherits the forkserver's); `FASTOPT_BACKEND` can also be set by `fn`
@@ -100,9 +103,13 @@ def _preload() -> list:
 class DistPool:
     """`world_size` spawned gloo processes that run functions on request; use as a context manager."""
 
-    def __init__(self, world_size: int, timeout: float = 120.0, env: dict | None = None):
+    def __init__(self, world_size: int, timeout: float = 120.0, env: dict | None = None,
+                 start_method: str = START_METHOD):
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"DistPool: world_size={world_size!r} must be an int >= 1")
+        if start_method not in ("spawn", "forkserver"):
+            raise ValueError(f"DistPool: start_method={start_method!r} must be 'spawn' or 'forkserver'")
+        self.start_method = start_method
         self.world_size = world_size
         self.timeout = float(timeout)
         self.env = dict(env or {})
@@ -116,8 +123,8 @@ class DistPool:
         self.close()
 
     def _start(self) -> None:
-        ctx = mp.get_context(START_METHOD)
-        if START_METHOD == "forkserver":
+        ctx = mp.get_context(self.start_method)
+        if self.start_method == "forkserver":
             ctx.set_forkserver_preload(_preload())  # read when this Python process's forkserver starts
         self._dir = tempfile.mkdtemp(prefix="fastopt-dist-")
         init_file = os.path.join(self._dir, "rendezvous")
@@ -201,8 +208,9 @@ class DistPool:
 
 
 def run(fn, world_size: int, *args, timeout: float = 120.0, env: dict | None = None) -> list:
-    """Run `fn(rank, world_size, *args)` on `world_size` fresh gloo processes; per-rank results in rank order."""
-    with DistPool(world_size, timeout=timeout, env=env) as pool:
+    """Run `fn(rank, world_size, *args)` on `world_size` fresh gloo processes, spawned as torchrun's are started
+    (each its own interpreter, str hash seed included); per-rank results in rank order."""
+    with DistPool(world_size, timeout=timeout, env=env, start_method="spawn") as pool:
         return pool.run(fn, *args)
 
 
