@@ -248,7 +248,7 @@ def main():
         t0 = time.time()
         failed_workloads = []
         # Every workload with GaLore's default dot precisions (tf32x3; bf16/fp16 operands), the forced fp32
-        # ones on one GaLore workload.
+        # ones on the "GaLore 32-bit std" workloads (7 with --quick: each dtype, layout and GradScaler setting).
         for precision in ("auto", "ieee", "tf32"):
             os.environ["FASTOPT_GALORE_DOT"] = precision
             for label, build in workloads(group, args.quick):
