@@ -2,7 +2,7 @@
 // run here, every thread of a block as a coroutine of one OS thread, so that test_cuda.cu (the CUDA kernels
 // against the CPU kernels) runs in CI. The *_emu.cpp files beside this one include the .cu files (kernels with
 // __CUDA_ARCH__ defined: their device code paths, __fmaf_rn and the like, run here); CMakeLists.txt builds them
-// as the ctest `cuda_emulated`, tests/test_quant.py with g++ directly:
+// as the ctest `cuda_emulated` (tests/test_quant.py's cmake test runs it), or by hand:
 //
 //   g++ -std=c++17 -O2 -I csrc/tests/emu -I csrc csrc/tests/emu/*.cpp csrc/cpu_kernels.cpp
 //
@@ -32,6 +32,7 @@
 
 #include <algorithm>
 #include <functional>
+#include <memory>
 #include <random>
 #include <unordered_map>
 #include <vector>
@@ -73,16 +74,22 @@ namespace fastopt_emu {
 
 enum State { kRunnable, kAtBlockBarrier, kAtWarpBarrier, kDone };
 
+// A thread of a block is a fiber with a stack of its own, kept from block to block (thread t of every block runs
+// on fiber t). Switches go through the compiler's __builtin_setjmp/__builtin_longjmp: glibc's swapcontext saves
+// and restores the signal mask with a system call each time (19.7 million of them in one run of test_cuda_emu),
+// and longjmp checks that it jumps up its own stack (_FORTIFY_SOURCE), which a switch between stacks is not.
 struct Thread {
-  ucontext_t ctx;
+  void* resume[5];  // where the fiber continues (__builtin_setjmp's buffer), once started
   State state = kRunnable;
+  bool started = false;
+  std::unique_ptr<char[]> stack;
 };
 
 struct Block {
-  std::vector<Thread> threads;
-  std::vector<char> stacks;
+  std::vector<Thread> threads;  // the fibers (reserved for 1024: a suspended fiber's Thread never moves)
+  int n = 0;                    // this block's threads: the first n fibers
   std::vector<uint64_t> shuffle;  // one slot per thread for __shfl_xor_sync
-  ucontext_t scheduler;
+  void* scheduler[5];
   int current = 0;
   std::function<void()> body;
   std::mt19937 rng{12345};
@@ -93,21 +100,54 @@ inline Block& block() {
   return b;
 }
 
+[[gnu::noinline]] inline void jump(void** to) { __builtin_longjmp(to, 1); }
+
+// The current fiber stops here; the scheduler continues from where it last resumed a fiber.
+[[gnu::noinline]] inline void park() {
+  Block& b = block();
+  if (__builtin_setjmp(b.threads[b.current].resume) == 0) jump(b.scheduler);
+}
+
 inline void yield_at(State s) {
   Block& b = block();
   b.threads[b.current].state = s;
-  swapcontext(&b.threads[b.current].ctx, &b.scheduler);
+  park();
 }
 
-inline void thread_entry() {
+// A fiber's life: the current block's thread `current` (its own index), then, once resumed for the next block
+// that has as many threads, that block's, and so on.
+inline void fiber_main() {
+  for (;;) {
+    Block& b = block();
+    b.body();
+    b.threads[b.current].state = kDone;
+    park();
+  }
+}
+
+// Runs thread t until it parks (at a barrier, or done).
+[[gnu::noinline]] inline void resume(int t) {
+  constexpr size_t kStack = 64 * 1024;
   Block& b = block();
-  b.body();
-  b.threads[b.current].state = kDone;  // uc_link returns to the scheduler
+  b.current = t;
+  threadIdx = dim3((unsigned)t);
+  if (__builtin_setjmp(b.scheduler) != 0) return;
+  Thread& th = b.threads[t];
+  if (th.started) jump(th.resume);
+  th.started = true;
+  th.stack.reset(new char[kStack]);
+  ucontext_t uc;  // a fiber's first entry: the only context switch that goes through the C library
+  getcontext(&uc);
+  uc.uc_stack.ss_sp = th.stack.get();
+  uc.uc_stack.ss_size = kStack;
+  uc.uc_link = nullptr;
+  makecontext(&uc, fiber_main, 0);
+  setcontext(&uc);
 }
 
 // The live threads of warp `w` (threads [w, w + 32)) all wait at a warp rendezvous: release them.
 inline bool release_warp(Block& b, int w) {
-  const int n = (int)b.threads.size(), end = std::min(n, w + 32);
+  const int n = b.n, end = std::min(n, w + 32);
   bool some = false;
   for (int t = w; t < end; ++t) {
     if (b.threads[t].state != kAtWarpBarrier && b.threads[t].state != kDone) return false;
@@ -144,20 +184,13 @@ inline void poison(void* p, size_t bytes) {
 // rendezvous released as soon as every live lane reached it) before the next: warps drift as far apart as
 // the block's barriers allow, which is where a missing __syncthreads shows.
 inline void run_block(int n_threads) {
-  constexpr size_t kStack = 64 * 1024;
   Block& b = block();
   ++block_epoch();
-  b.threads.assign(n_threads, Thread{});
-  b.stacks.resize((size_t)n_threads * kStack);
+  if (b.threads.capacity() < 1024) b.threads.reserve(1024);  // launch() refuses more threads than that
+  if ((int)b.threads.size() < n_threads) b.threads.resize(n_threads);
+  b.n = n_threads;
+  for (int t = 0; t < n_threads; ++t) b.threads[t].state = kRunnable;
   b.shuffle.assign(n_threads, 0);
-  for (int t = 0; t < n_threads; ++t) {
-    Thread& th = b.threads[t];
-    getcontext(&th.ctx);
-    th.ctx.uc_stack.ss_sp = b.stacks.data() + (size_t)t * kStack;
-    th.ctx.uc_stack.ss_size = kStack;
-    th.ctx.uc_link = &b.scheduler;
-    makecontext(&th.ctx, thread_entry, 0);
-  }
   std::vector<int> warps, lanes;
   for (;;) {
     warps.clear();
@@ -171,17 +204,17 @@ inline void run_block(int n_threads) {
     }
     if (warps.empty()) {
       bool done = true, at_barrier = true;
-      for (const Thread& t : b.threads) {
-        done = done && t.state == kDone;
-        at_barrier = at_barrier && (t.state == kAtBlockBarrier || t.state == kDone);
+      for (int t = 0; t < n_threads; ++t) {
+        done = done && b.threads[t].state == kDone;
+        at_barrier = at_barrier && (b.threads[t].state == kAtBlockBarrier || b.threads[t].state == kDone);
       }
       if (done) return;
       if (!at_barrier) {
         fprintf(stderr, "cuda emulator: block %u deadlocked: its threads wait at different barriers\n", blockIdx.x);
         abort();
       }
-      for (Thread& t : b.threads)
-        if (t.state == kAtBlockBarrier) t.state = kRunnable;
+      for (int t = 0; t < n_threads; ++t)
+        if (b.threads[t].state == kAtBlockBarrier) b.threads[t].state = kRunnable;
       continue;
     }
     const int w = warps[std::uniform_int_distribution<int>(0, (int)warps.size() - 1)(b.rng)];
@@ -190,11 +223,7 @@ inline void run_block(int n_threads) {
       for (int t = w; t < std::min(n_threads, w + 32); ++t)
         if (b.threads[t].state == kRunnable) lanes.push_back(t);
       std::shuffle(lanes.begin(), lanes.end(), b.rng);
-      for (int t : lanes) {
-        b.current = t;
-        threadIdx = dim3((unsigned)t);
-        swapcontext(&b.scheduler, &b.threads[t].ctx);
-      }
+      for (int t : lanes) resume(t);
     } while (release_warp(b, w));
   }
 }
