@@ -94,9 +94,8 @@ def _preload() -> list:
     """What the forkserver imports before it forks ranks: torch's distributed packages, Triton, fastopt, and this
     folder's modules that this process has imported (the test modules, whose functions the ranks run)."""
     here = os.path.dirname(os.path.abspath(__file__))
-    ours = sorted(name for name, mod in list(sys.modules.items())
-                  if "." not in name and os.path.dirname(os.path.abspath(getattr(mod, "__file__", None) or "/")) == here
-                  and name != "compile_check")  # which exits when imported under the interpreter
+    ours = sorted(name for name, mod in list(sys.modules.items()) if "." not in name
+                  and os.path.dirname(os.path.abspath(getattr(mod, "__file__", None) or "/")) == here)
     return ["torch", "torch.distributed.tensor", "torch.distributed.fsdp", "triton", "fastopt", *ours]
 
 
