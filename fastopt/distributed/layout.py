@@ -257,6 +257,13 @@ def collective(new: str, old: str):
     return getattr(dist, new, None) or getattr(dist, old)
 
 
+# torch.compiler.disable for the optimizers' step(): eager under torch.compile (a graph break). torch's own lazy
+# form where there is one (torch.optim's methods use it): torch.compiler.disable imports torch._dynamo when it
+# decorates, 2.5 of the 2.8 s that `import fastopt` took after `import torch` (-X importtime, torch 2.13, 2-core
+# CPU machine); this imports it at the first step, as torch.optim's first step does anyway.
+eager_under_compile = getattr(torch, "_disable_dynamo", None) or torch.compiler.disable
+
+
 def local(t: Tensor) -> Tensor:
     """The local piece of a DTensor (sharing its storage), or `t` itself."""
     return t.to_local() if is_dtensor(t) else t

@@ -150,7 +150,7 @@ from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import checkpoint as ckpt
-from .layout import collective, layout_of
+from .layout import collective, eager_under_compile, layout_of
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
@@ -933,7 +933,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                     dict.__setitem__(gw, k, v)
         self._hyper_seen = [{k: v for k, v in gi.items() if k not in _NOT_HYPER} for gi in self.optim.param_groups]
 
-    @torch.compiler.disable  # eager under torch.compile, like the wrapped optimizer's step (collectives, hooks)
+    @eager_under_compile  # eager under torch.compile, like the wrapped optimizer's step (collectives, hooks)
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None, **kwargs):
         """The optimizer step on this rank's params and pieces, then the params' broadcast (collective).

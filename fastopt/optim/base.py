@@ -20,7 +20,7 @@ from torch import Tensor
 from .. import checkpoint as ckpt
 from .. import ops
 from ..distributed import phases
-from ..distributed.layout import _ATTR, Layout, fsdp1_refusal, fsdp_grads, layout_of, local
+from ..distributed.layout import _ATTR, Layout, eager_under_compile, fsdp1_refusal, fsdp_grads, layout_of, local
 
 __all__ = ["FastOptimizer", "check", "check_betas", "ScalerArgs", "lr_rule", "host_value"]
 
@@ -676,8 +676,9 @@ class FastOptimizer(torch.optim.Optimizer):
 
     # torch.compile of a training step runs this step eagerly (a graph break): the step is fused kernels already,
     # dynamo cannot trace the Triton launches, and inductor miscompiled the reference's 8-bit dequantization of a
-    # partial last block (pytorch/pytorch#195582: NaN and wrong params on CPU).
-    @torch.compiler.disable
+    # partial last block (pytorch/pytorch#195582: NaN and wrong params on CPU). `eager_under_compile`: as
+    # torch.compiler.disable, importing torch._dynamo at the first call instead of at `import fastopt`.
+    @eager_under_compile
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None):
         loss = None
