@@ -91,12 +91,13 @@ START_METHOD = "spawn" if torch.cuda.is_available() else "forkserver"
 
 
 def _preload() -> list:
-    """What the forkserver imports before it forks ranks: torch's distributed packages, Triton, fastopt, and this
-    folder's modules that this process has imported (the test modules, whose functions the ranks run)."""
+    """What the forkserver imports before it forks ranks: torch's distributed packages, torch._dynamo (which the
+    first step of a torch.optim optimizer imports, 2.5 s), Triton, fastopt, and this folder's modules that this
+    process has imported (the test modules, whose functions the ranks run)."""
     here = os.path.dirname(os.path.abspath(__file__))
     ours = sorted(name for name, mod in list(sys.modules.items()) if "." not in name
                   and os.path.dirname(os.path.abspath(getattr(mod, "__file__", None) or "/")) == here)
-    return ["torch", "torch.distributed.tensor", "torch.distributed.fsdp", "triton", "fastopt", *ours]
+    return ["torch", "torch.distributed.tensor", "torch.distributed.fsdp", "torch._dynamo", "triton", "fastopt", *ours]
 
 
 class DistPool:
