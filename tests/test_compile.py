@@ -79,7 +79,7 @@ class Compile:
 @pytest.mark.skipif(not _ptxas().exists(), reason="this Triton build ships no ptxas (no CUDA back end)")
 @pytest.mark.skipif(torch.cuda.is_available() and not ops.interpreting(),
                     reason="a CUDA device is here, and the rest of the suite compiles and runs every kernel on it; "
-                    "this compile through a fake driver (5-6 minutes with a cold cache) is for machines without one "
+                    "this compile through a fake driver (4-6 minutes with a cold cache) is for machines without one "
                     "(by hand: python tests/compile_check.py)")
 def test_every_kernel_compiles_for_sm90_without_spills_and_streams_in_vectors(request):
     early = getattr(request.config, "_fastopt_compile", None)  # started by tests/conftest.py after collection
