@@ -81,8 +81,9 @@ machine's noise lets one measure, so none was added.
 The gloo processes of tests/dist_utils.py install it too (they ran Triton's interpreter as it is before).
 
 It does nothing where Triton's interpreter lacks the pieces it relies on (another Triton version), and
-nothing unless TRITON_INTERPRET is set. `installed()` says whether it took effect; tests/test_interp_speed.py
-checks that it did and that kernels give the same bits with and without it.
+nothing unless TRITON_INTERPRET is set; under Triton 3.6-3.8, whose binary operations have another shape, it
+installs all but their fast paths (`_ops`, written for 3.9). `installed()` and `ops_installed()` say what took effect;
+tests/test_interp_speed.py checks that it did and that kernels give the same bits with and without it.
 """
 from __future__ import annotations
 
@@ -91,11 +92,17 @@ import inspect
 import os
 import re
 
-_state = {"installed": False}
+_state = {"installed": False, "ops": False}
 
 
 def installed() -> bool:
     return _state["installed"]
+
+
+def ops_installed() -> bool:
+    """Whether the binary operations' fast paths (`_ops`) took effect too (not under Triton 3.6-3.8, whose
+    binary operations have another shape: there they are Triton's own, and the rest is installed)."""
+    return _state["installed"] and _state["ops"]
 
 
 def install() -> bool:
@@ -175,8 +182,14 @@ def install() -> bool:
     memoized, semantic = _memoize(it, tl), _semantic(it, tl)
     ops = _ops(it, tl, it.interpreter_semantic) if semantic is not None else None
     convert = _convert(it, tl)
-    if memoized is None or semantic is None or ops is None or convert is None:
+    if memoized is None or semantic is None or convert is None:
         return False
+    _state["ops"] = ops is not None
+    if ops is None:  # binary operations of another shape (Triton 3.6-3.8): Triton's own, the rest installed
+        sem = it.interpreter_semantic
+        own = (type(sem).binary_op_type_checking_impl.__get__(sem), it._patch_attr, tl.core._unwrap_if_constexpr,
+               type(sem).binary_op_sanitize_overflow_impl.__get__(sem))
+        ops = (own, own)
     ours, theirs = memoized
     sem_ours, sem_theirs = semantic
     ops_ours, ops_theirs = ops
@@ -288,6 +301,11 @@ def _semantic(it, tl):
             or "if src_sca_ty == dst_sca_ty:\n            return input" not in srcs[2]
             or list(inspect.signature(cast).parameters)[:3] != ["self", "input", "dst_ty"]):
         return None
+    # the constructor the broadcast's splat calls: `make_tensor` (3.9), `tensor` (3.6-3.8)
+    make = next((getattr(sem, m) for m in ("make_tensor", "tensor")
+                 if f"self.{m}(self.builder.create_splat(" in srcs[0]), None)
+    if make is None:
+        return None
     plain = tl.dtype
     block_type = tl.block_type
     types: dict = {}
@@ -311,7 +329,7 @@ def _semantic(it, tl):
         its block type (memoized by `with_element_ty` for plain types) and the builder's own splat, which reads only
         that type's shape (`to_ir` skipped)."""
         ty = block_ty.with_element_ty(value.type)
-        return sem.make_tensor(builder.create_splat(ty, value.handle), ty)
+        return make(builder.create_splat(ty, value.handle), ty)
 
     def broadcast_fast(lhs, rhs):
         lhs_ty, rhs_ty = lhs.type, rhs.type
@@ -582,7 +600,8 @@ def _use(which: str) -> None:
      sem.broadcast_impl_value, sem.computation_type_impl, sem.cast, sem.binary_op_type_checking_impl,
      it._patch_attr, tl.core._unwrap_if_constexpr, sem.binary_op_sanitize_overflow_impl,
      it._convert_float) = _state["calls"][which]
-    _state["fast"][0] = which == "patched"  # the kept builtin wrappers: Triton's lambda under triton_as_it_is()
+    # the kept builtin wrappers (`_ops`): Triton's lambda under triton_as_it_is()
+    _state.setdefault("fast", [False])[0] = which == "patched"
 
 
 @contextlib.contextmanager
