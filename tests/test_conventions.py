@@ -11,7 +11,8 @@ projected group, AdamW8bit) on both back ends:
 - the state_dict and load_state_dict hooks run as on torch.optim.AdamW (optimizers and the ZeRO wrapper);
 - a 0-dim CPU tensor lr, changed in place between steps, steps like the same float lrs; a CUDA (here: meta)
   tensor lr is refused;
-- a param twice in one group, or in two groups, is refused;
+- a param twice in one group, or in two groups, is refused; the group dicts a caller hands in are the param_groups
+  (a change made through them takes effect), as in torch; a lazy module's params are taken before their dry run;
 - a state_dict that looks like another library's but is malformed is refused as fastopt's own would be;
 - the kernels' plans of groups replaced by load_state_dict are dropped;
 - torch.compile of a training step runs step() eagerly (a graph break), bit for bit the eager run.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import os
 import pickle
 import re
@@ -686,6 +688,71 @@ def test_numpy_scalars_step_like_python_numbers(case, backend, device):
         run(twin, tw, [t])
     assert_same(opt, twin)
     assert all(type(g["lr"]) is float for g in opt.param_groups)
+
+
+def _callers_groups(case, ps):
+    """Param groups as a caller builds them: dicts the caller keeps (GaLore's first one projected)."""
+    extra = dict(rank=2, update_proj_gap=3, proj_type="std") if CASES[case][0] is _galore else {}
+    return [{"params": [ps[0], ps[2]], **extra}, {"params": [ps[1]]}]
+
+
+@pytest.mark.parametrize("added", [False, True], ids=["constructor", "add_param_group"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_callers_group_dicts_are_the_groups(case, added, backend, device):
+    """torch.optim keeps the dicts handed to the constructor or to add_param_group as its param_groups (so do
+    transformers', came-pytorch's, galore-torch's and bitsandbytes' optimizers), and so does every fastopt
+    optimizer: an lr and a weight decay set through the caller's own dict after 2 steps take effect, 6 steps
+    bit for bit like a twin's set through its param_groups (the groups were copies: the change was ignored)."""
+    fn, kw = CASES[case]
+    cls = fastopt.GaLoreAdamW if fn is _galore else fn
+    ps = make_params(device)
+    groups = _callers_groups(case, ps)
+    torch_opt = torch.optim.AdamW(groups[:1] if added else groups, lr=1e-2)
+    if added:
+        torch_opt.add_param_group(groups[1])
+    assert all(g is h for g, h in zip(torch_opt.param_groups, groups))
+    opts = []
+    for via_caller in (True, False):
+        ps = make_params(device)
+        groups = _callers_groups(case, ps)
+        opt = cls(groups[:1] if added else groups, **kw)
+        if added:
+            opt.add_param_group(groups[1])
+        assert all(g is h for g, h in zip(opt.param_groups, groups))
+        for t in range(6):
+            if t == 2:
+                target = groups[1] if via_caller else opt.param_groups[1]
+                target["lr"], target["weight_decay"] = 3e-3, 0.2
+            run(opt, ps, [t])
+        opts.append(opt)
+    assert opts[0].param_groups[1]["lr"] == 3e-3
+    assert_same(*opts)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_lazy_module_params_before_their_dry_run(case, backend, device):
+    """An optimizer built on a lazy module's params before its dry run (torch.nn.LazyLinear: UninitializedParameter,
+    no shape yet; GaLore with plain groups, whose projected ones check shapes when built), as torch.optim.AdamW takes
+    them: state_dict() lists no state for them, as AdamW's, and the truth test of `state` and a step without
+    gradients pass (they raised); after the dry run, 4 steps with fresh random gradients are bit for bit those of a
+    twin built after it."""
+    fn, kw = CASES[case]
+    build = functools.partial(fastopt.GaLoreAdamW if fn is _galore else fn, **kw)
+
+    def lazy_model():
+        return torch.nn.Sequential(torch.nn.LazyLinear(8, device=device, dtype=F64),
+                                   torch.nn.LazyLinear(20, device=device, dtype=F64))
+    model = lazy_model()
+    opt = build(model.parameters())
+    assert torch.optim.AdamW(lazy_model().parameters()).state_dict()["state"] == {}
+    assert opt.state_dict()["state"] == {} and opt.state
+    opt.step()
+    model(torch.zeros(3, 12, device=device, dtype=F64))  # the dry run: (8, 12), (8,), (20, 8), (20,)
+    twin = copy.deepcopy(model)
+    twin_opt = build(twin.parameters())
+    run(opt, list(model.parameters()), range(4))
+    run(twin_opt, list(twin.parameters()), range(4))
+    assert_same(opt, twin_opt)
 
 
 GALORE_BAD_KEYS = [("scale", float("nan")), ("scale", "0.25"), ("update_proj_gap", 0), ("update_proj_gap", 2.5),

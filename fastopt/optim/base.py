@@ -308,13 +308,15 @@ class FastOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         """Checks the group's hyperparameters (`_check_hyper`) and that none of its params is already in a
         group or appears twice in it (torch only warns there, and the param would be stepped twice) before
-        adding it; torch checks the rest."""
+        adding it; torch checks the rest. As in torch, the group is the caller's dict itself (holding the checked
+        values and the defaults it lacked), so that a change made through it later (`groups[1]["lr"] = 0`) is
+        seen by the step."""
         if isinstance(param_group, dict):
             where = f"param_groups[{len(self.param_groups)}]"
-            param_group = self._check_hyper(param_group, where)
-            params = param_group.get("params")
+            checked = self._check_hyper(param_group, where)
+            params = checked.get("params")
             if params is not None and not isinstance(params, (Tensor, set)):  # torch refuses a set itself
-                param_group["params"] = params = list(params)
+                checked["params"] = params = list(params)
                 seen = {id(p): f"param_groups[{gi}]['params'][{pi}]"
                         for gi, g in enumerate(self.param_groups) for pi, p in enumerate(g["params"])}
                 for i, q in enumerate(params):
@@ -324,6 +326,7 @@ class FastOptimizer(torch.optim.Optimizer):
                         raise ValueError(f"{self._name}: {here} is the same tensor as {seen[id(t)]}; each param "
                                          "may appear once in an optimizer (it would be stepped twice)")
                     seen[id(t)] = here
+            param_group.update(checked)  # only once every check passed: a refused group leaves it as it was
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         spec = self.__dict__.get("_colossal")
@@ -391,8 +394,9 @@ class FastOptimizer(torch.optim.Optimizer):
         sigs = self._layout_sigs
         live = set()
         for gi, group in enumerate(self.param_groups):
-            sig = (tuple(group.get(k) for k in self._layout_keys),
-                   tuple((p.dtype, p.shape, p.device) for p in group["params"]))
+            sig = (tuple(group.get(k) for k in self._layout_keys),  # (a lazy module's param has no shape yet)
+                   tuple((p.dtype, None if torch.nn.parameter.is_lazy(p) else p.shape, p.device)
+                         for p in group["params"]))
             live.add(id(group))
             old = sigs.get(id(group))
             if old is not None and old[0] is group and old[1] == sig:
@@ -766,7 +770,10 @@ class FastOptimizer(torch.optim.Optimizer):
         return sd
 
     def _zero_state_due(self, p: Tensor, group: dict) -> bool:
-        return not self.state.get(p) and p.requires_grad and p.numel() > 0 and self._state_known(p, group)
+        """Whether `state_dict()` (and the truth test of `self.state`) makes p's zero state now: not for a lazy
+        module's param before its dry run (`UninitializedParameter`: no shape yet; its first step makes it)."""
+        return (not self.state.get(p) and p.requires_grad and not torch.nn.parameter.is_lazy(p) and p.numel() > 0
+                and self._state_known(p, group))
 
     def _make_zero_state(self, p: Tensor, group: dict) -> None:
         """Zero state for trainable param `p`, which has none, kept (as torch's DCP makes it with a step at lr=0):

@@ -160,7 +160,15 @@ class GaLoreAdamW(FastOptimizer):
             for k in GROUP_DEFAULTS:
                 check(k not in group, f"{where}['{k}']", n, group.get(k),
                       "come with 'rank' (a group without 'rank' is plain AdamW)")
-        super().add_param_group(group)
+        # The caller's dict is the group, as in torch (FastOptimizer.add_param_group); as it was if refused there.
+        before = dict(param_group)
+        param_group.update(group)
+        try:
+            super().add_param_group(param_group)
+        except BaseException:
+            param_group.clear()
+            param_group.update(before)
+            raise
 
     def _check_projected(self, group: dict, where: str, at_step: bool = True) -> None:
         """Each param of a projected group is a matrix (or a batch of them) with both dims >= rank, by its
