@@ -3,8 +3,9 @@
 `load()` builds the extension with `torch.utils.cpp_extension` and ninja the first time it is needed, then
 loads the shared library, which registers the ops under `torch.ops.fastopt` (TORCH_LIBRARY; no Python
 module). The build is cached under `$TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions`) in a folder
-named by a hash of the sources, the torch version, the CUDA version and the CUDA architectures, so a change
-of any of them rebuilds and a warm cache loads in about the time it takes to `dlopen` the library. A cached
+named by a hash of the sources, the torch, CUDA and Python versions, the C++ compiler (`CXX`), whether the CUDA
+kernels are built and for which architectures, and the libstdc++ the process runs with, so a change of any of
+them rebuilds and a warm cache loads in about the time it takes to `dlopen` the library. A cached
 library that `dlopen` refuses (cut short on disk) is built again, from nothing.
 
 Several processes (ranks) starting together on a cold cache take an exclusive file lock (`fcntl.flock`,
@@ -88,13 +89,15 @@ def _runtime_libstdcxx() -> tuple[str, ...]:
 
 
 def build_key(with_cuda: bool | None = None) -> str:
-    """Hash of everything the built library depends on: sources, torch and CUDA versions, architectures."""
+    """Hash of everything the built library depends on: each source's name, length and bytes, torch, CUDA and
+    Python versions, `CXX`, the CUDA kernels' architectures (or none) and the process's libstdc++."""
     with_cuda = _with_cuda() if with_cuda is None else with_cuda
     h = hashlib.sha256()
     src = source_dir()
     for name in _SOURCES_CPU + _HEADERS + (_SOURCES_CUDA if with_cuda else ()):
-        h.update(name.encode())
-        h.update((src / name).read_bytes())
+        data = (src / name).read_bytes()
+        h.update(f"{name}:{len(data)}:".encode())  # the length: no two file sets give one byte stream
+        h.update(data)
     parts = [torch.__version__, str(torch.version.cuda), f"py{sys.version_info[0]}{sys.version_info[1]}",
              os.environ.get("CXX", "c++"), f"cuda={with_cuda}", *_runtime_libstdcxx()]
     if with_cuda:

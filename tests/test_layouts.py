@@ -1796,7 +1796,9 @@ def test_layout_groups_follow_a_new_process_group():
 # ---- flat ranges in one process: the buffers reduced, the padding never read or written -------------------
 LOCAL_OPTS = {**{k: OPTS[k] for k in ("adafactor", "came", "came8", "lamb", "adamw8bit")},
               "lamb8": ("Lamb", dict(lr=1e-2, nbits=8, min_8bit_size=0, block_size=64)),
-              "adamw8bit_q": ("AdamW8bit", dict(lr=1e-2, min_8bit_size=0, block_size=64))}
+              "adamw8bit_q": ("AdamW8bit", dict(lr=1e-2, min_8bit_size=0, block_size=64)),
+              # no projected group: every param takes GaLore's plain AdamW, on the real elements of a flat range
+              "galore_plain": ("GaLoreAdamW", dict(lr=1e-2, weight_decay=0.01))}
 SIZES = {"adafactor": "adafactor", "came": "came", "came8": "came", "lamb": "lamb", "lamb8": "lamb"}
 
 

@@ -7,6 +7,7 @@ quantize_blockwise and a brute-force nearest-code search.
 """
 from __future__ import annotations
 
+import io
 import math
 import os
 import re
@@ -519,7 +520,8 @@ def test_fake_adamw8bit_table_has_the_real_shape(built):
 def test_build_key_names_everything_the_library_depends_on(tmp_path, monkeypatch):
     """A change to any file of csrc/ that the build compiles or includes, to the torch or CUDA version, the
     compiler, or (CUDA builds) the architectures gives another build folder; a CPU-only build ignores the .cu
-    files and the architectures (no needless rebuild). Reads a copy of csrc/, with the architectures set."""
+    files and the architectures (no needless rebuild); so do bytes moved from one file to the next, across the
+    next file's name written into them too. Reads a copy of csrc/, with the architectures set."""
     src = tmp_path / "csrc"
     shutil.copytree(CSRC, src, ignore=shutil.ignore_patterns("tests"))
     monkeypatch.setattr(ext, "source_dir", lambda: src)
@@ -542,6 +544,22 @@ def test_build_key_names_everything_the_library_depends_on(tmp_path, monkeypatch
         assert cuda_key != base[1], f.name
         assert (cpu_key == base[0]) == (f.suffix == ".cu"), f.name
         f.write_bytes(text)
+    assert keys() == base
+    # The same bytes in all, the end of bindings.cpp moved to the start of cpu_kernels.cpp (the next file hashed);
+    # then bytes moved across the next file's name written into them (one stream of names and bytes for both)
+    first, second = (src / "bindings.cpp").read_bytes(), (src / "cpu_kernels.cpp").read_bytes()
+    for a, b in ((first[:-20], first[-20:] + second),
+                 (first + b"cpu_kernels.cppX", second), (first, b"Xcpu_kernels.cpp" + second)):
+        (src / "bindings.cpp").write_bytes(a)
+        (src / "cpu_kernels.cpp").write_bytes(b)
+        cpu_key, cuda_key = keys()
+        assert cpu_key != base[0] and cuda_key != base[1]
+        if b is second:
+            moved = cpu_key
+        elif b.startswith(b"X"):
+            assert cpu_key != moved
+    (src / "bindings.cpp").write_bytes(first)
+    (src / "cpu_kernels.cpp").write_bytes(second)
     assert keys() == base
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
     assert keys()[0] == base[0] and keys()[1] != base[1]
@@ -747,8 +765,8 @@ def test_a_cuda_build_puts_the_architecture_setting_back_exactly_even_when_it_fa
 def test_a_cached_library_that_does_not_load_is_built_again_from_nothing(tmp_path, monkeypatch):
     """A marked build whose library dlopen refuses (cut short on disk) is built again under the lock, from an empty
     folder (ninja would take the damaged library, newer than its objects, as built); a process that finds, once it
-    holds the lock, another library than the one refused (built by another process meanwhile) loads that one (build
-    and loader stubbed)."""
+    holds the lock, another library than the one refused (built by another process meanwhile, of the same size) loads
+    that one (build and loader stubbed)."""
     monkeypatch.setenv("FASTOPT_EXT_CUDA", "0")
     name = f"fastopt_ext_{ext.build_key(False)}"
     for rebuilt_meanwhile in (False, True):
@@ -757,20 +775,21 @@ def test_a_cached_library_that_does_not_load_is_built_again_from_nothing(tmp_pat
         _stub_build(root, monkeypatch, log, lambda name, d: log.append(sorted(f.name for f in d.iterdir())))
         d = root / name
         d.mkdir(parents=True)
-        for f, data in ((f"{name}.so", b"\x7fE"), ("bindings.o", b""), ("BUILD_OK", ext.build_key(False) + "\n")):
+        for f, data in ((f"{name}.so", b"\x7fE"), ("bindings.o", b"\x7fF"), ("BUILD_OK", ext.build_key(False) + "\n")):
             (d / f).write_bytes(data) if isinstance(data, bytes) else (d / f).write_text(data)
 
         def dlopen(path):
             log.append(("dlopen", Path(path).read_bytes()))
             if Path(path).read_bytes() == b"\x7fE":
                 if rebuilt_meanwhile:
-                    os.replace(d / "bindings.o", path)  # another file: a library another process built
+                    os.replace(d / "bindings.o", path)  # another file of the same size: a library another
+                    # process built (of the same sources, its size is the size the refused one was meant to have)
                 raise OSError(f"{path}: file too short")
 
         monkeypatch.setattr(torch.ops, "load_library", dlopen)
         if rebuilt_meanwhile:
             assert ext._build_and_load(False) == "waited"
-            assert log == [("dlopen", b"\x7fE"), ("toolchain", False), ("dlopen", b"")], log
+            assert log == [("dlopen", b"\x7fE"), ("toolchain", False), ("dlopen", b"\x7fF")], log
         else:
             assert ext._build_and_load(False) == "built"
             assert log == [("dlopen", b"\x7fE"), ("toolchain", False), ("compile", False, None), []], log
@@ -842,6 +861,84 @@ def test_a_loaded_extension_is_not_looked_up_again(built, monkeypatch):
     ext.load()
     assert ext.is_available() and ext.how_loaded() in ("built", "waited", "cache") and tries == []
     assert codes.shape == (300,) and absmax.shape == (5,)
+
+
+def test_a_build_hands_the_compiler_the_cuda_files_and_flags_for_the_cuda_kernels_only(tmp_path, monkeypatch):
+    """What `_build_and_load` hands torch's builder (cpp_extension.load stubbed: nothing is compiled or loaded): the
+    C++ sources, and for a CUDA build the .cu files too with -DFASTOPT_WITH_CUDA on the host and the nvcc compiles
+    alike (bindings.cpp registers the CUDA kernels under it: without it a CUDA build would load but refuse CUDA
+    tensors); csrc/ on the include path and the process's libstdc++ (`_runtime_libstdcxx`) ahead of the compiler's
+    own, CPU and CUDA builds alike; a library, not a Python module."""
+    from torch.utils import cpp_extension
+    calls = []
+
+    def fake_compile(name, sources, build_directory, **kw):
+        calls.append(dict(kw, sources=[Path(s).name for s in sources]))
+        (Path(build_directory) / f"{name}.so").write_bytes(b"\x7fELF")
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0")
+    monkeypatch.setattr(cpp_extension, "load", fake_compile)
+    monkeypatch.setattr(torch.ops, "load_library", lambda path: None)
+    monkeypatch.setattr(ext, "_check_toolchain", lambda with_cuda: None)
+    monkeypatch.setattr(ext, "_runtime_libstdcxx", lambda: ("/opt/rt/lib64/libstdc++.so.6",))
+    for flag in ("0", "1"):
+        monkeypatch.setenv("FASTOPT_EXT_CUDA", flag)
+        assert ext._build_and_load(False) == "built", flag
+    cpu, cuda = calls
+    assert cpu["with_cuda"] is False and cpu["sources"] == ["bindings.cpp", "cpu_kernels.cpp"]
+    assert cuda["with_cuda"] is True
+    assert cuda["sources"] == ["bindings.cpp", "cpu_kernels.cpp", "quant_cuda.cu", "adamw_cuda.cu"]
+    assert "-DFASTOPT_WITH_CUDA" not in cpu["extra_cflags"] + cpu["extra_cuda_cflags"]
+    assert "-DFASTOPT_WITH_CUDA" in cuda["extra_cflags"] and "-DFASTOPT_WITH_CUDA" in cuda["extra_cuda_cflags"]
+    for kw in calls:
+        assert kw["extra_include_paths"] == [str(ext.source_dir())] and kw["is_python_module"] is False
+        assert kw["extra_ldflags"] == ["/opt/rt/lib64/libstdc++.so.6"]
+
+
+def test_the_libstdcxx_named_is_the_mapped_file_ninja_can_take(tmp_path, monkeypatch):
+    """`_runtime_libstdcxx` reads /proc/self/maps (a fake here; uncached): the first mapped libstdc++.so that is a
+    file, one replaced on disk since it was mapped (" (deleted)", as a package upgrade leaves it) taken as the file
+    now at its path; not one whose path ninja could not take unquoted (whitespace, `$`) nor one that is gone; ()
+    when none is left or /proc cannot be read."""
+    libs = {}
+    for name in ("a$b", "a b", "lib64"):
+        (tmp_path / name).mkdir()
+        libs[name] = tmp_path / name / "libstdc++.so.6"
+        libs[name].write_bytes(b"\x7fELF")
+    row = "7f0a1c000000-7f0a1c200000 r-xp 00000000 08:01 1234                       "
+    maps = ["7f0a1b000000-7f0a1b021000 rw-p 00000000 00:00 0 ",
+            row + str(tmp_path / "gone" / "libstdc++.so.6"), row + str(libs["a$b"]), row + str(libs["a b"]),
+            row + str(libs["lib64"]) + " (deleted)", row + str(libs["a$b"])]
+
+    def fake_open(lines):
+        def open_(path, *args, **kw):
+            assert path == "/proc/self/maps"
+            if lines is None:
+                raise FileNotFoundError(path)
+            return io.StringIO("".join(line + "\n" for line in lines))
+        return open_
+
+    read = ext._runtime_libstdcxx.__wrapped__
+    for lines, want in ((maps, (str(libs["lib64"]),)), (maps[:4], ()), ([], ()), (None, ())):
+        monkeypatch.setattr(ext, "open", fake_open(lines), raising=False)
+        assert read() == want, lines
+
+
+def test_the_sources_are_found_in_the_package_then_beside_it(tmp_path, monkeypatch):
+    """source_dir(): csrc/ inside the installed package (fastopt/csrc, where a wheel puts it), else next to the
+    package (a source checkout); neither: an error that says to reinstall (the module's path faked)."""
+    site = (tmp_path / "site").resolve()
+    for d in (site / "fastopt" / "csrc", site / "csrc"):
+        d.mkdir(parents=True)
+        (d / "bindings.cpp").write_text("")
+    monkeypatch.setattr(ext, "__file__", str(site / "fastopt" / "ext.py"))
+    assert ext.source_dir() == site / "fastopt" / "csrc"
+    (site / "fastopt" / "csrc" / "bindings.cpp").unlink()
+    assert ext.source_dir() == site / "csrc"
+    (site / "csrc" / "bindings.cpp").unlink()
+    with pytest.raises(RuntimeError, match=re.escape("reinstall fastopt (pip install fastopt)")):
+        ext.source_dir()
 
 
 _BUILD_SCRIPT = textwrap.dedent("""
