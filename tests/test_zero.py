@@ -1464,6 +1464,36 @@ def test_buckets_are_filled_greedily_up_to_the_cap():
     assert got == [[0, 1, 2], [3, 4], [5], [6], [7, 8]], got
 
 
+def test_a_param_given_twice_is_refused():
+    """A param listed twice (torch's optimizers only warn about it within one group) would be owned, reduced and
+    stepped twice: refused at construction and by add_param_group (before torch's check, naming where it is
+    already), and the refused group adds nothing; the corrected group then steps as torch's SGD over the same
+    groups, bit for bit (4 steps of fresh batches)."""
+    model = Net()
+    mats, vecs = model.groups()
+    with pytest.warns(UserWarning, match="duplicate parameters"):
+        twice = torch.optim.SGD(mats + [mats[1]], lr=0.1)
+    with pytest.raises(ValueError, match=re.escape("a param appears twice: the group's params[4] is its params[1]")):
+        ZeroRedundancyOptimizer(twice)
+    ref_model = copy.deepcopy(model)
+    opt = ZeroRedundancyOptimizer(torch.optim.SGD(mats, lr=0.1, momentum=0.9))
+    for group, match in (([vecs[0], mats[2]], "the group's params[1] is param 2 already"),
+                         ([vecs[0], vecs[1], vecs[0]], "the group's params[2] is its params[0] already")):
+        with pytest.raises(ValueError, match=re.escape(f"a param appears twice: {match}")):
+            opt.add_param_group({"params": group, "lr": 0.05})
+        assert len(opt.param_groups) == len(opt.optim.param_groups) == 1 and len(opt._params) == len(mats)
+    opt.add_param_group({"params": vecs, "lr": 0.05})
+    ref_mats, ref_vecs = ref_model.groups()
+    ref = torch.optim.SGD([{"params": ref_mats}, {"params": ref_vecs, "lr": 0.05}], lr=0.1, momentum=0.9)
+    for step in range(4):
+        x, y = batch(step, 1)
+        for m, o in ((ref_model, ref), (model, opt)):
+            o.zero_grad()
+            loss_fn(m, x, y).backward()
+            o.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref_model.parameters()))
+
+
 def test_mismatched_state_dict_is_refused():
     """A consolidated (or unwrapped) state_dict whose groups do not match the wrapper's: refused, naming the
     mismatch, before anything changes (zip would cut it short, or put a param's state on another param)."""
@@ -1625,6 +1655,13 @@ def _state_dict_roundtrip(rank, world, name, partition_grad, model_cls=None):
     m6, o6 = fresh()
     with pytest.raises(ValueError, match="consolidated=True"):
         o6.load_state_dict(shards[(rank + 1) % world])
+    # This rank's own shard with the state of a param another rank owns added: refused, naming the param (loaded,
+    # that state would be dropped without a word).
+    other = next(i for i, r in enumerate(opt._owner) if r not in (rank, -1))
+    foreign = copy.deepcopy(shard)
+    foreign["state"][other] = copy.deepcopy(shards[opt._owner[other]]["state"][other])
+    with pytest.raises(ValueError, match=rf"holds state of params \[{other}\], which this rank does not own"):
+        o6.load_state_dict(foreign)
     out["split"] = sorted(opt._split)
     return out
 
@@ -1864,7 +1901,29 @@ def _bad_input(rank, world, case):
             with pytest.raises(RuntimeError, match=r"param #0 \(10, 4\) .*has a torch.sparse_coo gradient"):
                 emb(torch.tensor([rank, rank + 1])).sum().backward()
                 opt.step()
-        return "refused"
+        # ZeRO-1: refused by step() before it reduces any bucket (a bucket of dense params is reduced before the
+        # embedding's here), so once the embedding is made dense, the gradients cleared without the wrapper and
+        # backward run again, 4 steps match one process on the whole batch.
+        emb, lin = torch.nn.Embedding(40, 4, sparse=True).to(DT), torch.nn.Linear(4, 3).to(DT)
+        ref = copy.deepcopy(torch.nn.Sequential(emb, lin))
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+        init = [p.detach().clone() for p in ref.parameters()]
+        opt = ZeroRedundancyOptimizer(torch.optim.SGD([*emb.parameters(), *lin.parameters()], lr=0.1, momentum=0.9),
+                                      bucket_size_mb=BUCKET_MB)
+        ids = [torch.randint(40, (world, 5), generator=torch.Generator().manual_seed(step)) for step in range(4)]
+        lin(emb(ids[0][rank])).square().mean().backward()
+        with pytest.raises(RuntimeError, match=r"param #0 \(40, 4\) .*has a torch.sparse_coo gradient"):
+            opt.step()
+        emb.sparse = False
+        for step in range(4):  # step 0: the refused step's backward, run again
+            for p in [*emb.parameters(), *lin.parameters()]:
+                p.grad = None
+            lin(emb(ids[step][rank])).square().mean().backward()
+            opt.step()
+            ref_opt.zero_grad()
+            ref(ids[step]).square().mean().backward()
+            ref_opt.step()
+        return "refused", rel_update_error([*emb.parameters(), *lin.parameters()], list(ref.parameters()), init)
     elif case == "group_type":
         opt = ZeroRedundancyOptimizer(make_opt("AdamW", model))
         with pytest.raises(TypeError, match="process_group=str"):
@@ -1877,7 +1936,8 @@ def _bad_input(rank, world, case):
 def test_bad_input_distributed(pool, case):
     results = pool.run(_bad_input, case)
     if case == "sparse":
-        assert results == ["refused"] * WORLD
+        assert [r[0] for r in results] == ["refused"] * WORLD
+        assert all(r[1] <= TOL[DT] for r in results), [r[1] for r in results]
     if case == "hyper":
         assert results == [1] * WORLD  # the refused group was not added
     if case == "group":
@@ -1931,6 +1991,35 @@ def test_torch_form_steps_as_the_instance_form():
             o.step()
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref_model.parameters()))
     assert opt.param_groups[0]["lr"] == 1e-2 and opt.param_groups[0]["weight_decay"] == 0.1
+
+
+def test_compiled_training_step_runs_the_wrapper_step_eagerly():
+    """A compiled function that sets the grads and calls the wrapper's step(): dynamo captures the function's own
+    ops and none of the step's (traced, the wrapper's step failed inside dynamo, even as a pass-through), and 4
+    steps of fresh gradients equal the eager run bit for bit (test_conventions.py: the optimizers' own step)."""
+    import operator
+    torch._dynamo.reset()
+    traced = []
+
+    def capture(gm, example_inputs):
+        traced.extend(n.target for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    def train(opt, params, grads):
+        for p, g in zip(params, grads):
+            p.grad = g * 2.0
+        opt.step()
+
+    model, twin = Net(), Net()
+    opt, ref = (ZeroRedundancyOptimizer(make_opt("Adafactor", m)) for m in (model, twin))
+    compiled = torch.compile(train, backend=capture)
+    for step in range(4):
+        g = torch.Generator().manual_seed(step)
+        grads = [torch.randn(p.shape, generator=g, dtype=DT) for p in model.parameters()]
+        compiled(opt, list(model.parameters()), grads)
+        train(ref, list(twin.parameters()), [t.clone() for t in grads])
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
+    assert traced and set(traced) == {operator.mul}, set(traced)
 
 
 def test_torch_conventions_of_the_wrapper():
