@@ -376,6 +376,31 @@ def check_lr_scheduler_drives_group_lr(ours_cls, ref_cls, kw: dict, init, grads,
     assert_tracks(results[0], results[1], init, torch.float64)
 
 
+def compiled_step_ops(opt, ref, params, twin, grads_at, steps: int = 4) -> set:
+    """`steps` training steps, each a function that sets the grads (grads_at(t), doubled) and calls step(): on
+    (opt, params) through torch.compile, on (ref, twin) eagerly. Returns what dynamo captured (the targets of the
+    graphs' function calls), which the caller compares with the function's own ops."""
+    torch._dynamo.reset()
+    traced = []
+
+    def capture(gm, example_inputs):
+        traced.extend(n.target for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    def train(o, ps, grads):
+        for p, g in zip(ps, grads):
+            p.grad = g * 2.0
+        o.step()
+
+    compiled = torch.compile(train, backend=capture)
+    for t in range(steps):
+        grads = grads_at(t)
+        compiled(opt, params, grads)
+        train(ref, twin, [g.clone() for g in grads])
+    assert traced, "dynamo captured nothing"
+    return set(traced)
+
+
 def save_load(state_dict):
     """`state_dict` through torch.save and torch.load(weights_only=True), as a checkpoint on disk makes it."""
     buf = io.BytesIO()

@@ -32,7 +32,8 @@ import types
 
 import pytest
 import torch
-from conftest import TOL, assert_unchanged, check_no_host_sync, rel_update_error, save_load, snapshot
+from conftest import (TOL, assert_unchanged, check_no_host_sync, compiled_step_ops, rel_update_error, save_load,
+                      snapshot)
 
 import fastopt
 
@@ -1000,27 +1001,12 @@ def test_compiled_training_step_runs_the_step_eagerly(case, backend, device):
     none of the step's (it traced into the Triton launches and failed; inductor miscompiled the 8-bit reference's
     partial last block, pytorch/pytorch#195582, giving NaN params), and four steps equal the eager run bit for bit."""
     import operator
-    torch._dynamo.reset()
-    traced = []
-
-    def capture(gm, example_inputs):
-        traced.extend(n.target for n in gm.graph.nodes if n.op == "call_function")
-        return gm.forward
-
-    def train(opt, params, grads):
-        for p, g in zip(params, grads):
-            p.grad = g * 2.0
-        opt.step()
-
     ps, twin = make_params(device), make_params(device)
     opt, ref = make(case, ps), make(case, twin)
-    compiled = torch.compile(train, backend=capture)
-    for t in range(4):
-        grads = [torch.randn(p.shape, generator=torch.Generator().manual_seed(t), dtype=F64).to(device) for p in ps]
-        compiled(opt, ps, grads)
-        train(ref, twin, [g.clone() for g in grads])
+    traced = compiled_step_ops(opt, ref, ps, twin, lambda t: [
+        torch.randn(p.shape, generator=torch.Generator().manual_seed(t), dtype=F64).to(device) for p in ps])
     assert_same(opt, ref)
-    assert traced and set(traced) == {operator.mul}, set(traced)
+    assert traced == {operator.mul}, traced
 
 
 def test_import_leaves_dynamo_to_the_first_step():

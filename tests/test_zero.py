@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
-from conftest import DIST_WORLD, TOL, rel_update_error, save_load
+from conftest import DIST_WORLD, TOL, compiled_step_ops, rel_update_error, save_load
 from dist_utils import DistError
 
 import fastopt
@@ -1464,6 +1464,17 @@ def test_buckets_are_filled_greedily_up_to_the_cap():
     assert got == [[0, 1, 2], [3, 4], [5], [6], [7, 8]], got
 
 
+def _same_steps(model, opt, ref_model, ref, steps: int = 4) -> None:
+    """`steps` steps of fresh batches on both (one process), after which the params are equal bit for bit."""
+    for step in range(steps):
+        x, y = batch(step, 1)
+        for m, o in ((ref_model, ref), (model, opt)):
+            o.zero_grad()
+            loss_fn(m, x, y).backward()
+            o.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref_model.parameters()))
+
+
 def test_a_param_given_twice_is_refused():
     """A param listed twice (torch's optimizers only warn about it within one group) would be owned, reduced and
     stepped twice: refused at construction and by add_param_group (before torch's check, naming where it is
@@ -1485,13 +1496,7 @@ def test_a_param_given_twice_is_refused():
     opt.add_param_group({"params": vecs, "lr": 0.05})
     ref_mats, ref_vecs = ref_model.groups()
     ref = torch.optim.SGD([{"params": ref_mats}, {"params": ref_vecs, "lr": 0.05}], lr=0.1, momentum=0.9)
-    for step in range(4):
-        x, y = batch(step, 1)
-        for m, o in ((ref_model, ref), (model, opt)):
-            o.zero_grad()
-            loss_fn(m, x, y).backward()
-            o.step()
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref_model.parameters()))
+    _same_steps(model, opt, ref_model, ref)
 
 
 def test_mismatched_state_dict_is_refused():
@@ -1983,13 +1988,7 @@ def test_torch_form_steps_as_the_instance_form():
     opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-2,
                                   weight_decay=0.1, parameters_as_bucket_view=True)
     assert type(opt.optim) is torch.optim.AdamW and opt.process_group is None
-    for step in range(4):
-        x, y = batch(step, 1)
-        for m, o in ((ref_model, ref), (model, opt)):
-            o.zero_grad()
-            loss_fn(m, x, y).backward()
-            o.step()
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref_model.parameters()))
+    _same_steps(model, opt, ref_model, ref)
     assert opt.param_groups[0]["lr"] == 1e-2 and opt.param_groups[0]["weight_decay"] == 0.1
 
 
@@ -1998,28 +1997,16 @@ def test_compiled_training_step_runs_the_wrapper_step_eagerly():
     ops and none of the step's (traced, the wrapper's step failed inside dynamo, even as a pass-through), and 4
     steps of fresh gradients equal the eager run bit for bit (test_conventions.py: the optimizers' own step)."""
     import operator
-    torch._dynamo.reset()
-    traced = []
-
-    def capture(gm, example_inputs):
-        traced.extend(n.target for n in gm.graph.nodes if n.op == "call_function")
-        return gm.forward
-
-    def train(opt, params, grads):
-        for p, g in zip(params, grads):
-            p.grad = g * 2.0
-        opt.step()
-
     model, twin = Net(), Net()
     opt, ref = (ZeroRedundancyOptimizer(make_opt("Adafactor", m)) for m in (model, twin))
-    compiled = torch.compile(train, backend=capture)
-    for step in range(4):
+    ps = list(model.parameters())
+
+    def grads_at(step):
         g = torch.Generator().manual_seed(step)
-        grads = [torch.randn(p.shape, generator=g, dtype=DT) for p in model.parameters()]
-        compiled(opt, list(model.parameters()), grads)
-        train(ref, list(twin.parameters()), [t.clone() for t in grads])
+        return [torch.randn(p.shape, generator=g, dtype=DT) for p in ps]
+    traced = compiled_step_ops(opt, ref, ps, list(twin.parameters()), grads_at)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
-    assert traced and set(traced) == {operator.mul}, set(traced)
+    assert traced == {operator.mul}, traced
 
 
 def test_torch_conventions_of_the_wrapper():
