@@ -430,8 +430,8 @@ def check_foreign_group_count_refused(ref_cls, ours_cls, **kw) -> None:
 def check_bad_group_refused(cls, defaults: dict, bad: dict, key: str, how: str) -> None:
     """Group 1's `bad` setting, given to the constructor `cls(groups, **defaults)`, to add_param_group, or set
     between steps (`how`: "constructor", "add_param_group", "mutated"), raises a ValueError naming
-    `param_groups[1]['key']` before anything changes: no group added, no param or state of group 0 or 1 moved
-    (group 0 is not stepped either)."""
+    `param_groups[1]['key']` before anything changes: no group added (the dict given left as it was), no param or
+    state of group 0 or 1 moved (group 0 is not stepped either)."""
     match = re.escape(f"{cls.__name__}: {group_key(key, 1)}=")
     a, b = torch.randn(3, 4, requires_grad=True), torch.randn(5, requires_grad=True)
     if how == "constructor":
@@ -443,13 +443,16 @@ def check_bad_group_refused(cls, defaults: dict, bad: dict, key: str, how: str) 
         a.grad, b.grad = torch.randn_like(a), torch.randn_like(b)
         opt.step()
     before = snapshot(opt)
+    group = {"params": [b], **bad}
+    given = dict(group)
     with pytest.raises(ValueError, match=match):
         if how == "add_param_group":
-            opt.add_param_group({"params": [b], **bad})
+            opt.add_param_group(group)  # the caller's dict is left as it was (it becomes the group if added)
         else:
             opt.param_groups[1].update(bad)
             opt.step()
     assert len(opt.param_groups) == (1 if how == "add_param_group" else 2)
+    assert group.keys() == given.keys() and all(group[k] is given[k] for k in given)  # the same objects
     assert how == "mutated" or b not in opt.state
     assert [id(p) for g in opt.param_groups for p in g["params"]] == [id(p) for p in before]
     assert_unchanged(opt, before)

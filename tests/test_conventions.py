@@ -728,6 +728,13 @@ def test_the_callers_group_dicts_are_the_groups(case, added, backend, device):
         opts.append(opt)
     assert opts[0].param_groups[1]["lr"] == 3e-3
     assert_same(*opts)
+    # A group torch refuses after fastopt's checks passed (non-leaf tensors): the caller's dict as it was.
+    group = _callers_groups(case, [p * 2 for p in make_params(device)])[0]
+    given = dict(group)
+    with pytest.raises(ValueError, match="non-leaf Tensor"):
+        opts[0].add_param_group(group)
+    assert group.keys() == given.keys() and all(group[k] is given[k] for k in given)  # same objects
+    assert len(opts[0].param_groups) == 2
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -310,8 +310,9 @@ class FastOptimizer(torch.optim.Optimizer):
         group or appears twice in it (torch only warns there, and the param would be stepped twice) before
         adding it; torch checks the rest. As in torch, the group is the caller's dict itself (holding the checked
         values and the defaults it lacked), so that a change made through it later (`groups[1]["lr"] = 0`) is
-        seen by the step."""
-        if isinstance(param_group, dict):
+        seen by the step; a group refused (here, by torch or by the declaration) leaves it as it was."""
+        before = dict(param_group) if isinstance(param_group, dict) else None
+        if before is not None:
             where = f"param_groups[{len(self.param_groups)}]"
             checked = self._check_hyper(param_group, where)
             params = checked.get("params")
@@ -326,18 +327,24 @@ class FastOptimizer(torch.optim.Optimizer):
                         raise ValueError(f"{self._name}: {here} is the same tensor as {seen[id(t)]}; each param "
                                          "may appear once in an optimizer (it would be stepped twice)")
                     seen[id(t)] = here
-            param_group.update(checked)  # only once every check passed: a refused group leaves it as it was
-        super().add_param_group(param_group)
+            param_group.update(checked)
+        try:
+            super().add_param_group(param_group)
+            spec = self.__dict__.get("_colossal")
+            if spec is not None:  # declared like the groups setup_distributed saw, or not added at all
+                declared: dict = {}
+                try:
+                    self._declare_group(len(self.param_groups) - 1, spec, declared)
+                except BaseException:
+                    self.param_groups.pop()
+                    raise
+                self.__dict__.setdefault("_layout_cache", {}).update(declared)
+        except BaseException:
+            if before is not None:
+                param_group.clear()
+                param_group.update(before)
+            raise
         group = self.param_groups[-1]
-        spec = self.__dict__.get("_colossal")
-        if spec is not None:  # declared like the groups setup_distributed saw, or not added at all
-            declared: dict = {}
-            try:
-                self._declare_group(len(self.param_groups) - 1, spec, declared)
-            except BaseException:
-                self.param_groups.pop()
-                raise
-            self.__dict__.setdefault("_layout_cache", {}).update(declared)
         if self._quantized_keys(group):  # may keep 8-bit state
             _warm_maps(group)
 
