@@ -314,7 +314,7 @@ class FastOptimizer(torch.optim.Optimizer):
         before = dict(param_group) if isinstance(param_group, dict) else None
         if before is not None:
             where = f"param_groups[{len(self.param_groups)}]"
-            checked = self._check_hyper(param_group, where)
+            checked = self._prepare_group(dict(param_group), where)
             params = checked.get("params")
             if params is not None and not isinstance(params, (Tensor, set)):  # torch refuses a set itself
                 checked["params"] = params = list(params)
@@ -347,6 +347,11 @@ class FastOptimizer(torch.optim.Optimizer):
         group = self.param_groups[-1]
         if self._quantized_keys(group):  # may keep 8-bit state
             _warm_maps(group)
+
+    def _prepare_group(self, group: dict, where: str) -> dict:
+        """The group `add_param_group` adds (from a copy of the caller's dict), its hyperparameters checked; a
+        subclass fills in and checks its own keys here."""
+        return self._check_hyper(group, where)
 
     def _check_group(self, gi: int, group: dict) -> None:
         """A subclass's own step-time checks of a group (after `_check_hyper`)."""

@@ -141,34 +141,24 @@ class GaLoreAdamW(FastOptimizer):
         self._pending = []
 
     # ---- validation -----------------------------------------------------------------------------------
-    def add_param_group(self, param_group: dict) -> None:
-        """Validates a group before adding it: a projected group's keys, and each of its params' shape. What
-        torch refuses itself (not a dict, no 'params', params in a set) goes to torch's checks as it is."""
-        ps = param_group.get("params") if isinstance(param_group, dict) else None
+    def _prepare_group(self, group: dict, where: str) -> dict:
+        """Validates a group before it is added: a projected group's keys (the defaults it lacks filled in), and
+        each of its params' shape. What torch refuses itself (no 'params', params in a set) goes to torch's checks
+        as it is."""
+        ps = group.get("params")
         if ps is None or isinstance(ps, set):
-            return super().add_param_group(param_group)
-        n = self._name
-        where = f"param_groups[{len(self.param_groups)}]"
-        group = dict(param_group)
+            return super()._prepare_group(group, where)
         group["params"] = [ps] if isinstance(ps, Tensor) else list(ps)
         if "rank" in group:
             for k, v in GROUP_DEFAULTS.items():
                 group.setdefault(k, v)
             group = self._check_hyper(group, where)  # `rank` first: the shapes below are checked against it
             self._check_projected(group, where, at_step=False)
-        else:
-            for k in GROUP_DEFAULTS:
-                check(k not in group, f"{where}['{k}']", n, group.get(k),
-                      "come with 'rank' (a group without 'rank' is plain AdamW)")
-        # The caller's dict is the group, as in torch (FastOptimizer.add_param_group); as it was if refused there.
-        before = dict(param_group)
-        param_group.update(group)
-        try:
-            super().add_param_group(param_group)
-        except BaseException:
-            param_group.clear()
-            param_group.update(before)
-            raise
+            return group
+        for k in GROUP_DEFAULTS:
+            check(k not in group, f"{where}['{k}']", self._name, group.get(k),
+                  "come with 'rank' (a group without 'rank' is plain AdamW)")
+        return super()._prepare_group(group, where)
 
     def _check_projected(self, group: dict, where: str, at_step: bool = True) -> None:
         """Each param of a projected group is a matrix (or a batch of them) with both dims >= rank, by its
