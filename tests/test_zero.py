@@ -1464,10 +1464,10 @@ def test_buckets_are_filled_greedily_up_to_the_cap():
     assert got == [[0, 1, 2], [3, 4], [5], [6], [7, 8]], got
 
 
-def _same_steps(model, opt, ref_model, ref, steps: int = 4) -> None:
-    """`steps` steps of fresh batches on both (one process), after which the params are equal bit for bit."""
-    for step in range(steps):
-        x, y = batch(step, 1)
+def _same_steps(model, opt, ref_model, ref, steps=range(4), device=None) -> None:
+    """The batches of `steps` on both (one process), after which the params are equal bit for bit."""
+    for step in steps:
+        x, y = (t.to(device) for t in batch(step, 1))
         for m, o in ((ref_model, ref), (model, opt)):
             o.zero_grad()
             loss_fn(m, x, y).backward()
@@ -2076,13 +2076,7 @@ def test_single_rank_is_the_wrapped_optimizer(device, partition_grad):
     opt2 = ZeroRedundancyOptimizer(mk(model2), partition_grad=partition_grad)
     opt2.load_state_dict(copy.deepcopy(opt.state_dict()))
     assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"] == 1e-2 * 0.5 ** (STEPS // 2)
-    for step in range(STEPS, STEPS + 2):
-        x, y = (t.to(device) for t in batch(step, 1))
-        for m, o in ((model, opt), (model2, opt2)):
-            o.zero_grad()
-            loss_fn(m, x, y).backward()
-            o.step()
-    assert all(torch.equal(a, b) for a, b in zip(model2.parameters(), model.parameters()))
+    _same_steps(model2, opt2, model, opt, range(STEPS, STEPS + 2), device)
 
 
 def test_add_param_group_single_rank():
