@@ -2352,3 +2352,38 @@ def test_zero2_backward_that_raises_then_autograd_grad(pool):
     for r, res in enumerate(results):
         assert res["err"] <= TOL[DT], f"rank {r}: relative update error {res['err']:.3g}"
     _check_equal_across_ranks(results)
+
+
+def _autograd_grad_raises_then_step(rank, world, overlap):
+    """ZeRO-2: after each backward, a `torch.autograd.grad` over the params that raises (a gradient penalty, say)
+    after its tensor hooks took the owners' exposed views (the give-back queued for its end never runs), then
+    step(). Returns the error, the params, and whether views were still taken away before each step."""
+    ref_model, ref_opt, model, opt, init = _ref_and_zero("AdamW", True, overlap)
+    params, taken = list(model.parameters()), []
+    for step in range(5):
+        x, y = batch(step, world)
+        ref_opt.zero_grad()
+        loss_fn(ref_model, x, y).backward()
+        ref_opt.step()
+        opt.zero_grad()
+        _local_backward(model, x, y, rank, 1, False)
+        xs, ys = _mine(rank, x, y)
+        xs = xs.clone().requires_grad_()
+        with pytest.raises(RuntimeError, match="raised in backward"):
+            torch.autograd.grad(loss_fn(model, _RaisesInBackward.apply(xs), ys), params + [xs])
+        taken.append(bool(opt._stashed))
+        opt.step()
+    return dict(err=rel_update_error(params, list(ref_model.parameters()), init), taken=taken,
+                params=[p.detach().clone() for p in params])
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_zero2_autograd_grad_that_raises_then_step(pool, overlap):
+    """step() right after a `torch.autograd.grad` that raised steps the backward's gradients, as torch's params keep
+    theirs: the owners' views its tensor hooks took away are given back first (left taken, those params had no
+    gradient and were not stepped)."""
+    results = pool.run(_autograd_grad_raises_then_step, overlap)
+    for r, res in enumerate(results):
+        assert all(res["taken"]), f"rank {r}: no view taken away before a step: {res['taken']}"
+        assert res["err"] <= TOL[DT], f"rank {r}: relative update error {res['err']:.3g}"
+    _check_equal_across_ranks(results)
