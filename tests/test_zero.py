@@ -975,6 +975,87 @@ def test_param_toggled_around_clip_grad_norm(pool):
         assert err <= TOL[DT], err
 
 
+def _zeroed_then_rebuilt(rank, world):
+    """ZeRO-2, Partial, gradients zeroed in place (`zero_grad(set_to_none=False)`). `first` gets a gradient from
+    rank 0 at step 0 only (its owner, another rank, packs none: its count in the accumulator says it has one);
+    from then on its zeroed gradient is stepped, as torch steps it. On even steps `odd` is frozen before
+    `clip_grad_norm_` and unfrozen before `step`, so the buckets are made anew with `first`'s zeroed sum, and
+    `odd`'s zeroed gradient is kept while it is frozen (at step 2 the run goes on in a deep copy made then)."""
+    ref_model, ref_opt, model, opt, init = _ref_and_zero("AdamW", True, False, Partial)
+    for step in range(STEPS):
+        x, y = batch(step, world)
+        ref_opt.zero_grad(set_to_none=False)
+        (ref_model.loss(x, y, step) + (ref_model.first_term(x) / world if step == 0 else 0)).backward()
+        torch.nn.utils.clip_grad_norm_(ref_model.parameters(), max_norm=0.05)
+        ref_opt.step()
+        opt.zero_grad(set_to_none=False)
+        xs, ys = _mine(rank, x, y)
+        (model.loss(xs, ys, step) + (model.first_term(x) if step == 0 and rank == 0 else 0)).backward()
+        if step % 2 == 0:
+            model.odd.requires_grad_(False)
+        opt.clip_grad_norm_(0.05)
+        if step == 2:
+            model, opt = copy.deepcopy((model, opt))
+        if step % 2 == 0:
+            model.odd.requires_grad_(True)
+        opt.step()
+    return dict(err=rel_update_error(list(model.parameters()), list(ref_model.parameters()), init),
+                owner=opt._owner[opt._gidx[id(model.first)]], params=[p.detach().clone() for p in model.parameters()])
+
+
+def test_zero2_zeroed_gradient_carried_by_a_rebuild(pool):
+    """A gradient zeroed in place still counts (torch steps a zeroed gradient): the count its owner holds for a
+    param it packed none of itself must survive zero_grad(set_to_none=False) and reach the rebuild, which carries
+    the sum into the new accumulator. (Zeroed with the sums, the owner alone took the param's stale gradient for
+    one set by hand, and reduced it while the other ranks did not.)"""
+    results = pool.run(_zeroed_then_rebuilt)
+    for r, res in enumerate(results):
+        assert res["owner"] != 0, "rank 0 owns `first`: the test proves nothing"
+        assert res["err"] <= TOL[DT], f"rank {r}: relative update error {res['err']:.3g}"
+    _check_equal_across_ranks(results)
+
+
+def _frozen_across_a_step(rank, world, zeros):
+    """ZeRO-2, Wide: `big` (split) and `w` frozen after step 1's backward and unfrozen after step 2's (which gives
+    them none), gradients zeroed in place (`zeros`) or cleared. Frozen, they are not stepped (the reference's step
+    1 skips them); unfrozen, they are stepped with the gradient they kept, as torch steps it: zeroed at step 2
+    (AdamW's momentum and decay move them), or none."""
+    ref_model, ref_opt, model, opt, init = _wide_zero2(False)
+    frozen = ("big", "w")
+    for step in range(5):
+        x, y = batch(step, world, n_in=Wide.N_IN)
+        xs, ys = _mine(rank, x, y)
+        for m, o, xb, yb in ((ref_model, ref_opt, x, y), (model, opt, xs, ys)):
+            o.zero_grad(set_to_none=not zeros)
+            ((m(xb) - yb) ** 2).mean().backward()
+            if step in (1, 2):
+                for n in frozen:
+                    getattr(m, n).requires_grad_(step == 2)
+            if step == 1 and m is ref_model:  # torch's AdamW would step a frozen param that has a gradient
+                held = [getattr(m, n).grad for n in frozen]
+                for n in frozen:
+                    getattr(m, n).grad = None
+                o.step()
+                for n, g in zip(frozen, held):
+                    getattr(m, n).grad = g
+            else:
+                o.step()
+    assert opt._gidx[id(model.big)] in opt._split
+    return dict(err=rel_update_error(list(model.parameters()), list(ref_model.parameters()), init),
+                params=[p.detach().clone() for p in model.parameters()])
+
+
+@pytest.mark.parametrize("zeros", [False, True])
+def test_zero2_frozen_across_a_step(pool, zeros):
+    """The owner's reduced gradient of a param frozen after backward is kept through the steps it is frozen for,
+    and zeroed with the others: unfrozen again, the param is stepped with it as in one process. (A non-split
+    param's was taken for a gradient set by hand, reduced by its owner alone: the ranks hung.)"""
+    results = pool.run(_frozen_across_a_step, zeros)
+    for r, res in enumerate(results):
+        assert res["err"] <= TOL[DT], f"rank {r}: relative update error {res['err']:.3g}"
+    _check_equal_across_ranks(results)
+
+
 def _freeze_with_grad(rank, world, partition_grad):
     """Net's w1, and Wide's split param (its pieces hold the gradient that the wrapped optimizer steps), frozen
     after the backward of step 2, while they hold their gradients (no zero_grad in between)."""

@@ -466,6 +466,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._synced = False
         self._handles: list = []
         self._lost: set = set()  # params a newer wrapper took over (`_claim`)
+        self._kept: dict[int, Tensor] = {}  # ZeRO-2: frozen params' reduced gradients, kept by a rebuild
         self._build()
         self._claim(self._params)
 
@@ -804,6 +805,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         state["_exposed"] = sorted(set(self._views) - cleared)
         state["_dropped"] = sorted(cleared)  # cleared by hand since exposed: the copy drops their sums
         state["_carried"] = self._pending_votes()
+        state["_kept"] = {i: v for i, v in self._kept.items() if self._holder(i).grad is v}
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -813,6 +815,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         pg = state.pop("_pg").pg
         accs, exposed, dropped = state.pop("_accs"), state.pop("_exposed"), state.pop("_dropped", [])
         carried = state.pop("_carried", None)
+        self._kept = state.pop("_kept", {})
         differentiable = "differentiable" in state["defaults"]
         self.__dict__["_initialized"] = False
         super().__setstate__(state)  # torch's: its hook registries (empty, as in a copy of a torch optimizer)
@@ -837,6 +840,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             self._drop_sum(gidx)
         for gidx in exposed:  # the owner's .grad: a view of the accumulator again, not a copy of one
             self._expose(gidx)
+        for gidx, v in self._kept.items():  # a frozen param's kept gradient (a Parameter's copy has none)
+            self._holder(gidx).grad = v
         self._carried = carried
         self._claim(self._params)
 
@@ -1006,6 +1011,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         if set_to_none:
             self._views = {}
             self._stashed = {}
+            self._kept = {}
+        else:
+            for v in self._kept.values():  # a split param's piece is not in the groups zeroed below
+                v.zero_()
         for g in self.param_groups:
             for p in g["params"]:
                 if p.grad is None:
@@ -1300,13 +1309,15 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                     has_of[id(b)], flags = flags[:len(b.params)], flags[len(b.params):]
             for b in mine:
                 has = has_of.get(id(b), b.seen)
-                for k, p in enumerate(b.params):
-                    gidx = b.gidx[k]
-                    holder = p if b.bounds is None else self._pieces[gidx]
-                    if has[k] and (gidx not in self._views or holder.grad is not self._views[gidx]):
+                for k, gidx in enumerate(b.gidx):
+                    if has[k] and (gidx not in self._views or self._holder(gidx).grad is not self._views[gidx]):
                         self._expose(gidx)
         else:
             self._synced = True
+
+    def _holder(self, gidx: int) -> Tensor:
+        """What holds a param's gradient for the wrapped optimizer: the param, or this rank's piece of a split one."""
+        return self._pieces[gidx] if gidx in self._split else self._params[gidx]
 
     def _expose(self, gidx: int) -> None:
         """ZeRO-2: the gradient of a param this rank owns (of its piece, for a split param): a view of its
@@ -1400,10 +1411,22 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         """A param was frozen or unfrozen since the buckets were built: build them and the hooks again for the
         params that require a gradient now (every rank alike, as they must all run the same backward). ZeRO-2's
         accumulated gradients move into the new accumulators; a newly unfrozen param's gradient, which no hook
-        saw, is reduced now like a gradient set by hand. Owners and splits stay as they were."""
+        saw, is reduced now like a gradient set by hand. ZeRO-2: the owner's reduced gradient of a param frozen
+        now stays its `.grad` (not stepped while frozen, `_kept`); unfrozen again with that gradient untouched,
+        it is carried back (the other ranks have none: reduced as one set by hand, by its owner alone, the ranks
+        would hang). Owners and splits stay as they were."""
         carry = {}
         votes = self._pending_votes()
         if self.partition_grad:
+            P = self._params
+            for gidx, v in list(self._kept.items()):
+                if P[gidx].requires_grad:
+                    del self._kept[gidx]
+                    if self._holder(gidx).grad is v:
+                        carry[gidx] = v
+            for gidx, v in self._views.items():
+                if not P[gidx].requires_grad and self._holder(gidx).grad is v:
+                    self._kept[gidx] = v
             for b in self._red:
                 if b.acc is None:
                     continue
