@@ -29,6 +29,7 @@ import re
 import subprocess
 import sys
 import types
+import warnings
 
 import pytest
 import torch
@@ -634,6 +635,28 @@ def test_duplicate_params_are_refused(case):
     with refused("param_groups[1]['params'][1]", "param_groups[1]['params'][0]"):
         opt.add_param_group({"params": (p for p in [c, c])})
     assert len(opt.param_groups) == 1
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_set_of_params_is_refused(case):
+    """A set's order changes between runs and between ranks: refused as torch refuses one in a group (torch 2.15
+    only warns about one given as `params` itself, and torch 2.10-2.14 take it silently), on every version."""
+    cls, kw = CASES[case]
+    kw = {k: v for k, v in kw.items() if k not in ("rank", "proj_type")}
+    cls = fastopt.GaLoreAdamW if cls is _galore else cls
+    a, b, c = make_params("cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # refused before torch's FutureWarning
+        for kind in (set, frozenset):
+            with pytest.raises(TypeError, match=rf"^{cls.__name__}: params is a {kind.__name__}: optimizer "
+                               "parameters need to be organized in ordered collections"):
+                cls(kind([a, b]), **kw)
+    with pytest.raises(TypeError, match="ordered collections"):
+        cls([{"params": [a]}, {"params": {b, c}}], **kw)
+    opt = cls([a], **kw)
+    with pytest.raises(TypeError, match="ordered collections"):
+        opt.add_param_group({"params": {b, c}})
+    assert len(opt.param_groups) == 1 and opt.param_groups[0]["params"] == [a]
 
 
 # ---- 8. plans of replaced groups -----------------------------------------------------------------------------------

@@ -178,6 +178,11 @@ class FastOptimizer(torch.optim.Optimizer):
         return memo[1]
 
     def __init__(self, params, defaults: dict):
+        if isinstance(params, (set, frozenset)):  # torch refuses one in a group, and from 2.15 warns here
+            raise TypeError(f"{self._name}: params is a {type(params).__name__}: optimizer parameters need to be "
+                            "organized in ordered collections, but the ordering of tensors in sets will change "
+                            "between runs and between ranks (a state_dict would resume into other params, and ranks "
+                            "would pair different params in their collectives). Please use a list instead.")
         self._plans: dict = {}  # (id(group), device, dtype) -> the kernels' cache of that bucket
         self._layout_sigs: dict = {}  # see _check_state_layouts
         super().__init__(params, defaults)
