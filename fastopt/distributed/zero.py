@@ -228,7 +228,8 @@ class _Bucket:
     it)."""
 
     __slots__ = ("params", "gidx", "offsets", "numel", "size", "owner", "device", "dtype",
-                 "staging", "filled", "pending", "acc", "seen", "work", "bounds", "recv", "again", "version")
+                 "staging", "filled", "pending", "acc", "seen", "work", "bounds", "recv", "again", "version",
+                 "packed")
 
     def __init__(self, gidx: list[int], params: list[Tensor], owner: int | None, bounds: tuple | None = None):
         self.params = params
@@ -257,6 +258,7 @@ class _Bucket:
         self.work = None
         self.again = False  # a param's hook fired again in this round: the bucket is reduced a second time
         self.version = None
+        self.packed = False  # a split param's: this rank packed a gradient in the current round
 
     def slot(self, buf: Tensor, k: int) -> Tensor:
         p = self.params[k]
@@ -467,6 +469,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._handles: list = []
         self._lost: set = set()  # params a newer wrapper took over (`_claim`)
         self._kept: dict[int, Tensor] = {}  # ZeRO-2: frozen params' reduced gradients, kept by a rebuild
+        self._kept_ver: dict[int, int] = {}  # ... their version counters then (or after the wrapper wrote them)
         self._build()
         self._claim(self._params)
 
@@ -730,14 +733,16 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 out[k] = v
         return out
 
-    def _build(self) -> None:
-        """Buckets and hooks for the current params (called again by add_param_group)."""
+    def _build(self, requires: list[bool] | None = None) -> None:
+        """Buckets and hooks for the current params (called again by add_param_group); `requires`: the
+        requires_grad pattern to build for, the params' own by default (a copy's: its original's at its last
+        build, so that its buckets are the original's and a freeze since is noticed at its next step)."""
         for h in self._handles:
             h.remove()
         self._handles = []
         P = self._params
-        self._requires = [p.requires_grad for p in P]
-        managed = [i for i, p in enumerate(P) if p.requires_grad and p.numel() > 0]
+        self._requires = list(requires) if requires is not None else [p.requires_grad for p in P]
+        managed = [i for i, r in enumerate(self._requires) if r and P[i].numel() > 0]
         self._managed = managed
         self._owned = [i for i in managed if self._owner[i] == self.rank]
         self._gathered = [i for i in managed if i in self._split]  # split params: all-gathered after the step
@@ -785,6 +790,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         hooks_reduce = self.partition_grad or self.overlap_communication
         for i in managed:
             p = P[i]
+            if not p.requires_grad:  # frozen since the build copied (no hook can fire on it; torch refuses one)
+                continue
             if hooks_reduce:
                 self._handles.append(p.register_post_accumulate_grad_hook(_hook_post(ref, i)))
             else:
@@ -801,11 +808,17 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         state["param_groups"] = [dict(g) for g in self.param_groups]
         state["_pg"] = _SharedGroup(self._pg)
         state["_accs"] = [(b.acc, list(b.seen)) for b in self._red]  # ZeRO-2: gradients summed so far
+        state["_requires"] = list(self._requires)  # what the buckets were built for (params frozen since too)
+        # Whether each accumulator was written in place since its round ended (`_zeroed_vote`): a copied tensor's
+        # version counter starts afresh, so the copy is told, not the counter.
+        state["_moved"] = [None if b.version is None or b.acc is None else b.acc._version != b.version
+                           for b in self._red]
         cleared = set(self._cleared_views()) if self.partition_grad else set()
         state["_exposed"] = sorted(set(self._views) - cleared)
         state["_dropped"] = sorted(cleared)  # cleared by hand since exposed: the copy drops their sums
         state["_carried"] = self._pending_votes()
         state["_kept"] = {i: v for i, v in self._kept.items() if self._holder(i).grad is v}
+        state["_kept_moved"] = {i: v._version != self._kept_ver.get(i) for i, v in state["_kept"].items()}
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -815,7 +828,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         pg = state.pop("_pg").pg
         accs, exposed, dropped = state.pop("_accs"), state.pop("_exposed"), state.pop("_dropped", [])
         carried = state.pop("_carried", None)
+        state_requires = state.pop("_requires", None)
+        moved_since = state.pop("_moved", None)
         self._kept = state.pop("_kept", {})
+        moved = state.pop("_kept_moved", {})
+        self._kept_ver = {i: -1 if moved.get(i, True) else v._version for i, v in self._kept.items()}
         differentiable = "differentiable" in state["defaults"]
         self.__dict__["_initialized"] = False
         super().__setstate__(state)  # torch's: its hook registries (empty, as in a copy of a torch optimizer)
@@ -833,9 +850,14 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._initialized = True
         self._handles = []
         self._lost = set()
-        self._build()  # the same buckets, in the same order
-        for b, (acc, seen) in zip(self._red, accs):
+        # The same buckets, in the same order: built for the requires_grad pattern of the original's buckets, not
+        # the params' now (a param frozen or unfrozen since is noticed at the copy's next step, as at the
+        # original's: built for the new pattern, the accumulators and views below landed in other buckets).
+        self._build(state_requires)
+        for b, (acc, seen), moved in zip(self._red, accs, moved_since or [None] * len(accs)):
             b.acc, b.seen = acc, seen
+            if moved is not None:  # as the original's: unwritten since the round (its counter), or written (-1)
+                b.version = -1 if moved else acc._version
         for gidx in dropped:
             self._drop_sum(gidx)
         for gidx in exposed:  # the owner's .grad: a view of the accumulator again, not a copy of one
@@ -1012,9 +1034,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             self._views = {}
             self._stashed = {}
             self._kept = {}
+            self._kept_ver = {}
         else:
-            for v in self._kept.values():  # a split param's piece is not in the groups zeroed below
+            for gidx, v in self._kept.items():  # a split param's piece is not in the groups zeroed below
                 v.zero_()
+                self._kept_ver[gidx] = v._version
         for g in self.param_groups:
             for p in g["params"]:
                 if p.grad is None:
@@ -1087,6 +1111,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._round = True
         if not self.partition_grad:
             return
+        for b in self._red:
+            b.packed = False
         dropped = self._cleared_views()
         self._cleared, self._zeroed, self._eligible = self._pending_votes(bool(dropped))
         self._carried = None  # cast now
@@ -1196,6 +1222,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 blocks[r, :hi - lo].add_(flat[lo:hi], alpha=self._inv_world)
             blocks[:, b.numel] = 1
             b.seen[k] = True
+            b.packed = True
             p.grad = None
         elif g is not None and not (self.partition_grad and g is self._views.get(b.gidx[k])):
             b.staging[b.offsets[k]:b.offsets[k] + p.numel()].add_(g.reshape(-1), alpha=self._inv_world)
@@ -1300,7 +1327,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             # per device) only for buckets with a param of which this rank packed no gradient itself.
             unsure: dict = {}
             for b in mine:
-                if not all(b.seen):
+                # A split param's sum may have been reset by the ranks' votes (`_complete`) in a round in which
+                # this rank packed none of it: its count says whether any gradient is left.
+                if not all(b.seen) or (b.bounds is not None and not b.packed):
                     unsure.setdefault(b.device, []).append(b)
             has_of = {}
             for bs in unsure.values():
@@ -1312,6 +1341,13 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 for k, gidx in enumerate(b.gidx):
                     if has[k] and (gidx not in self._views or self._holder(gidx).grad is not self._views[gidx]):
                         self._expose(gidx)
+                    elif not has[k] and b.bounds is not None and gidx in self._views:
+                        # Reset by a cleared vote (model.zero_grad()) and given no gradient since, on any rank: the
+                        # piece has none, as the param has none in one process (exposed, it was stepped with zeros).
+                        if self._pieces[gidx].grad is self._views[gidx]:
+                            self._pieces[gidx].grad = None
+                        del self._views[gidx]
+                        b.seen[k] = False
         else:
             self._synced = True
 
@@ -1344,11 +1380,15 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             self._flush()
         if self.partition_grad:
             self._check_foreign()
+        unfrozen = False
         if any(p.requires_grad != r for p, r in zip(self._params, self._requires)):
+            unfrozen = any(p.requires_grad and not r for p, r in zip(self._params, self._requires))
             self._rebuild()
         if self.partition_grad:
             P, views = self._params, self._views
-            if any(P[i].grad is not None and P[i].grad is not views.get(i) for i in self._managed):
+            # A param unfrozen since the last build may hold a gradient that no hook saw on some ranks only (a
+            # backward that used it on some of them): every rank reduces then, as every rank rebuilt.
+            if unfrozen or any(P[i].grad is not None and P[i].grad is not views.get(i) for i in self._managed):
                 self._flush()
         elif not self._synced:
             self._flush()
@@ -1422,11 +1462,17 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             for gidx, v in list(self._kept.items()):
                 if P[gidx].requires_grad:
                     del self._kept[gidx]
-                    if self._holder(gidx).grad is v:
+                    # Written since it was kept, by other than the wrapper: a backward that ran after the param was
+                    # unfrozen added this rank's own gradient into it (or model.zero_grad(set_to_none=False) zeroed
+                    # it): no longer a reduced sum; reduced now like a gradient set by hand, as the other ranks'
+                    # gradients of that backward are (carried, only the owner had a gradient: the ranks hung).
+                    moved = v._version != self._kept_ver.pop(gidx, None)
+                    if self._holder(gidx).grad is v and (not moved or gidx in self._split):
                         carry[gidx] = v
             for gidx, v in self._views.items():
                 if not P[gidx].requires_grad and self._holder(gidx).grad is v:
                     self._kept[gidx] = v
+                    self._kept_ver[gidx] = v._version
             for b in self._red:
                 if b.acc is None:
                     continue
@@ -1556,8 +1602,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         by = {}
         for g in present:
             by.setdefault((g.device, g.dtype), []).append(g)
+        unmoved = [gidx for gidx, v in self._kept.items() if v._version == self._kept_ver.get(gidx)]
         for (device, dtype), gs in by.items():
             torch._foreach_mul_(gs, coef.to(device=device, dtype=dtype))
+        for gidx in unmoved:  # a kept gradient scaled by the wrapper: still a reduced sum
+            self._kept_ver[gidx] = self._kept[gidx]._version
         return total
 
     def _piece_grad(self, i: int) -> Tensor | None:

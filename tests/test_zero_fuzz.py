@@ -1,0 +1,280 @@
+"""A randomized differential test of fastopt.ZeroRedundancyOptimizer (ZeRO-1/2) against torch's AdamW in one process.
+
+A seed draws a run: a model (Net, Partial, Wide: a split param), partition_grad, overlap, and 8-12 steps, each a
+sequence of ordinary training operations applied alike to a single-process reference (torch.optim.AdamW over the
+whole batch, in the same micro-batches) and to a ZeRO-wrapped copy on 4 gloo ranks (each rank its share):
+zero_grad through the wrapper or the model (set_to_none True/False) or none (accumulation across steps), 1-2
+micro-batches, params frozen/unfrozen at several points (before backward, between micro-batches, after backward,
+around clip_grad_norm_), clip_grad_norm_ (between micro-batches or after backward), a param unused (detached) on
+some or all ranks for a step (the reference detaches it for those ranks' rows), torch.autograd.grad over the params,
+a deepcopy of (model, opt), a consolidated state_dict loaded back (into the same wrapper, or into a new wrapper
+over a new inner optimizer). The reference mirrors the wrapper's documented choices: a frozen param is not
+stepped (its gradient is hidden from torch's step), and clip_grad_norm_ measures the params that require a
+gradient (and scales every gradient present).
+
+A failure: a relative update error > 1e-9 (float64), ranks holding different params, an exception, or a hang.
+
+    python tests/test_zero_fuzz.py FIRST_SEED COUNT [OUT.jsonl]   # many seeds, one line per seed
+    python tests/test_zero_fuzz.py --show SEED                     # the drawn sequence of a seed
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import random
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import TOL
+from test_zero import BUCKET_MB, LOCAL_BATCH, Net, Partial, Wide, _step_skipping_frozen, batch, make_opt
+
+from fastopt import ZeroRedundancyOptimizer
+
+DT = torch.float64
+MODELS = {"Net": Net, "Partial": Partial, "Wide": Wide}
+TOGGLE = {"Net": ["emb", "w1", "b1", "w2", "w3"], "Partial": ["w1", "b2", "w3", "odd", "first", "unused"],
+          "Wide": ["big", "w", "b", "w3"]}
+DROP = {"Net": ["emb", "w1", "b2", "w3"], "Partial": ["w1", "odd", "first", "w3"], "Wide": ["big", "w", "w3", "b"]}
+
+
+# ---- the forward, with params detached ("unused") per call ---------------------------------------------------
+def _out(model, kind, x, drop):
+    P = lambda n: getattr(model, n).detach() if n in drop else getattr(model, n)  # noqa: E731
+    if kind == "Wide":
+        h = torch.tanh(x @ P("big"))
+        return ((h @ P("w").T + P("b")) @ P("w3")) * P("gain")
+    h = torch.tanh((x @ P("emb")) @ P("w1").T + P("b1"))
+    y = h @ P("w2").T + P("b2")
+    out = torch.einsum("bi,kij->bj", y, P("w3")) * P("gain")
+    if kind == "Partial":
+        out = out * P("odd") + torch.tanh(x[:, :3] * P("first"))
+    return out
+
+
+def _loss(model, kind, x, y, drop):
+    return ((_out(model, kind, x, drop) - y) ** 2).mean()
+
+
+# ---- drawing a run ------------------------------------------------------------------------------------------
+def draw(seed: int, world: int = 4) -> dict:
+    rnd = random.Random(seed)
+    kind = rnd.choice(list(MODELS))
+    cfg = dict(seed=seed, kind=kind, partition_grad=rnd.random() < 0.6, overlap=rnd.random() < 0.5, steps=[])
+    n = rnd.randint(8, 12)
+    frozen: set = set()
+    for s in range(n):
+        st = {}
+        st["zero"] = rnd.choice(["opt_none", "opt_zeros", "model_none", "model_zeros", "skip"])
+        if st["zero"] in ("opt_none", "model_none") and rnd.random() < 0.12:
+            st["newwrap"] = True
+        st["accum"] = rnd.choice([1, 2])
+        if rnd.random() < 0.35:
+            st["drop"] = []
+            for name in rnd.sample(DROP[kind], rnd.randint(1, 2)):
+                c = rnd.random()
+                ranks = list(range(world)) if c < 0.3 else sorted(rnd.sample(range(world), rnd.randint(1, world - 1)))
+                st["drop"].append((name, ranks))
+        points = ["pre", "post"] + (["mid"] if st["accum"] == 2 else [])
+        st["clip"] = None
+        if rnd.random() < 0.4:
+            st["clip"] = (rnd.choice(["post", "post", "mid"] if st["accum"] == 2 else ["post"]),
+                          rnd.choice([0.05, 1e3]))
+            if st["clip"][0] == "post":
+                points += ["preclip", "postclip"]
+        toggles = []
+        if rnd.random() < 0.45:
+            for _ in range(rnd.randint(1, 2)):
+                name = rnd.choice(TOGGLE[kind])
+                toggles.append((rnd.choice(points), name))
+        st["toggles"] = toggles
+        for _, name in toggles:
+            frozen ^= {name}
+        if rnd.random() < 0.15:
+            st["agrad"] = rnd.choice(["post", "after_step"] + (["mid"] if st["accum"] == 2 else []))
+        if rnd.random() < 0.12:
+            st["copy"] = rnd.choice(["post"] + (["mid"] if st["accum"] == 2 else [])
+                                    + (["postclip"] if st["clip"] and st["clip"][0] == "post" else []))
+            # A copy drops a gradient that no hook saw (torch's Parameter.__deepcopy__ copies no .grad): a param
+            # unfrozen in this step loses its own, not mirrored here; no toggles in a step with a copy.
+            for _, name in st["toggles"]:
+                frozen ^= {name}
+            st["toggles"] = []
+        if rnd.random() < 0.1:
+            st["sd"] = "inplace"
+        cfg["steps"].append(st)
+    return cfg
+
+
+# ---- one run on every rank ------------------------------------------------------------------------------
+def _ref_clip(model, max_norm):
+    """The wrapper's clip_grad_norm_: the norm over the gradients of params that require one, every gradient
+    present scaled."""
+    gs = [p.grad for p in model.parameters() if p.grad is not None and p.requires_grad]
+    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in gs])) if gs \
+        else torch.zeros((), dtype=DT)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.mul_(coef)
+    return total
+
+
+def _new_wrapper(model, opt, cfg):
+    full = opt.state_dict(consolidated=True, to=None)
+    new = ZeroRedundancyOptimizer(make_opt("AdamW", model), partition_grad=cfg["partition_grad"],
+                                  overlap_communication=cfg["overlap"], bucket_size_mb=BUCKET_MB)
+    new.load_state_dict(copy.deepcopy(full))
+    return new
+
+
+def _fuzz(rank, world, cfg, upto=None):
+    os.environ["FASTOPT_BACKEND"] = "torch"
+    kind = cfg["kind"]
+    cls = MODELS[kind]
+    n_in = Wide.N_IN if kind == "Wide" else 11
+    ref_model = cls()
+    model = copy.deepcopy(ref_model)
+    names = [n for n, _ in model.named_parameters()]
+    init = [p.detach().clone() for p in ref_model.parameters()]
+    ref_opt = make_opt("AdamW", ref_model)
+    opt = ZeroRedundancyOptimizer(make_opt("AdamW", model), partition_grad=cfg["partition_grad"],
+                                  overlap_communication=cfg["overlap"], bucket_size_mb=BUCKET_MB)
+    errs = []
+    steps = cfg["steps"] if upto is None else cfg["steps"][:upto]
+    for s, st in enumerate(steps):
+        x, y = batch(s, world, n_in=n_in)
+        drops = [set(n for n, rs in (st.get("drop") or ()) if r in rs) for r in range(world)]
+        accum = st["accum"]
+        # zero_grad
+        z = st["zero"]
+        if z != "skip":
+            none = z.endswith("none")
+            (ref_opt.zero_grad if z.startswith("opt") else ref_model.zero_grad)(set_to_none=none)
+            (opt.zero_grad if z.startswith("opt") else model.zero_grad)(set_to_none=none)
+        if st.get("newwrap"):
+            opt = _new_wrapper(model, opt, cfg)
+
+        def at(point):
+            nonlocal model, opt
+            for pt, name in st["toggles"]:
+                if pt == point:
+                    for m in (ref_model, model):
+                        p = getattr(m, name)
+                        p.requires_grad_(not p.requires_grad)
+            if st.get("agrad") == point:
+                ps = [p for p in model.parameters() if p.requires_grad]
+                xs_ = x[rank * LOCAL_BATCH:rank * LOCAL_BATCH + 2]
+                ys_ = y[rank * LOCAL_BATCH:rank * LOCAL_BATCH + 2]
+                if ps:
+                    torch.autograd.grad(_loss(model, kind, xs_, ys_, set()), ps, allow_unused=True)
+            if st["clip"] is not None and st["clip"][0] == point:
+                at("preclip")
+                ref_n = _ref_clip(ref_model, st["clip"][1])
+                n = opt.clip_grad_norm_(st["clip"][1])
+                at("postclip")
+                if abs(float(n) - float(ref_n)) > 1e-9 * max(1.0, float(ref_n)):
+                    errs.append(("clip_norm", s, float(n), float(ref_n)))
+            if st.get("copy") == point:
+                model, opt = copy.deepcopy((model, opt))
+                if not cfg["partition_grad"]:  # ZeRO-1: the copy's params have no gradients, as in torch
+                    for p in ref_model.parameters():
+                        p.grad = None
+
+        at("pre")
+        for m in range(accum):
+            if m:
+                at("mid")
+            # the reference: every rank's m-th micro-batch, weighted as the ranks weigh theirs
+            ref_loss = 0
+            for r in range(world):
+                xr, yr = x[r * LOCAL_BATCH:(r + 1) * LOCAL_BATCH], y[r * LOCAL_BATCH:(r + 1) * LOCAL_BATCH]
+                xm, ym = xr.chunk(accum)[m], yr.chunk(accum)[m]
+                ref_loss = ref_loss + _loss(ref_model, kind, xm, ym, drops[r]) * (xm.shape[0] / xr.shape[0])
+            ref_loss = ref_loss / world
+            if ref_loss.requires_grad:
+                ref_loss.backward()
+            xr, yr = x[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH], y[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH]
+            xm, ym = xr.chunk(accum)[m], yr.chunk(accum)[m]
+            loss = _loss(model, kind, xm, ym, drops[rank]) * (xm.shape[0] / xr.shape[0])
+            if loss.requires_grad:
+                loss.backward()
+        at("post")
+        _step_skipping_frozen(ref_model, ref_opt)
+        opt.step()
+        at("after_step")
+        if st.get("sd") == "inplace":
+            full = opt.state_dict(consolidated=True, to=None)
+            opt.load_state_dict(copy.deepcopy(full))
+        ours, ref = list(model.parameters()), list(ref_model.parameters())
+        num = sum((a.detach() - b.detach()).square().sum().item() for a, b in zip(ours, ref)) ** 0.5
+        den = sum((b.detach() - c).square().sum().item() for b, c in zip(ref, init)) ** 0.5
+        errs.append(("step", s, num / den if den > 0 else num))
+    per_param = {n: (a.detach() - b.detach()).abs().max().item() for n, a, b in
+                 zip(names, model.parameters(), ref_model.parameters())}
+    return dict(errs=errs, err=max([e[2] for e in errs if e[0] == "step"] + [0.0]),
+                clip_bad=[e for e in errs if e[0] == "clip_norm"], per_param=per_param,
+                params=[p.detach().clone() for p in model.parameters()])
+
+
+def check(results) -> list[str]:
+    """Problems found in one run's per-rank results."""
+    bad = []
+    for r, res in enumerate(results):
+        if res["err"] > TOL[DT]:
+            first = next(e for e in res["errs"] if e[0] == "step" and e[2] > TOL[DT])
+            worst = sorted(res["per_param"].items(), key=lambda kv: -kv[1])[:3]
+            bad.append(f"rank {r}: relative update error {res['err']:.3g} (first at step {first[1]}: {first[2]:.3g});"
+                       f" params most off: {worst}")
+        if res["clip_bad"]:
+            bad.append(f"rank {r}: clip norms differ: {res['clip_bad'][:2]}")
+    for r, res in enumerate(results[1:], 1):
+        if not all(torch.equal(a, b) for a, b in zip(res["params"], results[0]["params"])):
+            bad.append(f"rank {r}: params differ from rank 0's")
+    return bad
+
+
+# Seeds that failed before the fixes they found: 2 (0.0985 off) and 4 (TypeError, then a hang), a copy made after a
+# freeze; 24 (0.217 off), a copy's zeroed vote; 3 and 15 (hangs), a kept gradient unfrozen before a backward; 122
+# (0.233 off), a split param cleared through the model, then unused. 0 and 5 passed throughout.
+FIXED_SEEDS = [0, 2, 3, 4, 5, 15, 24, 122]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("seed", FIXED_SEEDS)
+def test_zero_fuzz_fixed_seeds(pool, seed):
+    bad = check(pool.run(_fuzz, draw(seed)))
+    assert not bad, "\n".join([json.dumps(draw(seed))] + bad)
+
+
+# ---- many seeds from the command line -------------------------------------------------------------------
+def main(argv):
+    if argv[0] == "--show":
+        print(json.dumps(draw(int(argv[1])), indent=1))
+        return
+    first, count = int(argv[0]), int(argv[1])
+    out = open(argv[2], "a") if len(argv) > 2 else sys.stdout
+    from dist_utils import DistError, DistPool
+    import test_zero_fuzz as me  # the ranks import the function by its module's name, not __main__
+    with DistPool(4, timeout=float(os.environ.get("FUZZ_TIMEOUT", 20)), env={"FASTOPT_BACKEND": "torch"}) as pool:
+        for seed in range(first, first + count):
+            cfg = draw(seed)
+            t0 = time.time()
+            try:
+                bad = check(pool.run(me._fuzz, cfg))
+            except DistError as e:
+                msg = str(e)
+                lines = [ln for ln in msg.splitlines() if ln.strip()]
+                bad = ["EXC: " + " | ".join(lines[:1] + [ln for ln in lines if "Error" in ln][:4])]
+            rec = dict(seed=seed, ok=not bad, bad=bad, secs=round(time.time() - t0, 1),
+                       kind=cfg["kind"], pg=cfg["partition_grad"], ov=cfg["overlap"])
+            out.write(json.dumps(rec) + "\n")
+            out.flush()
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    main(sys.argv[1:])
