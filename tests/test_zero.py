@@ -18,6 +18,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
+from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint
 from conftest import DIST_WORLD, TOL, compiled_step_ops, rel_update_error, save_load
 from dist_utils import DistError
@@ -2562,14 +2563,12 @@ def _unfrozen_before_backward(rank, world, how, used_by):
             (o.zero_grad if how == "wrapper" else m.zero_grad)(set_to_none=False)
             if step == 2:
                 m.w3.requires_grad_(True)
-        uses = [r in used_by or step != 2 for r in range(world)]
-        sl = [slice(r * LOCAL_BATCH, (r + 1) * LOCAL_BATCH) for r in range(world)]
-        ref_w3 = lambda r: ref_model.w3 if uses[r] else ref_model.w3.detach()  # noqa: E731
-        sum(((torch.einsum("bi,kij->bj", _pre_w3(ref_model, x[s]), ref_w3(r)) * ref_model.gain - y[s]) ** 2).mean()
-            for r, s in enumerate(sl)).div(world).backward()
-        w3 = model.w3 if uses[rank] else model.w3.detach()
-        xs, ys = _mine(rank, x, y)
-        ((torch.einsum("bi,kij->bj", _pre_w3(model, xs), w3) * model.gain - ys) ** 2).mean().backward()
+        def loss(m, r):  # rank r's share, `w3` detached where that rank does not use it
+            xr, yr = _mine(r, x, y)
+            unused = {} if r in used_by or step != 2 else {"w3": m.w3.detach()}
+            return ((functional_call(m, unused, (xr,)) - yr) ** 2).mean()
+        sum(loss(ref_model, r) for r in range(world)).div(world).backward()
+        loss(model, rank).backward()
         if step == 1:
             for m in (ref_model, model):
                 m.w3.requires_grad_(False)
@@ -2577,11 +2576,6 @@ def _unfrozen_before_backward(rank, world, how, used_by):
         opt.step()
     return dict(err=rel_update_error(list(model.parameters()), list(ref_model.parameters()), init),
                 owner=opt._owner[opt._gidx[id(model.w3)]], params=[p.detach().clone() for p in model.parameters()])
-
-
-def _pre_w3(m, x):
-    """Net's forward up to its w3 (the input of the einsum)."""
-    return torch.tanh((x @ m.emb) @ m.w1.T + m.b1) @ m.w2.T + m.b2
 
 
 @pytest.mark.parametrize("how,used_by", [("wrapper", (0, 1, 2, 3)), ("model", (0, 1, 2, 3)), ("wrapper", (0, 1)),

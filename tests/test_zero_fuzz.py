@@ -28,6 +28,7 @@ import time
 
 import pytest
 import torch
+from torch.func import functional_call
 
 from conftest import TOL
 from test_zero import BUCKET_MB, LOCAL_BATCH, Net, Partial, Wide, _step_skipping_frozen, batch, make_opt
@@ -43,14 +44,11 @@ DROP = {"Net": ["emb", "w1", "b2", "w3"], "Partial": ["w1", "odd", "first", "w3"
 
 # ---- the forward, with params detached ("unused") per call ---------------------------------------------------
 def _out(model, kind, x, drop):
-    P = lambda n: getattr(model, n).detach() if n in drop else getattr(model, n)  # noqa: E731
-    if kind == "Wide":
-        h = torch.tanh(x @ P("big"))
-        return ((h @ P("w").T + P("b")) @ P("w3")) * P("gain")
-    h = torch.tanh((x @ P("emb")) @ P("w1").T + P("b1"))
-    y = h @ P("w2").T + P("b2")
-    out = torch.einsum("bi,kij->bj", y, P("w3")) * P("gain")
+    """The model's own forward with the params named in `drop` detached; Partial adds its `odd` and `first`."""
+    params = {n: getattr(model, n).detach() for n in drop}
+    out = functional_call(model, params, (x,))
     if kind == "Partial":
+        P = lambda n: params.get(n, getattr(model, n))  # noqa: E731
         out = out * P("odd") + torch.tanh(x[:, :3] * P("first"))
     return out
 
@@ -209,6 +207,8 @@ def _fuzz(rank, world, cfg, upto=None):
         if st.get("sd") == "inplace":
             full = opt.state_dict(consolidated=True, to=None)
             opt.load_state_dict(copy.deepcopy(full))
+        # conftest's rel_update_error, but with the error itself where the reference has not moved yet (a first
+        # step whose gradients were all frozen or cleared), which that one refuses
         ours, ref = list(model.parameters()), list(ref_model.parameters())
         num = sum((a.detach() - b.detach()).square().sum().item() for a, b in zip(ours, ref)) ** 0.5
         den = sum((b.detach() - c).square().sum().item() for b, c in zip(ref, init)) ** 0.5
