@@ -68,8 +68,11 @@ exposed views; a rank that finds all of its exposed gradients written in place s
 accumulators' version counters moved) and holding zeros only votes, in the same reduce-scatter, for zeroing the
 split params' sums too, which happens when every rank holding an exposed owner's gradient so voted (one rank's
 gradients zeroed, or all zero and scaled in place, say by clip_grad_norm_ between micro-batches, are not the
-model's; checked on the device, only where split params exist). `add_param_group` between backward and `step()`
-keeps the sums and reductions made so far.
+model's; checked on the device, only where split params exist). The gradients kept for frozen params (below) vote
+as exposed ones, and a frozen split param's kept pieces take the votes in one small all-reduce of their own. The
+votes are cast when a round starts: gradients cleared or zeroed through the model after the last backward, with
+no backward before the step, leave the split params' sums as they were (the wrapper's `zero_grad()` reaches them).
+`add_param_group` between backward and `step()` keeps the sums and reductions made so far.
 
 The wrapper is the data-parallel reduction: a model also wrapped in DistributedDataParallel is refused (at the
 first `step()` or `clip_grad_norm_()`, on every rank), as its gradients would be reduced twice and DDP's writes
@@ -116,6 +119,11 @@ like a gradient set by hand, so it is averaged and stepped like the others from 
 must be made on every rank alike, before the backward passes of that step. A frozen param is not stepped, even
 when it still holds a gradient from before it was frozen (torch's optimizers would step it; here only its owner
 could, and no longer managed, it would be neither averaged nor broadcast: the replicas would drift apart).
+ZeRO-2 keeps the owner's reduced gradient of a param frozen after its backward as its `.grad` (`_kept`; a split
+param's pieces on every rank); unfrozen, it is stepped with it. A backward that reaches it once unfrozen adds this
+rank's own gradient into it, the other ranks' arriving alone: the owner's tensor hook (registered on its frozen
+params too) first scales the kept sum by the world size, so that it is reduced with the others like a gradient
+set by hand, to the sum one process has.
 
 State dicts: the shard (default) holds this rank's params' state and its pieces' state; its "zero" entry records
 the owners and the splits, and it reloads on the same partition only. The consolidated state is the unwrapped
@@ -348,6 +356,20 @@ def _hook_pre(ref, gidx):
     return hook
 
 
+@contextlib.contextmanager
+def _hookable(p: Tensor):
+    """Let a hook be registered on a frozen param: torch refuses one on a tensor that does not require a gradient,
+    but keeps one registered on it before, which fires again once it is unfrozen."""
+    frozen = not p.requires_grad
+    if frozen:
+        p.requires_grad_(True)
+    try:
+        yield
+    finally:
+        if frozen:
+            p.requires_grad_(False)
+
+
 def _hook_mark(ref, gidx):
     def hook(_p):
         z = ref()
@@ -469,7 +491,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._handles: list = []
         self._lost: set = set()  # params a newer wrapper took over (`_claim`)
         self._kept: dict[int, Tensor] = {}  # ZeRO-2: frozen params' reduced gradients, kept by a rebuild
-        self._kept_ver: dict[int, int] = {}  # ... their version counters then (or after the wrapper wrote them)
+        self._kept_ver: dict[int, int] = {}  # ... their version counters when kept or at the last round's end
+        self._unkept: dict = {}  # ... taken by a backward that reached them since (`_detach_exposed`)
         self._build()
         self._claim(self._params)
 
@@ -788,16 +811,19 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             return
         ref = weakref.ref(self)
         hooks_reduce = self.partition_grad or self.overlap_communication
-        for i in managed:
-            p = P[i]
-            if not p.requires_grad:  # frozen since the build copied (no hook can fire on it; torch refuses one)
+        for i, p in enumerate(P):
+            # Frozen since the build copied (a copy's: built for its original's pattern), hooked alike: unfrozen
+            # before a backward, its gradients take the way the original's do. The owner's tensor hook goes on its
+            # frozen whole params too: it finds a kept gradient reached by a backward (`_detach_exposed`).
+            pre = self.partition_grad and self._owner[i] == self.rank and i not in self._split and p.numel() > 0
+            if i not in self._slot and not pre:
                 continue
-            if hooks_reduce:
-                self._handles.append(p.register_post_accumulate_grad_hook(_hook_post(ref, i)))
-            else:
-                self._handles.append(p.register_post_accumulate_grad_hook(_hook_mark(ref, i)))
-            if self.partition_grad and self._owner[i] == self.rank and i not in self._split:
-                self._handles.append(p.register_hook(_hook_pre(ref, i)))
+            with _hookable(p):
+                if i in self._slot:
+                    hook = _hook_post if hooks_reduce else _hook_mark
+                    self._handles.append(p.register_post_accumulate_grad_hook(hook(ref, i)))
+                if pre:
+                    self._handles.append(p.register_hook(_hook_pre(ref, i)))
 
     def __del__(self):
         for h in getattr(self, "_handles", ()):
@@ -833,6 +859,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._kept = state.pop("_kept", {})
         moved = state.pop("_kept_moved", {})
         self._kept_ver = {i: -1 if moved.get(i, True) else v._version for i, v in self._kept.items()}
+        self._unkept = {}
         differentiable = "differentiable" in state["defaults"]
         self.__dict__["_initialized"] = False
         super().__setstate__(state)  # torch's: its hook registries (empty, as in a copy of a torch optimizer)
@@ -1033,6 +1060,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         if set_to_none:
             self._views = {}
             self._stashed = {}
+            self._unkept = {}
             self._kept = {}
             self._kept_ver = {}
         else:
@@ -1055,15 +1083,28 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     # ---- gradients ---------------------------------------------------------------------------------
     def _detach_exposed(self, gidx: int) -> None:
         """Before backward adds into an owner's exposed gradient (a view of the accumulator), take it away:
-        the accumulator keeps the sum so far and this backward's gradient arrives alone."""
+        the accumulator keeps the sum so far and this backward's gradient arrives alone. A kept gradient (a param
+        frozen with it, unfrozen since) is scaled instead."""
         p = self._params[gidx]
         v = self._views.get(gidx)
         if v is not None and p.grad is v:
             p.grad = None
             self._stashed[gidx] = v  # given back if no accumulation follows (torch.autograd.grad fires this too)
-            if not self._give_back_queued:  # at the end of this graph task (the accumulation follows at once)
-                self._give_back_queued = True
-                torch.autograd.Variable._execution_engine.queue_callback(_give_back(weakref.ref(self)))
+        else:
+            # A param unfrozen since its reduced gradient was kept (`_rebuild`), reached by this backward, which adds
+            # this rank's own gradient into it while the other ranks' arrive alone: scaled by the world size, the
+            # kept sum (zeroed or scaled since, as one process's gradient would be) is reduced with theirs like a
+            # gradient set by hand, to the sum one process has.
+            v = self._kept.get(gidx)
+            if v is None or p.grad is not v:
+                return
+            version = self._kept_ver.pop(gidx)
+            del self._kept[gidx]
+            scaled = p.grad = v.mul(self.world_size)
+            self._unkept[gidx] = (v, version, scaled, scaled._version)  # kept again if no accumulation follows
+        if not self._give_back_queued:  # at the end of this graph task (the accumulation follows at once)
+            self._give_back_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(_give_back(weakref.ref(self)))
 
     def _drop_round(self) -> None:
         """Drop an open round of reductions: one of a backward that raised, or of a step refused before its
@@ -1097,6 +1138,12 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             if self._params[gidx].grad is None and self._views.get(gidx) is v:
                 self._params[gidx].grad = v
         self._stashed = {}
+        for gidx, (v, version, scaled, scaled_version) in self._unkept.items():
+            if self._params[gidx].grad is scaled and scaled._version == scaled_version:
+                self._params[gidx].grad = v
+                self._kept[gidx] = v
+                self._kept_ver[gidx] = version
+        self._unkept = {}
 
     def _begin_round(self) -> None:
         """A round of reductions starts (the first hook of a backward, or a step's flush). ZeRO-2: an owner's
@@ -1113,13 +1160,41 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             return
         for b in self._red:
             b.packed = False
-        dropped = self._cleared_views()
-        self._cleared, self._zeroed, self._eligible = self._pending_votes(bool(dropped))
+        dropped, gone = self._cleared_views(), self._cleared_kept()
+        self._cleared, self._zeroed, self._eligible = self._pending_votes(bool(dropped or gone))
         self._carried = None  # cast now
         for gidx in dropped:
             self._drop_sum(gidx)
             del self._views[gidx]
             self._stashed.pop(gidx, None)
+        for gidx in gone:  # cleared with the rest (its vote is cast): no longer kept
+            del self._kept[gidx], self._kept_ver[gidx]
+        if any(gidx in self._split for gidx in self._kept):
+            self._vote_kept()
+
+    @torch.no_grad()
+    def _vote_kept(self) -> None:
+        """ZeRO-2: a frozen split param's kept pieces (`_kept`, on every rank alike) take the votes just cast as
+        its sum would in its bucket (`_complete`): no bucket carries them while it is frozen, so they are summed
+        here, in one small all-reduce and a host read, only while such a piece is kept. Cleared, the pieces have
+        no gradient (as the param has none in one process); zeroed by every eligible rank, they hold zeros."""
+        kept = [gidx for gidx in self._kept if gidx in self._split]
+        dev = self._kept[kept[0]].device
+        votes = torch.zeros(3, dtype=torch.float32, device=dev)
+        votes[0] = float(self._cleared)
+        votes[1] = self._zeroed
+        votes[2] = self._eligible
+        dist.all_reduce(votes, group=self._pg)
+        cleared, zeroed, eligible = votes.tolist()
+        for gidx in kept:
+            v = self._kept[gidx]
+            if cleared:
+                del self._kept[gidx], self._kept_ver[gidx]
+                if self._pieces[gidx].grad is v:
+                    self._pieces[gidx].grad = None
+            elif zeroed and zeroed == eligible:
+                v.zero_()
+                self._kept_ver[gidx] = v._version
 
     def _drop_sum(self, gidx: int) -> None:
         """ZeRO-2: an owner's accumulated gradient of a param (not split) is dropped, as torch drops a cleared one."""
@@ -1137,7 +1212,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         if not self.partition_grad:
             return None
         zeroed, eligible = self._zeroed_vote()
-        votes = (bool(self._cleared_views()) if cleared is None else cleared, zeroed, eligible)
+        if cleared is None:
+            cleared = bool(self._cleared_views() or self._cleared_kept())
+        votes = (cleared, zeroed, eligible)
         if self._carried is not None:  # from a rebuild or copy since the last round
             c, z, e = self._carried
             votes = (votes[0] or c, z if zeroed is False else zeroed | z, max(eligible, e))
@@ -1149,21 +1226,33 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         return [gidx for gidx, v in self._views.items() if gidx not in self._split
                 and self._params[gidx].grad is not v and self._stashed.get(gidx) is not v]
 
+    def _cleared_kept(self) -> list[int]:
+        """ZeRO-2: the frozen whole params whose kept gradient is no longer their `.grad` (cleared or replaced
+        since, as `_cleared_views`; one a backward took, `_unkept`, is not)."""
+        return [gidx for gidx, v in self._kept.items() if gidx not in self._split and self._params[gidx].grad is not v]
+
     def _zeroed_vote(self) -> tuple[Any, float]:
-        """ZeRO-2 with split params reduced: this rank's (zeroed, eligible) votes (`_begin_round`)."""
+        """ZeRO-2 with split params reduced (or a frozen one's pieces kept): this rank's (zeroed, eligible) votes
+        (`_begin_round`). The frozen whole params' kept gradients count as the exposed ones do."""
         dev = next((b.device for b in self._red if b.bounds is not None), None) if self._split else None
-        if dev is None:  # no split param requires a gradient now: nothing to vote on
+        if dev is None:
+            dev = next((v.device for gidx, v in self._kept.items() if gidx in self._split), None)
+        if dev is None:  # no split param requires a gradient now, nor holds a kept one: nothing to vote on
             return False, 0.0
         exposed = {}  # buckets with an owner's gradient still exposed (or taken by the tensor hook)
         for gidx, v in self._views.items():
             if gidx not in self._split and (self._params[gidx].grad is v or self._stashed.get(gidx) is v):
                 b = self._slot[gidx][0]
                 exposed[id(b)] = b
+        kept = [(v, self._kept_ver[gidx]) for gidx, v in self._kept.items()
+                if gidx not in self._split and self._params[gidx].grad is v]
         zeroed: Any = False
-        if exposed and all(b.version is not None and b.acc._version != b.version for b in exposed.values()):
+        if (exposed or kept) and all(b.version is not None and b.acc._version != b.version
+                                     for b in exposed.values()) and all(v._version != ver for v, ver in kept):
             nonzero = [b.acc[:b.numel].ne(0).any().to(dev) for b in exposed.values()]
+            nonzero += [v.ne(0).any().to(dev) for v, _ in kept]
             zeroed = torch.stack(nonzero).any().logical_not()
-        return zeroed, float(bool(exposed))  # the zeroed vote must be unanimous among the eligible ranks
+        return zeroed, float(bool(exposed or kept))  # the zeroed vote must be unanimous among the eligible ranks
 
     def _on_grad(self, gidx: int) -> None:
         """Post-accumulate-grad hook: pack the gradient into its bucket; launch the buckets that are full."""
@@ -1323,6 +1412,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             mine = [b for b in self._red if b.owner == self.rank and b.acc is not None]
             for b in mine:
                 b.version = b.acc._version
+            for gidx, v in self._kept.items():  # the votes on them are cast: in-place writes from now on are news
+                self._kept_ver[gidx] = v._version
             # Params that got a gradient on no rank keep `.grad = None`. The counts are read back (one host sync
             # per device) only for buckets with a param of which this rank packed no gradient itself.
             unsure: dict = {}
@@ -1452,22 +1543,20 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         params that require a gradient now (every rank alike, as they must all run the same backward). ZeRO-2's
         accumulated gradients move into the new accumulators; a newly unfrozen param's gradient, which no hook
         saw, is reduced now like a gradient set by hand. ZeRO-2: the owner's reduced gradient of a param frozen
-        now stays its `.grad` (not stepped while frozen, `_kept`); unfrozen again with that gradient untouched,
-        it is carried back (the other ranks have none: reduced as one set by hand, by its owner alone, the ranks
-        would hang). Owners and splits stay as they were."""
+        now stays its `.grad` (not stepped while frozen, `_kept`); unfrozen again while it is still the param's
+        `.grad` (a backward since took it, `_detach_exposed`), it is carried back (the other ranks have none:
+        reduced as one set by hand, by its owner alone, the ranks would hang). Owners and splits stay as they
+        were."""
         carry = {}
         votes = self._pending_votes()
         if self.partition_grad:
             P = self._params
             for gidx, v in list(self._kept.items()):
                 if P[gidx].requires_grad:
-                    del self._kept[gidx]
-                    # Written since it was kept, by other than the wrapper: a backward that ran after the param was
-                    # unfrozen added this rank's own gradient into it (or model.zero_grad(set_to_none=False) zeroed
-                    # it): no longer a reduced sum; reduced now like a gradient set by hand, as the other ranks'
-                    # gradients of that backward are (carried, only the owner had a gradient: the ranks hung).
-                    moved = v._version != self._kept_ver.pop(gidx, None)
-                    if self._holder(gidx).grad is v and (not moved or gidx in self._split):
+                    del self._kept[gidx], self._kept_ver[gidx]
+                    # Still the param's gradient: a reduced sum (zeroed or scaled since, as one process's would be).
+                    # A backward that reached it since it was unfrozen took it (`_detach_exposed`): no longer kept.
+                    if self._holder(gidx).grad is v:
                         carry[gidx] = v
             for gidx, v in self._views.items():
                 if not P[gidx].requires_grad and self._holder(gidx).grad is v:
@@ -1602,11 +1691,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         by = {}
         for g in present:
             by.setdefault((g.device, g.dtype), []).append(g)
-        unmoved = [gidx for gidx, v in self._kept.items() if v._version == self._kept_ver.get(gidx)]
         for (device, dtype), gs in by.items():
             torch._foreach_mul_(gs, coef.to(device=device, dtype=dtype))
-        for gidx in unmoved:  # a kept gradient scaled by the wrapper: still a reduced sum
-            self._kept_ver[gidx] = self._kept[gidx]._version
         return total
 
     def _piece_grad(self, i: int) -> Tensor | None:
