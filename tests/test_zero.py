@@ -2717,6 +2717,43 @@ def test_zero2_only_split_param_trains_cleared_through_the_model(pool, set_to_no
     _check_equal_across_ranks(results)
 
 
+def _with_integer_param(rank, world, partition_grad):
+    """Net with an integer Parameter (`requires_grad=False`, as quantized models hold codes) among the params given
+    to the optimizer: 3 steps against torch's AdamW in one process, which skips it (no gradient)."""
+    os.environ["FASTOPT_BACKEND"] = "torch"
+    ref_model = Net()
+    model = copy.deepcopy(ref_model)
+    init = [p.detach().clone() for p in ref_model.parameters()]
+    opts = []
+    for m in (ref_model, model):
+        m.register_parameter("codes", torch.nn.Parameter(torch.arange(6), requires_grad=False))
+        mats, vecs = m.groups()
+        opts.append(FACTORIES["AdamW"](mats, vecs + [m.codes]))
+    ref_opt = opts[0]
+    opt = ZeroRedundancyOptimizer(opts[1], partition_grad=partition_grad, bucket_size_mb=BUCKET_MB)
+    for step in range(3):
+        x, y = batch(step, world)
+        for m, o, xb, yb in ((ref_model, ref_opt, x, y), (model, opt, *_mine(rank, x, y))):
+            o.zero_grad()
+            ((m(xb) - yb) ** 2).mean().backward()
+            o.step()
+    floats = [p for p in model.parameters() if p is not model.codes]
+    return dict(err=rel_update_error(floats, [p for p in ref_model.parameters() if p is not ref_model.codes], init),
+                codes=torch.equal(model.codes, torch.arange(6)), params=[p.detach().clone() for p in floats])
+
+
+@pytest.mark.parametrize("partition_grad", [False, True])
+def test_an_integer_param_among_the_params(pool, partition_grad):
+    """ZeRO-2's owners hook their frozen params too (`_build`): an integer param, which torch lets no one mark as
+    requiring a gradient, stopped the construction with a RuntimeError on its owner (the others hung). It is left
+    unhooked, and trains nothing."""
+    results = pool.run(_with_integer_param, partition_grad)
+    for r, res in enumerate(results):
+        assert res["codes"], f"rank {r}: the integer param changed"
+        assert res["err"] <= TOL[DT], f"rank {r}: relative update error {res['err']:.3g}"
+    _check_equal_across_ranks(results)
+
+
 def _split_cleared_then_unused(rank, world, overlap, set_to_none):
     """ZeRO-2, Wide: gradients cleared through the model (`model.zero_grad()`, as transformers' Trainer does) or
     zeroed in place, and at step 1 the split param `big` used on no rank. Cleared, it has no gradient anywhere and

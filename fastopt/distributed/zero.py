@@ -815,7 +815,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             # Frozen since the build copied (a copy's: built for its original's pattern), hooked alike: unfrozen
             # before a backward, its gradients take the way the original's do. The owner's tensor hook goes on its
             # frozen whole params too: it finds a kept gradient reached by a backward (`_detach_exposed`).
-            pre = self.partition_grad and self._owner[i] == self.rank and i not in self._split and p.numel() > 0
+            pre = self.partition_grad and self._owner[i] == self.rank and i not in self._split and p.numel() > 0 \
+                and (p.is_floating_point() or p.is_complex())  # (an integer param can never require a gradient)
             if i not in self._slot and not pre:
                 continue
             with _hookable(p):
