@@ -2717,6 +2717,38 @@ def test_zero2_only_split_param_trains_cleared_through_the_model(pool, set_to_no
     _check_equal_across_ranks(results)
 
 
+def _kept_split_one_rank_zeroed(rank, world):
+    """ZeRO-2, Wide: `big` frozen after step 0's backward (its pieces keep the reduced gradient); at step 1, with no
+    zero_grad, `w`'s gradient zeroed by hand (one process: `w.grad.zero_()`; here on its owner, the only rank that
+    holds it), then a backward and the step; `big` unfrozen before step 2's step, which has no backward: it is
+    stepped with the gradient it kept. Only the owner of `w` votes zeroed, the other eligible ranks do not."""
+    ref_model, ref_opt, model, opt, init = _wide_zero2(False)
+    for step in range(4):
+        x, y = batch(step, world, n_in=Wide.N_IN)
+        for m, o, xb, yb in ((ref_model, ref_opt, x, y), (model, opt, *_mine(rank, x, y))):
+            if step in (0, 3):
+                o.zero_grad()
+            if step == 1 and m.w.grad is not None:
+                m.w.grad.zero_()
+            if step != 2:
+                ((m(xb) - yb) ** 2).mean().backward()
+            if step in (0, 2):
+                m.big.requires_grad_(step == 2)
+            _step_skipping_frozen(m, o) if m is ref_model else o.step()
+    return dict(err=rel_update_error(list(model.parameters()), list(ref_model.parameters()), init),
+                params=[p.detach().clone() for p in model.parameters()])
+
+
+def test_zero2_kept_split_pieces_one_rank_zeroed(pool):
+    """A frozen split param's kept pieces are zeroed only when every rank holding an owner's gradient found its
+    gradients zeroed (`_vote_kept`, as `_complete` does for the sums): one param's gradient zeroed by hand on its
+    owner is not the model's zero_grad (zeroed on that one rank's vote, the pieces were 0.993 of the update off)."""
+    results = pool.run(_kept_split_one_rank_zeroed)
+    for r, res in enumerate(results):
+        assert res["err"] <= TOL[DT], f"rank {r}: relative update error {res['err']:.3g}"
+    _check_equal_across_ranks(results)
+
+
 def _with_integer_param(rank, world, partition_grad):
     """Net with an integer Parameter (`requires_grad=False`, as quantized models hold codes) among the params given
     to the optimizer: 3 steps against torch's AdamW in one process, which skips it (no gradient)."""
