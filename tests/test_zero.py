@@ -2442,6 +2442,52 @@ def test_zero2_backward_that_raises_then_autograd_grad(pool):
     _check_equal_across_ranks(results)
 
 
+def _raises_before_any_hook_then_autograd_grad(rank, world, zero_after):
+    """ZeRO-2, Net: `w3`'s reduced gradient kept by its owner (frozen after step 0's backward), `w3` unfrozen; a
+    backward that raises after `w3`'s tensor hook fired and before any param's post-accumulate hook (no round
+    began), the wrapper's zero_grad(); a backward, a `torch.autograd.grad` over the params, (`zero_after`)
+    model.zero_grad(set_to_none=False), the step. Against torch's AdamW in one process, which skipped that batch."""
+    ref_model, ref_opt, model, opt, init = _ref_and_zero("AdamW", True, False)
+    x, y = batch(0, world)
+    for m, o, xb, yb in ((ref_model, ref_opt, x, y), (model, opt, *_mine(rank, x, y))):
+        o.zero_grad()
+        loss_fn(m, xb, yb).backward()
+        m.w3.requires_grad_(False)
+        _step_skipping_frozen(m, o) if m is ref_model else o.step()
+    x, y = batch(1, world)
+    xs, ys = _mine(rank, x, y)
+    for m in (ref_model, model):
+        m.w3.requires_grad_(True)
+    h = torch.tanh((xs @ model.emb) @ model.w1.T + model.b1)
+    out = torch.einsum("bi,kij->bj", _RaisesInBackward.apply(h @ model.w2.T + model.b2), model.w3)
+    with pytest.raises(RuntimeError, match="raised in backward"):
+        ((out - ys) ** 2).mean().backward()
+    for m, o, xb, yb in ((ref_model, ref_opt, x, y), (model, opt, xs, ys)):
+        o.zero_grad()  # as documented after a backward that raises
+        loss_fn(m, xb, yb).backward()
+        torch.autograd.grad(loss_fn(m, xb, yb), [p for p in m.parameters() if p.requires_grad])
+    exposed = all(opt._params[i].grad is not None for i in opt._owned)
+    for m, o in ((ref_model, ref_opt), (model, opt)):
+        if zero_after:
+            m.zero_grad(set_to_none=False)
+        o.step()
+    return dict(err=rel_update_error(list(model.parameters()), list(ref_model.parameters()), init), exposed=exposed,
+                params=[p.detach().clone() for p in model.parameters()])
+
+
+@pytest.mark.parametrize("zero_after", [False, True])
+def test_zero2_backward_raising_before_any_hook_then_autograd_grad(pool, zero_after):
+    """A backward that raised after a kept gradient's tensor hook and before any round began left its give-back
+    callback marked queued (zero_grad() reset it only with an open round): a later torch.autograd.grad took the
+    owners' views and never gave them back before the step (found by a helper's review: model.zero_grad() then
+    missed them, 0.127 off). zero_grad() gives them back and resets it."""
+    results = pool.run(_raises_before_any_hook_then_autograd_grad, zero_after)
+    for r, res in enumerate(results):
+        assert res["exposed"], f"rank {r}: an owner's gradient was not given back after torch.autograd.grad"
+        assert res["err"] <= TOL[DT], f"rank {r}: relative update error {res['err']:.3g}"
+    _check_equal_across_ranks(results)
+
+
 def _autograd_grad_raises_then_step(rank, world, overlap):
     """ZeRO-2: after each backward, a `torch.autograd.grad` over the params that raises (a gradient penalty, say)
     after its tensor hooks took the owners' exposed views (the give-back queued for its end never runs), then
@@ -2749,16 +2795,20 @@ def test_zero2_kept_split_pieces_one_rank_zeroed(pool):
     _check_equal_across_ranks(results)
 
 
-def _with_integer_param(rank, world, partition_grad):
-    """Net with an integer Parameter (`requires_grad=False`, as quantized models hold codes) among the params given
-    to the optimizer: 3 steps against torch's AdamW in one process, which skips it (no gradient)."""
+def _with_integer_param(rank, world, partition_grad, kind):
+    """Net with a frozen Parameter that torch lets no one unfreeze among the params given to the optimizer: integer
+    codes (as quantized models hold), or an inference tensor (made under torch.inference_mode(), as a table loaded
+    there). 3 steps against torch's AdamW in one process, which skips it (no gradient)."""
     os.environ["FASTOPT_BACKEND"] = "torch"
     ref_model = Net()
     model = copy.deepcopy(ref_model)
     init = [p.detach().clone() for p in ref_model.parameters()]
+    with torch.inference_mode(kind == "inference"):
+        made = torch.arange(6) if kind == "integer" else torch.arange(6, dtype=DT)
     opts = []
     for m in (ref_model, model):
-        m.register_parameter("codes", torch.nn.Parameter(torch.arange(6), requires_grad=False))
+        m.register_parameter("codes", torch.nn.Parameter(made.clone() if kind == "integer" else made,
+                                                         requires_grad=False))
         mats, vecs = m.groups()
         opts.append(FACTORIES["AdamW"](mats, vecs + [m.codes]))
     ref_opt = opts[0]
@@ -2771,15 +2821,16 @@ def _with_integer_param(rank, world, partition_grad):
             o.step()
     floats = [p for p in model.parameters() if p is not model.codes]
     return dict(err=rel_update_error(floats, [p for p in ref_model.parameters() if p is not ref_model.codes], init),
-                codes=torch.equal(model.codes, torch.arange(6)), params=[p.detach().clone() for p in floats])
+                codes=torch.equal(model.codes.double(), torch.arange(6, dtype=DT)),
+                params=[p.detach().clone() for p in floats])
 
 
-@pytest.mark.parametrize("partition_grad", [False, True])
-def test_an_integer_param_among_the_params(pool, partition_grad):
-    """ZeRO-2's owners hook their frozen params too (`_build`): an integer param, which torch lets no one mark as
-    requiring a gradient, stopped the construction with a RuntimeError on its owner (the others hung). It is left
-    unhooked, and trains nothing."""
-    results = pool.run(_with_integer_param, partition_grad)
+@pytest.mark.parametrize("partition_grad,kind", [(False, "integer"), (True, "integer"), (True, "inference")])
+def test_an_integer_param_among_the_params(pool, partition_grad, kind):
+    """ZeRO-2's owners hook their frozen params too (`_build`): a param that torch lets no one mark as requiring a
+    gradient (an integer one; an inference tensor, found by a helper's review) stopped the construction with a
+    RuntimeError on its owner (the others hung). It is left unhooked, and trains nothing."""
+    results = pool.run(_with_integer_param, partition_grad, kind)
     for r, res in enumerate(results):
         assert res["codes"], f"rank {r}: the integer param changed"
         assert res["err"] <= TOL[DT], f"rank {r}: relative update error {res['err']:.3g}"

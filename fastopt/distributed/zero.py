@@ -123,7 +123,8 @@ ZeRO-2 keeps the owner's reduced gradient of a param frozen after its backward a
 param's pieces on every rank); unfrozen, it is stepped with it. A backward that reaches it once unfrozen adds this
 rank's own gradient into it, the other ranks' arriving alone: the owner's tensor hook (registered on its frozen
 params too) first scales the kept sum by the world size, so that it is reduced with the others like a gradient
-set by hand, to the sum one process has.
+set by hand, to the sum one process has. Frozen again before the step, such a param's `.grad` is each rank's own
+(its owner's with the kept sum so scaled), reduced once it is unfrozen and stepped.
 
 State dicts: the shard (default) holds this rank's params' state and its pieces' state; its "zero" entry records
 the owners and the splits, and it reloads on the same partition only. The consolidated state is the unwrapped
@@ -359,12 +360,18 @@ def _hook_pre(ref, gidx):
 @contextlib.contextmanager
 def _hookable(p: Tensor):
     """Let a hook be registered on a frozen param: torch refuses one on a tensor that does not require a gradient,
-    but keeps one registered on it before, which fires again once it is unfrozen."""
+    but keeps one registered on it before, which fires again once it is unfrozen. Yields False for a param that
+    torch refuses to mark as requiring a gradient (an integer one, an inference tensor outside inference mode): it
+    can never be unfrozen, and needs no hook."""
     frozen = not p.requires_grad
     if frozen:
-        p.requires_grad_(True)
+        try:
+            p.requires_grad_(True)
+        except RuntimeError:  # refused: torch's own error, nothing set
+            yield False
+            return
     try:
-        yield
+        yield True
     finally:
         if frozen:
             p.requires_grad_(False)
@@ -815,11 +822,12 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             # Frozen since the build copied (a copy's: built for its original's pattern), hooked alike: unfrozen
             # before a backward, its gradients take the way the original's do. The owner's tensor hook goes on its
             # frozen whole params too: it finds a kept gradient reached by a backward (`_detach_exposed`).
-            pre = self.partition_grad and self._owner[i] == self.rank and i not in self._split and p.numel() > 0 \
-                and (p.is_floating_point() or p.is_complex())  # (an integer param can never require a gradient)
+            pre = self.partition_grad and self._owner[i] == self.rank and i not in self._split and p.numel() > 0
             if i not in self._slot and not pre:
                 continue
-            with _hookable(p):
+            with _hookable(p) as hookable:
+                if not hookable:
+                    continue
                 if i in self._slot:
                     hook = _hook_post if hooks_reduce else _hook_mark
                     self._handles.append(p.register_post_accumulate_grad_hook(hook(ref, i)))
@@ -1044,6 +1052,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of every param (and ZeRO-2's accumulators)."""
         self._drop_round()  # a backward that raised (no end-of-backward callback runs after an error)
+        self._give_back_stashed()  # ... before its round began: its `_give_back` callback did not run either
         self._synced = False
         self._carried = None  # every sum is cleared here, the split params' too: nothing left to vote on
         for piece in self._pieces.values():
@@ -1134,7 +1143,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
     def _give_back_stashed(self) -> None:
         """Expose again the owners' views that a tensor hook took away and no accumulation followed (a
-        `torch.autograd.grad` over the params): `model.zero_grad()` and the next round see them as before."""
+        `torch.autograd.grad` over the params): `model.zero_grad()` and the next round see them as before. Called
+        outside a backward too (zero_grad, step): a graph task that raised ran no callback, so none is queued now."""
+        self._give_back_queued = False
         for gidx, v in self._stashed.items():
             if self._params[gidx].grad is None and self._views.get(gidx) is v:
                 self._params[gidx].grad = v
