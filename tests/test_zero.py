@@ -229,6 +229,20 @@ def _check_equal_across_ranks(results):
             "ranks hold different params after the step"
 
 
+def _outcome(model, ref_model, init, **extra):
+    """A rank's result: the relative update error against the one-process reference, and the params (for
+    `_check_equal_across_ranks`)."""
+    return dict(err=rel_update_error(list(model.parameters()), list(ref_model.parameters()), init),
+                params=[p.detach().clone() for p in model.parameters()], **extra)
+
+
+def _assert_one_process(results):
+    """Every rank took the one-process steps (within TOL), and the ranks hold the same params."""
+    for r, res in enumerate(results):
+        assert res["err"] <= TOL[DT], f"rank {r}: relative update error {res['err']:.3g}"
+    _check_equal_across_ranks(results)
+
+
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("name", optimizer_names())
 def test_matches_single_process(pool, name, mode):
@@ -541,9 +555,7 @@ def test_reentrant_checkpointing_uneven_timing(pool, mode):
     is neither (relative update error 0.088 here; 0.19 on 2 ranks with real timing, rank 0 sleeping in backward).
     ZeRO-2, whose repeats do not depend on completion, runs as a control."""
     results = pool.run(_reentrant_uneven, mode)
-    for r, res in enumerate(results):
-        assert res["err"] <= TOL[DT], f"rank {r}: relative update error {res['err']:.3g}"
-    _check_equal_across_ranks(results)
+    _assert_one_process(results)
 
 
 class _RaisesInBackward(torch.autograd.Function):
@@ -598,9 +610,7 @@ def test_backward_that_raises_then_zero_grad(pool, partition_grad):
     """zero_grad() drops the round a failed backward left open (before: ZeRO-2 with overlap went on with its
     stale slots, and the next backward's gradients were not reduced: 0.177 off here, 0.11 on 2 ranks)."""
     results = pool.run(_backward_raises, partition_grad, True)
-    for r, res in enumerate(results):
-        assert res["err"] <= TOL[DT], f"rank {r}: relative update error {res['err']:.3g}"
-    _check_equal_across_ranks(results)
+    _assert_one_process(results)
 
 
 # ---- memory: optimizer state and gradients ~ 1/world per rank --------------------------------------------
@@ -928,8 +938,7 @@ def _refreeze(rank, world, partition_grad, overlap, accum):
         _local_backward(model, x, y, rank, accum, False)
         opt.step()
         moved.append(not torch.equal(model.w2, init[3]))
-    return dict(err=rel_update_error(list(model.parameters()), list(ref_model.parameters()), init), moved=moved,
-                params=[p.detach().clone() for p in model.parameters()])
+    return _outcome(model, ref_model, init, moved=moved)
 
 
 @pytest.mark.parametrize("partition_grad,overlap,accum", [(False, False, 1), (True, True, 2), (True, False, 1)])
@@ -1048,8 +1057,7 @@ def _frozen_across_a_step(rank, world, zeros):
             else:
                 o.step()
     assert opt._gidx[id(model.big)] in opt._split
-    return dict(err=rel_update_error(list(model.parameters()), list(ref_model.parameters()), init),
-                params=[p.detach().clone() for p in model.parameters()])
+    return _outcome(model, ref_model, init)
 
 
 @pytest.mark.parametrize("zeros", [False, True])
@@ -1058,9 +1066,7 @@ def test_zero2_frozen_across_a_step(pool, zeros):
     and zeroed with the others: unfrozen again, the param is stepped with it as in one process. (A non-split
     param's was taken for a gradient set by hand, reduced by its owner alone: the ranks hung.)"""
     results = pool.run(_frozen_across_a_step, zeros)
-    for r, res in enumerate(results):
-        assert res["err"] <= TOL[DT], f"rank {r}: relative update error {res['err']:.3g}"
-    _check_equal_across_ranks(results)
+    _assert_one_process(results)
 
 
 def _freeze_with_grad(rank, world, partition_grad):
@@ -2249,8 +2255,7 @@ def _reentrant_split_cleared(rank, world, how, overlap):
         _local_backward(model, x, y, rank, 2, False)
         opt.step()
     assert opt._gidx[id(model.big)] in opt._split
-    return dict(err=rel_update_error(list(model.parameters()), list(ref_model.parameters()), init),
-                params=[p.detach().clone() for p in model.parameters()])
+    return _outcome(model, ref_model, init)
 
 
 @pytest.mark.parametrize("how,overlap", [("model", True), ("model_zeros", False)])
@@ -2259,9 +2264,7 @@ def test_zero2_reentrant_split_param_cleared_through_the_model(pool, how, overla
     through the model: the second reduction must not carry the round's votes again, which reset (or zeroed) the sum
     the first one added (0.393 off with the votes kept for the second pass)."""
     results = pool.run(_reentrant_split_cleared, how, overlap)
-    for r, res in enumerate(results):
-        assert res["err"] <= TOL[DT], f"rank {r}: relative update error {res['err']:.3g}"
-    _check_equal_across_ranks(results)
+    _assert_one_process(results)
 
 
 def _reentrant_raises(rank, world, partition_grad):
@@ -2287,8 +2290,7 @@ def _reentrant_raises(rank, world, partition_grad):
         opt.zero_grad()
         ((fwd(xs) - ys) ** 2).mean().backward()
         opt.step()
-    return dict(err=rel_update_error(list(model.parameters()), list(ref_model.parameters()), init), late=left,
-                params=[p.detach().clone() for p in model.parameters()])
+    return _outcome(model, ref_model, init, late=left)
 
 
 @pytest.mark.parametrize("partition_grad", [False, True])
@@ -2363,8 +2365,7 @@ def _zeroed_vote_many(rank, world, how):
             ((m(parts[2]) - parts[3]) ** 2).mean().div(2).backward()
         ref_opt.step()
         opt.step()
-    return dict(err=rel_update_error(list(model.parameters()), list(ref_model.parameters()), init),
-                params=[p.detach().clone() for p in model.parameters()])
+    return _outcome(model, ref_model, init)
 
 
 @pytest.mark.parametrize("how", ["one_zero", "some_written", "all_but_gain"])
@@ -2374,9 +2375,7 @@ def test_zero2_zeroed_vote_with_several_buckets_per_rank(pool, how):
     ("one_zero"), 0.765 when one written bucket sufficed ("some_written"), 0.765 when the view the tensor hook
     had taken was left out of the check ("all_but_gain")."""
     results = pool.run(_zeroed_vote_many, how)
-    for r, res in enumerate(results):
-        assert res["err"] <= TOL[DT], f"rank {r}: relative update error {res['err']:.3g}"
-    _check_equal_across_ranks(results)
+    _assert_one_process(results)
 
 
 class MidRaise(Net):
@@ -2428,8 +2427,7 @@ def _raises_then_autograd_grad(rank, world):
         opt.step()
         torch.autograd.grad(((model(xs[:2]) - ys[:2]) ** 2).mean(), list(model.parameters()))
     assert opt._gidx[id(model.big)] in opt._split
-    return dict(err=rel_update_error(list(model.parameters()), list(ref_model.parameters()), init),
-                params=[p.detach().clone() for p in model.parameters()])
+    return _outcome(model, ref_model, init)
 
 
 def test_zero2_backward_that_raises_then_autograd_grad(pool):
@@ -2437,9 +2435,7 @@ def test_zero2_backward_that_raises_then_autograd_grad(pool):
     runs: zero_grad() must let later graph tasks queue theirs, or a later torch.autograd.grad hides the views from
     model.zero_grad(set_to_none=False) until the next step."""
     results = pool.run(_raises_then_autograd_grad)
-    for r, res in enumerate(results):
-        assert res["err"] <= TOL[DT], f"rank {r}: relative update error {res['err']:.3g}"
-    _check_equal_across_ranks(results)
+    _assert_one_process(results)
 
 
 def _raises_before_any_hook_then_autograd_grad(rank, world, zero_after):
@@ -2471,8 +2467,7 @@ def _raises_before_any_hook_then_autograd_grad(rank, world, zero_after):
         if zero_after:
             m.zero_grad(set_to_none=False)
         o.step()
-    return dict(err=rel_update_error(list(model.parameters()), list(ref_model.parameters()), init), exposed=exposed,
-                params=[p.detach().clone() for p in model.parameters()])
+    return _outcome(model, ref_model, init, exposed=exposed)
 
 
 @pytest.mark.parametrize("zero_after", [False, True])
@@ -2547,8 +2542,7 @@ def _copied_after_a_freeze(rank, world, overlap):
             model, opt = copy.deepcopy((model, opt))
         _step_skipping_frozen(ref_model, ref_opt)
         opt.step()
-    return dict(err=rel_update_error(list(model.parameters()), list(ref_model.parameters()), init),
-                params=[p.detach().clone() for p in model.parameters()])
+    return _outcome(model, ref_model, init)
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -2559,9 +2553,7 @@ def test_zero2_deepcopy_after_a_freeze_before_the_step(pool, overlap):
     `_expose`, a None accumulator, and the other ranks hung). The copy now builds the original's buckets and
     rebuilds at its step, as the original would."""
     results = pool.run(_copied_after_a_freeze, overlap)
-    for r, res in enumerate(results):
-        assert res["err"] <= TOL[DT], f"rank {r}: relative update error {res['err']:.3g}"
-    _check_equal_across_ranks(results)
+    _assert_one_process(results)
 
 
 def _copied_then_zeroed_by_the_model(rank, world, overlap):
@@ -2580,8 +2572,7 @@ def _copied_then_zeroed_by_the_model(rank, world, overlap):
             model, opt = copy.deepcopy((model, opt))
         opt.step()
     assert opt._gidx[id(model.big)] in opt._split
-    return dict(err=rel_update_error(list(model.parameters()), list(ref_model.parameters()), init),
-                params=[p.detach().clone() for p in model.parameters()])
+    return _outcome(model, ref_model, init)
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -2592,9 +2583,7 @@ def test_zero2_deepcopy_then_zeroed_through_the_model(pool, overlap):
     tests/test_zero_fuzz.py, seed 24: 0.25 of the update off after one step). The copy now carries whether each
     accumulator was written since."""
     results = pool.run(_copied_then_zeroed_by_the_model, overlap)
-    for r, res in enumerate(results):
-        assert res["err"] <= TOL[DT], f"rank {r}: relative update error {res['err']:.3g}"
-    _check_equal_across_ranks(results)
+    _assert_one_process(results)
 
 
 def _unfrozen_before_backward(rank, world, how, used_by):
@@ -2673,8 +2662,7 @@ def _copied_frozen_then_unfrozen(rank, world, kind, name):
                     model, opt = copy.deepcopy((model, opt))
             else:
                 o.step()
-    return dict(err=rel_update_error(list(model.parameters()), list(ref_model.parameters()), init),
-                params=[p.detach().clone() for p in model.parameters()])
+    return _outcome(model, ref_model, init)
 
 
 @pytest.mark.parametrize("kind,name", [("Net", "w3"), ("Wide", "w"), ("Wide", "big")])
@@ -2684,9 +2672,7 @@ def test_zero2_copy_after_a_freeze_unfrozen_before_backward(pool, kind, name):
     added in place, and was taken for the reduced sum while the others reduced theirs (0.16 and 0.18 of the update
     off, whole params). A param frozen since the build is hooked as the others are now."""
     results = pool.run(_copied_frozen_then_unfrozen, kind, name)
-    for r, res in enumerate(results):
-        assert res["err"] <= TOL[DT], f"rank {r}: relative update error {res['err']:.3g}"
-    _check_equal_across_ranks(results)
+    _assert_one_process(results)
 
 
 def _split_kept_then_cleared(rank, world, name, set_to_none, backward):
@@ -2708,8 +2694,7 @@ def _split_kept_then_cleared(rank, world, name, set_to_none, backward):
                 getattr(m, name).requires_grad_(step == 2)
             _step_skipping_frozen(m, o) if m is ref_model else o.step()
     assert opt._gidx[id(model.big)] in opt._split
-    return dict(err=rel_update_error(list(model.parameters()), list(ref_model.parameters()), init),
-                params=[p.detach().clone() for p in model.parameters()])
+    return _outcome(model, ref_model, init)
 
 
 @pytest.mark.parametrize("name,set_to_none,backward", [("big", True, True), ("big", False, True),
@@ -2723,9 +2708,7 @@ def test_zero2_kept_split_gradient_cleared_through_the_model(pool, name, set_to_
     by the rebuild, vetoed (0.49 off). Kept pieces now take the votes (one small all-reduce while one is kept), and
     kept gradients vote as exposed ones do."""
     results = pool.run(_split_kept_then_cleared, name, set_to_none, backward)
-    for r, res in enumerate(results):
-        assert res["err"] <= TOL[DT], f"rank {r}: relative update error {res['err']:.3g}"
-    _check_equal_across_ranks(results)
+    _assert_one_process(results)
 
 
 def _only_split_trains(rank, world, set_to_none):
@@ -2748,8 +2731,7 @@ def _only_split_trains(rank, world, set_to_none):
                 for n in ("w", "b", "w3", "gain"):
                     getattr(m, n).requires_grad_(False)
             _step_skipping_frozen(m, o) if m is ref_model else o.step()
-    return dict(err=rel_update_error(list(model.parameters()), list(ref_model.parameters()), init),
-                params=[p.detach().clone() for p in model.parameters()])
+    return _outcome(model, ref_model, init)
 
 
 @pytest.mark.parametrize("set_to_none", [True, False])
@@ -2758,9 +2740,7 @@ def test_zero2_only_split_param_trains_cleared_through_the_model(pool, set_to_no
     they vote (cleared: no longer the param's gradient; zeroed: written since the last round and all zeros), and
     their versions are read again when a round ends, so that step 2's accumulation is not zeroed again."""
     results = pool.run(_only_split_trains, set_to_none)
-    for r, res in enumerate(results):
-        assert res["err"] <= TOL[DT], f"rank {r}: relative update error {res['err']:.3g}"
-    _check_equal_across_ranks(results)
+    _assert_one_process(results)
 
 
 def _kept_split_one_rank_zeroed(rank, world):
@@ -2781,8 +2761,7 @@ def _kept_split_one_rank_zeroed(rank, world):
             if step in (0, 2):
                 m.big.requires_grad_(step == 2)
             _step_skipping_frozen(m, o) if m is ref_model else o.step()
-    return dict(err=rel_update_error(list(model.parameters()), list(ref_model.parameters()), init),
-                params=[p.detach().clone() for p in model.parameters()])
+    return _outcome(model, ref_model, init)
 
 
 def test_zero2_kept_split_pieces_one_rank_zeroed(pool):
@@ -2790,9 +2769,7 @@ def test_zero2_kept_split_pieces_one_rank_zeroed(pool):
     gradients zeroed (`_vote_kept`, as `_complete` does for the sums): one param's gradient zeroed by hand on its
     owner is not the model's zero_grad (zeroed on that one rank's vote, the pieces were 0.993 of the update off)."""
     results = pool.run(_kept_split_one_rank_zeroed)
-    for r, res in enumerate(results):
-        assert res["err"] <= TOL[DT], f"rank {r}: relative update error {res['err']:.3g}"
-    _check_equal_across_ranks(results)
+    _assert_one_process(results)
 
 
 def _with_integer_param(rank, world, partition_grad, kind):
@@ -2853,8 +2830,7 @@ def _split_cleared_then_unused(rank, world, overlap, set_to_none):
             o.step()
         still.append(torch.equal(before, model.big))
     assert opt._gidx[id(model.big)] in opt._split
-    return dict(err=rel_update_error(list(model.parameters()), list(ref_model.parameters()), init), still=still,
-                params=[p.detach().clone() for p in model.parameters()])
+    return _outcome(model, ref_model, init, still=still)
 
 
 @pytest.mark.parametrize("overlap,set_to_none", [(False, True), (True, True), (False, False)])
@@ -2892,8 +2868,7 @@ def _kept_then_zeroed_through_the_model(rank, world, name, when):
     owner = opt._owner[opt._gidx[id(getattr(model, name))]]
     alone = all(opt._owner[i] != owner for i in range(len(opt._params)) if opt._params[i] is not getattr(model, name)
                 and opt._params[i].requires_grad and i not in opt._split)
-    return dict(err=rel_update_error(list(model.parameters()), list(ref_model.parameters()), init), alone=alone,
-                params=[p.detach().clone() for p in model.parameters()])
+    return _outcome(model, ref_model, init, alone=alone)
 
 
 @pytest.mark.parametrize("name,when", [("w3", "post"), ("w", "pre")])
