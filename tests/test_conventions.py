@@ -568,6 +568,35 @@ def test_lr_tensor_off_the_host_is_refused(case):
     assert_unchanged(opt, before)
 
 
+# Every case's keys that must be numbers, with a value in range: (key, the value as a 0-dim tensor).
+_TENSOR_KEYS = {"adafactor": [("eps", (torch.tensor(1e-30), 1e-3)), ("weight_decay", torch.tensor(0.1))],
+                "came32": [("betas", (torch.tensor(0.9), 0.999, 0.9999)), ("eps", (torch.tensor(1e-30), 1e-16))],
+                "lamb32": [("betas", (torch.tensor(0.9), 0.999)), ("weight_decay", torch.tensor(0.1))],
+                "galore32": [("betas", (0.9, torch.tensor(0.999))), ("eps", torch.tensor(1e-6))],
+                "adamw8bit": [("betas", (torch.tensor(0.9), 0.999)), ("weight_decay", torch.tensor(0.01))]}
+
+
+@pytest.mark.parametrize("case", list(_TENSOR_KEYS))
+def test_a_tensor_where_only_numbers_are_taken_is_refused_saying_so(case):
+    """torch.optim.AdamW takes tensor betas; here only lr may be a tensor (the step reads it anew each time). A
+    tensor beta, eps or weight_decay, in range, is refused saying that it is a tensor: `betas[0]=tensor(0.9000)
+    must be in [0, 1)` read as if 0.9 were out of range. In the constructor and when set between steps."""
+    name = CASES[case][0].__name__ if isinstance(CASES[case][0], type) else "GaLoreAdamW"
+    for key, value in _TENSOR_KEYS[case]:
+        with pytest.raises(ValueError, match=re.escape(f"{name}: {key}") + r".*must not be a tensor \(only lr"):
+            make(case, make_params("cpu"), **{key: value})
+    ps = make_params("cpu")
+    opt = make(case, ps)
+    run(opt, ps, range(1))
+    key, value = _TENSOR_KEYS[case][0]
+    before = snapshot(opt)
+    opt.param_groups[0][key] = value
+    set_grads(ps, 1)
+    with pytest.raises(ValueError, match=re.escape(f"{name}: param_groups[0]['{key}']") + ".*must not be a tensor"):
+        opt.step()
+    assert_unchanged(opt, before)
+
+
 @pytest.mark.parametrize("forced", ["auto", "torch", "triton"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_meta_params_step_as_torch_adamw_steps_them(case, forced, monkeypatch):
@@ -1037,6 +1066,25 @@ def test_compiled_training_step_runs_the_step_eagerly(case, backend, device):
         torch.randn(p.shape, generator=torch.Generator().manual_seed(t), dtype=F64).to(device) for p in ps])
     assert_same(opt, ref)
     assert traced == {operator.mul}, traced
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_step_inside_autocast_is_the_step_outside_it(case, backend, device):
+    """opt.step() called inside the training loop's `torch.autocast(dtype=torch.bfloat16)` block: bit for bit the
+    step outside it (torch.optim's steps have no autocast-eligible op; GaLore's projections on the torch back end
+    ran in bf16 there, 1.5e-5 of the params off after 6 steps, and its Triton kernels did not). A closure still
+    runs under the caller's autocast, as its forward expects."""
+    ps, tw = make_params(device, F32), make_params(device, F32)
+    opt, twin = make(case, ps), make(case, tw)
+    x = torch.ones(2, 2, device=device)
+    for t in range(4):
+        set_grads(ps, t)
+        set_grads(tw, t)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = opt.step(lambda: (x @ x).sum())
+        assert loss.dtype == torch.bfloat16
+        twin.step()
+    assert_same(opt, twin)
 
 
 def test_import_leaves_dynamo_to_the_first_step():

@@ -7,6 +7,7 @@ them over the buckets). Everything torch users expect from `torch.optim` comes f
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import numbers
@@ -31,11 +32,20 @@ def check(cond: bool, name: str, owner: str, value: Any, must: str) -> None:
         raise ValueError(f"{owner}: {name}={value!r} must {must}")
 
 
+def number_must(v, must: str) -> str:
+    """`must`, plus why a tensor is refused where a plain number is taken (torch.optim.AdamW takes tensor betas;
+    here only an lr may be a tensor, which the step reads anew each time): without it, `betas[0]=tensor(0.8)
+    must be in [0, 1)` would read as if 0.8 were out of range."""
+    if isinstance(v, Tensor):
+        return f"not be a tensor (only lr may be one, 0-dim on the CPU: pass .item()); it must {must}"
+    return must
+
+
 def check_betas(owner: str, betas, n: int, name: str = "betas") -> tuple:
     if not isinstance(betas, (tuple, list)) or len(betas) != n:
         raise ValueError(f"{owner}: {name}={betas!r} must be a tuple of {n} floats")
     for i, b in enumerate(betas):
-        check(is_number(b) and 0.0 <= b < 1.0, f"{name}[{i}]", owner, b, "be in [0, 1)")
+        check(is_number(b) and 0.0 <= b < 1.0, f"{name}[{i}]", owner, b, number_must(b, "be in [0, 1)"))
     return tuple(float(b) for b in betas)
 
 
@@ -107,7 +117,7 @@ def eps_pair(owner: str, name: str, eps) -> tuple:
     if not (isinstance(eps, (tuple, list)) and len(eps) == 2):
         raise ValueError(f"{owner}: {name}={eps!r} must be a pair (eps1, eps2)")
     for k, e in enumerate(eps):
-        check(is_number(e) and e >= 0, f"{name}[{k}]", owner, e, "be a finite number >= 0")
+        check(is_number(e) and e >= 0, f"{name}[{k}]", owner, e, number_must(e, "be a finite number >= 0"))
     return tuple(float(e) for e in eps)
 
 
@@ -307,7 +317,7 @@ class FastOptimizer(torch.optim.Optimizer):
                 if callable(rule):
                     out[k] = rule(self._name, name, out[k])
                 else:
-                    check(rule[0](out[k]), name, self._name, out[k], rule[1])
+                    check(rule[0](out[k]), name, self._name, out[k], number_must(out[k], rule[1]))
         return out
 
     def add_param_group(self, param_group: dict) -> None:
@@ -705,7 +715,13 @@ class FastOptimizer(torch.optim.Optimizer):
         loss = None
         if closure is not None:
             with torch.enable_grad():
-                loss = closure()
+                loss = closure()  # under the caller's autocast, as its forward expects
+        with _autocast_off():
+            self._step_now()
+        return loss
+
+    def _step_now(self) -> None:
+        """step() after the closure, under no autocast (`_autocast_off`)."""
         self._check_grads()
         self.__dict__.pop("_unstepped", None)
         fsdp = self._fsdp_grads()
@@ -750,7 +766,6 @@ class FastOptimizer(torch.optim.Optimizer):
                                                      layouts=layouts, sharded=True, **sr), group_key,
                                     layouts[0].reduce))
         phases.run(sharded)
-        return loss
 
     # ---- state_dict -----------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -966,6 +981,17 @@ class FastOptimizer(torch.optim.Optimizer):
         fmt = lambda g: ", ".join(f"{k}={g.get(k)!r}" for k in changed)  # noqa: E731
         return dict(cast_keys=keys, cast_note=f"the state_dict's param_groups have {fmt(group)}, this optimizer "
                                               f"{fmt(own)}")
+
+
+def _autocast_off() -> contextlib.ExitStack:
+    """Autocast turned off where the caller has it on: a step called inside `torch.autocast` (a training loop
+    that keeps `opt.step()` in its autocast block) would otherwise run the torch reference's matmuls (GaLore's
+    projections) in bf16/fp16, off the step outside it (torch.optim's steps have no autocast-eligible op)."""
+    stack = contextlib.ExitStack()
+    for device_type in ("cpu", "cuda"):
+        if torch.is_autocast_enabled(device_type):
+            stack.enter_context(torch.autocast(device_type, enabled=False))
+    return stack
 
 
 def _step_marks(states: list) -> list:
