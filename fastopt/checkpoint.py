@@ -187,9 +187,13 @@ DEQUANTIZED = "fp32"  # an 8-bit state's dequantized form in a state_dict: {code
 
 
 def export_state(st: dict, quantized: dict, force_dequantize: bool) -> dict:
-    """A copy of one param's state for a state_dict; 8-bit states dequantized ({DEQUANTIZED: values} under the
-    codes' key, without the absmax) when the param is a DTensor or `force_dequantize`."""
-    out = {k: (v.detach().clone() if isinstance(v, Tensor) else v) for k, v in st.items()}
+    """One param's state for a state_dict: its tensors themselves (detached), as torch.optim's state_dict holds
+    them, with no copy on their device (a copy doubled the state's memory while a checkpoint was saved); 8-bit
+    states dequantized ({DEQUANTIZED: values} under the codes' key, without the absmax: new tensors) when the param
+    is a DTensor or `force_dequantize`. DCP loads into a template in place, so a template made from these is the
+    optimizer's own state: `import_state` copies what it installs, and the tests that a refused load changes
+    nothing fill a deep copy of the template."""
+    out = {k: (v.detach() if isinstance(v, Tensor) else v) for k, v in st.items()}
     for key, (akey, signed, block) in quantized.items():
         if akey not in st or st[key].dtype != torch.uint8:
             continue

@@ -382,8 +382,10 @@ def _dcp_bad_case(rank, world, path):
     train(model, opt, range(HALF, HALF + 2))  # the optimizer now differs from both checkpoints
     before = _snapshot(opt)
 
-    # A non-finite value in one rank's piece only: every rank refuses, none changes.
-    sd = {"optim": get_optimizer_state_dict(model, opt)}
+    # A non-finite value in one rank's piece only: every rank refuses, none changes. The templates that DCP fills
+    # are deep copies: get_optimizer_state_dict's holds the optimizer's own state tensors (as torch's optimizers'
+    # do), which dcp.load would overwrite before set_optimizer_state_dict checks anything (the README's advice).
+    sd = {"optim": copy.deepcopy(get_optimizer_state_dict(model, opt))}
     dcp.load(sd, checkpoint_id=os.path.join(path, "good"))
     if rank == 1:
         sd["optim"]["state"]["up.weight"]["exp_avg"].to_local()[0, 0] = float("nan")
@@ -391,7 +393,7 @@ def _dcp_bad_case(rank, world, path):
         set_optimizer_state_dict(model, opt, sd["optim"])
     out["nan_unchanged"] = _same(before, _snapshot(opt))
 
-    # Another optimizer's checkpoint: DCP finds the keys missing before it reads anything.
+    # Another optimizer's checkpoint: DCP finds the keys missing before it reads anything (the live template).
     sd = {"optim": get_optimizer_state_dict(model, opt)}
     with pytest.raises(CheckpointException, match="Missing key in checkpoint"):
         dcp.load(sd, checkpoint_id=os.path.join(path, "lamb"))
@@ -401,7 +403,7 @@ def _dcp_bad_case(rank, world, path):
         set_optimizer_state_dict(model, opt, get_optimizer_state_dict(lamb_model, lamb))
     out["other_sd_unchanged"] = _same(before, _snapshot(opt))
 
-    # A truncated data file: DCP raises while reading; state_dict() handed out copies, so nothing changed.
+    # A truncated data file: DCP raises while reading, into a copy of the template, so nothing changed.
     dist.barrier()
     if rank == 0:
         shutil.copytree(os.path.join(path, "good"), os.path.join(path, "cut"))
@@ -411,7 +413,7 @@ def _dcp_bad_case(rank, world, path):
                 with open(name, "r+b") as fh:
                     fh.truncate(os.path.getsize(name) // 3)
     dist.barrier()
-    sd = {"optim": get_optimizer_state_dict(model, opt)}
+    sd = {"optim": copy.deepcopy(get_optimizer_state_dict(model, opt))}
     with pytest.raises(CheckpointException):  # DCP's wrapper of each rank's reader error
         dcp.load(sd, checkpoint_id=os.path.join(path, "cut"))
     out["cut_unchanged"] = _same(before, _snapshot(opt))
@@ -891,11 +893,12 @@ def _codes_keys(opt):
 
 
 def _dcp_load_into(src_model, src_opt, model, opt, path):
-    """`src_opt` saved with DCP, loaded into `opt`'s template (one process): the filled template."""
+    """`src_opt` saved with DCP, loaded into a deep copy of `opt`'s template (one process; the template holds
+    `opt`'s own state tensors, which a refused load must leave as they were): the filled copy."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
     dcp.save({"optim": get_optimizer_state_dict(src_model, src_opt)}, checkpoint_id=path, no_dist=True)
-    sd = {"optim": get_optimizer_state_dict(model, opt)}
+    sd = {"optim": copy.deepcopy(get_optimizer_state_dict(model, opt))}
     dcp.load(sd, checkpoint_id=path, no_dist=True)
     return sd["optim"]
 
@@ -1447,7 +1450,7 @@ def test_dcp_8bit_ddp_to_fsdp_and_tp(pool, shared_dir, case):
 def _dcp_codes_into_fsdp_32bit_case(rank, world, case, path):
     """DDP's 8-bit codes (plain params, the same on every rank) saved with DCP, loaded into the template of
     FSDP2 params with 32-bit state: DCP casts the codes into the DTensor template and each rank checks its
-    piece; every rank refuses and none changes."""
+    piece; every rank refuses and none changes (the template a deep copy, as the README advises)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
     os.environ["FASTOPT_BACKEND"] = "torch"
@@ -1459,7 +1462,7 @@ def _dcp_codes_into_fsdp_32bit_case(rank, world, case, path):
     opt = make_opt(twin_case, model, **over)
     train(model, opt, range(1))
     before = _snapshot(opt)
-    sd = {"optim": get_optimizer_state_dict(model, opt)}
+    sd = {"optim": copy.deepcopy(get_optimizer_state_dict(model, opt))}
     dcp.load(sd, checkpoint_id=path)
     error = None
     try:

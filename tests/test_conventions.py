@@ -160,6 +160,29 @@ def test_a_state_dict_loads_twice_and_into_a_deepcopy(backend, device):
         assert "differentiable" not in opt.defaults
 
 
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_state_dict_holds_the_state_tensors_themselves(case, backend, device):
+    """state_dict() holds the optimizer's own state tensors, as torch.optim's does, not copies on their device (a
+    save of 32-bit Lamb or CAME state held it twice). A state_dict loaded into another optimizer is that one's own
+    copy: stepping one leaves the other as it was, and both go on as one run."""
+    ps = make_params(device)
+    opt = make(case, ps)
+    run(opt, ps, range(2))
+    sd = opt.state_dict()
+    for i, p in enumerate(params_of(opt)):
+        assert opt.state[p], i
+        for k, v in opt.state[p].items():
+            assert sd["state"][i][k].data_ptr() == v.data_ptr(), (i, k)
+    twin_ps = [p.detach().clone().requires_grad_() for p in ps]
+    twin = make(case, twin_ps)
+    twin.load_state_dict(sd)
+    before = snapshot(opt)
+    run(twin, twin_ps, range(2, 4))
+    assert_unchanged(opt, before)
+    run(opt, ps, range(2, 4))
+    assert_same(opt, twin)
+
 # ---- 2. state layout fixed between steps ------------------------------------------------------------------------
 # (case, constructor overrides, key of group 0, new value): each changes the state layout of a param with state.
 LAYOUT_CHANGES = [

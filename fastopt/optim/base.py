@@ -770,8 +770,9 @@ class FastOptimizer(torch.optim.Optimizer):
     # ---- state_dict -----------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """torch.optim's state_dict (tensors, plain numbers and dicts of them: loads with
-        `torch.load(weights_only=True)`), with copies of the state tensors, zero state for trainable params that
-        have none yet (created and kept, as torch's `get_optimizer_state_dict` does with a step at lr=0), and
+        `torch.load(weights_only=True)`), holding the state tensors themselves as torch's does (no copy on the
+        device; a later step changes them, `torch.save` or a deep copy keeps them), zero state for trainable params
+        that have none yet (created and kept, as torch's `get_optimizer_state_dict` does with a step at lr=0), and
         DTensor params' state in the form `torch.distributed.checkpoint` reshards (see fastopt/checkpoint.py).
         The hooks of `register_state_dict_pre_hook` run first, those of `register_state_dict_post_hook` on the
         finished dict, as in torch."""
