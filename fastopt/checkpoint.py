@@ -62,8 +62,10 @@ A param's state, in memory and in a state_dict:
 DCP's `get_optimizer_state_dict` runs a fake step (zero grads, lr=0) on an optimizer whose state is empty; a
 fastopt optimizer's state mapping is never empty in that sense (`StateDict`), and its `state_dict()` lists
 zero state for every trainable param that has none yet, so DCP gets a template without any step being taken.
-`state_dict()` returns copies: DCP's `load` writes into the template in place, and the optimizer must stay
-as it was until `load_state_dict` has checked everything (it costs one transient copy of the state).
+`state_dict()` holds the state tensors themselves, as torch.optim's does (copies cost a second copy of the state
+on its device for as long as a save holds them), so DCP's `load`, which writes into the template in place, writes
+into the optimizer's state; `load_state_dict` then checks everything and installs copies. To keep the optimizer as
+it was should the checkpoint be bad, load into `copy.deepcopy(get_optimizer_state_dict(model, opt))`.
 
 Usage (every rank; the loading side may use another mesh, parallelism or world size)::
 
