@@ -248,6 +248,17 @@ def requantize(x: Tensor, block_size: int, signed: bool) -> tuple[Tensor, Tensor
     return flat_codes.view(x.shape), absmax
 
 
+def all_finite(t: Tensor) -> Tensor:
+    """`torch.isfinite(t).all()` (a bool scalar on t's device) without its full-size temporaries: ATen's
+    isfinite is `(t == t) * (t.abs() != inf)` on every device, a copy of t and three bool tensors of its size,
+    where the smallest and largest element (NaN propagates through both) are one reduction that writes two
+    scalars. A float tensor of any strides; an empty one is finite."""
+    if t.numel() == 0:
+        return torch.ones((), dtype=torch.bool, device=t.device)
+    lo, hi = torch.aminmax(t)
+    return torch.isfinite(lo) & torch.isfinite(hi)
+
+
 def _local_of(v: Tensor, p: Tensor, form: tuple, key: str, where: str) -> Tensor:
     """This rank's piece of sharded state `v` of DTensor param `p`, whose `form` is (global shape, placements)
     on p's mesh: `v` a DTensor (redistributed), or a plain tensor of the global shape (cut), or a plain local
@@ -321,7 +332,7 @@ def import_state(st, p: Tensor, spec: dict, quantized: dict, forms: dict, where:
             absmax_shape, _ = spec[akey]
             if tuple(here.shape) != tuple(shape):
                 raise ValueError(f"{where}[{key!r}] has shape {tuple(here.shape)} here, expected {tuple(shape)}")
-            if not torch.isfinite(here).all():
+            if not all_finite(here):
                 problem = problem or f"{where}[{key!r}] holds non-finite values"
                 continue
             if key in cast_keys and _cast_codes(here, signed, step):
@@ -351,7 +362,7 @@ def import_state(st, p: Tensor, spec: dict, quantized: dict, forms: dict, where:
         # transposed or channels_last grad's): the kernels read it with the param's state dtype, as row-major.
         t = here.detach().to(device=device, dtype=dtype, memory_format=torch.contiguous_format, copy=True)
         checked = here.detach().to(dtype) if t.is_meta else t  # on meta params: the saved values, cast
-        if checked.is_floating_point() and not checked.is_meta and not torch.isfinite(checked).all():
+        if checked.is_floating_point() and not checked.is_meta and not all_finite(checked):
             cast = f" as {dtype}" if t.dtype != here.dtype else ""
             problem = problem or f"{where}[{key!r}] holds non-finite values{cast}"
         out[key] = as_dtensor(t, p, forms[key]) if elem else t

@@ -1848,3 +1848,34 @@ def test_dcp_flattened_form_takes_a_param_without_state(case, monkeypatch, tmp_p
     _run(twin, t_opt, range(HALF, STEPS))
     assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), twin.parameters()))
     assert _equal_sd(f_opt.state_dict(), t_opt.state_dict())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_all_finite_is_isfinite_all_without_full_size_temporaries(dtype):
+    """ckpt.all_finite (load_state_dict's check of every float state, GaLore's of a refreshing gradient) is
+    torch.isfinite(t).all() on any strides and on empty tensors, and makes no tensor of t's size (isfinite
+    makes a copy of t and three bool tensors of its size)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Sizes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.numels = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.numels += [t.numel() for t in (out if isinstance(out, (tuple, list)) else (out,))
+                            if isinstance(t, torch.Tensor)]
+            return out
+
+    torch.manual_seed(0)
+    x = torch.randn(64, 48, dtype=dtype).t()  # strided
+    assert bool(ckpt.all_finite(torch.empty(0, 3, dtype=dtype)))
+    for v in (None, float("nan"), float("inf"), -float("inf")):
+        y = x.clone().t().contiguous().t()  # the same strides as x
+        if v is not None:
+            y[5, 7] = v
+        with Sizes() as sizes:
+            got = ckpt.all_finite(y)
+        assert bool(got) == bool(torch.isfinite(y).all()) == (v is None), v
+        assert max(sizes.numels, default=0) <= 1, sizes.numels

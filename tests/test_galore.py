@@ -1576,3 +1576,17 @@ def test_dtensors_and_flat_ranges_in_one_bucket_match_single_process(pool):
     for backend in backends:
         for r, (full, states) in enumerate(pool.run(_mixed_bucket, backend, init, grads)):
             _assert_as_galore_torch(full, states, init, ref, ref_opt, plist, (backend, r))
+
+
+@pytest.mark.parametrize("shape,side", [((48, 20), "right"), ((20, 48), "left"), ((3, 20, 48), "left"),
+                                        ((20, 48), "full")])
+def test_new_bases_hold_only_their_rank_columns(shape, side):
+    """A refresh's new bases are copies of the `rank` columns of U (rows of Vh), not views of the whole SVD
+    factor: the bucket's bases all wait for their commit together, so a view would keep every refreshed param's
+    whole U (or Vh) alive at once, min(m, n) columns each (fp32 bases of fp32 params: the cast copies nothing)."""
+    from fastopt.reference.galore import orthogonal_bases
+    torch.manual_seed(0)
+    g = torch.randn(shape)
+    for key, basis in orthogonal_bases(g, 4, side, torch.float32).items():
+        assert basis.is_contiguous() and basis.untyped_storage().nbytes() == basis.numel() * 4, (key, basis.shape)
+        assert basis.shape[-1 if key == "proj_left" else -2] == 4

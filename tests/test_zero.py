@@ -910,6 +910,65 @@ def test_non_contiguous_params(pool, partition_grad, overlap):
     _check_equal_across_ranks(results)
 
 
+
+class WideEven(Wide):
+    """Wide with `big` of 128 x 256 = 32768 elements: its ranges over 4 (or 2) ranks are all alike (8192 each),
+    so its pieces are gathered in place, into the param itself."""
+
+    def __init__(self, seed=0):
+        super().__init__(seed)
+        self.big = torch.nn.Parameter(self.big.detach()[:, :256].clone())
+        self.w = torch.nn.Parameter(self.w.detach()[:, :256].clone())
+
+
+def _even_split(rank, world, partition_grad):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Big(TorchDispatchMode):  # the shapes of the tensors of >= big's elements that ops make
+        def __init__(self, n):
+            super().__init__()
+            self.n, self.made = n, []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            ins = {a.untyped_storage().data_ptr() for a in (*args, *(kwargs or {}).values())
+                   if isinstance(a, torch.Tensor)}
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and t.numel() >= self.n and t.untyped_storage().data_ptr() not in ins:
+                    self.made.append((str(func), tuple(t.shape)))
+            return out
+
+    ref_model, ref_opt, model, opt, init = _ref_and_zero("AdamW", partition_grad, False, WideEven)
+    made = []
+    for step in range(SPLIT_STEPS):
+        x, y = batch(step, world, n_in=Wide.N_IN)
+        opt.zero_grad()
+        _local_backward(model, x, y, rank, 1, False)
+        with Big(model.big.numel()) as mode:
+            opt.step()
+        made += mode.made
+    ref = _reference(ref_model, ref_opt, world, 0, SPLIT_STEPS)
+    ours = [p.detach().clone() for p in model.parameters()]
+    return dict(err=rel_update_error(ours, ref, init), split=opt._split.get(opt._gidx[id(model.big)]), made=made,
+                params=ours)
+
+
+@pytest.mark.parametrize("partition_grad", [False, True])
+def test_split_param_of_equal_ranges_is_gathered_in_place(pool, partition_grad):
+    """A split param whose ranges are all alike is all-gathered into itself: ZeRO-2's step() makes no tensor of
+    its size (ZeRO-1's reduces the gradients there, through a bucket of that size), and both train as one
+    process."""
+    results = pool.run(_even_split, partition_grad)
+    n = 128 * 256
+    for r, res in enumerate(results):
+        assert list(res["split"]) == [k * n // WORLD for k in range(WORLD + 1)], res["split"]
+        assert res["err"] <= TOL[DT], f"rank {r}: params: relative update error {res['err']:.3g}"
+        if partition_grad:
+            assert res["made"] == [], res["made"]
+        else:
+            assert len(res["made"]) == SPLIT_STEPS, res["made"]  # the gradient bucket, once a step
+    _check_equal_across_ranks(results)
+
 # ---- params frozen or unfrozen after construction ------------------------------------------------------
 def _refreeze(rank, world, partition_grad, overlap, accum):
     """w2 frozen at construction and unfrozen at step 3, b1 frozen at step 5 (with its state kept), on the

@@ -50,8 +50,9 @@ The model stays an ordinary module with the same weights on every rank, and each
   `.grad = None` on every rank. With ZeRO-1, the piece's `.grad` is its range of the all-reduced gradient.
 * `step()` steps this rank's shard with the wrapped optimizer. Then every owner broadcasts its updated params
   in flat buckets, and each split param is all-gathered from its pieces (one `all_gather_single` per split
-  param, ranges padded to the longest). All ranks end the step with identical weights. `clip_grad_norm_`
-  counts each rank's own params and its range of each split param, so every element is counted once.
+  param, ranges padded to the longest; in place, into the param, where its ranges are all alike). All ranks end
+  the step with identical weights. `clip_grad_norm_` counts each rank's own params and its range of each split
+  param, so every element is counted once.
 
 Gradient accumulation: run several backward passes, then `step()`. ZeRO-1 reduces once, in `step()` (with overlap:
 once per backward, an all-reduce of the running sums, which stays exact because the earlier part is already
@@ -1607,12 +1608,24 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def _gather_split(self) -> None:
         """Every rank sends its updated piece of each split param and receives the others': one all-gather
-        per split param (ranges padded to the longest), one on the wire while the next is packed."""
+        per split param (ranges padded to the longest), one on the wire while the next is packed. Where the
+        ranges are all alike (numel a multiple of world * 4096, as most matrices are) the all-gather runs in
+        place, into the param itself (its piece here is the slice of it at this rank's offset, which NCCL and
+        gloo take as in-place): no buffer of the param's size."""
         q: deque = deque()
         for i in self._gathered:
             p, bounds = self._params[i], self._split[i]
             chunk = max(b - a for a, b in zip(bounds, bounds[1:]))
             piece = self._pieces[i].detach()
+            if (chunk * self.world_size == p.numel() and p.is_contiguous()  # every range `chunk` long, and
+                    and piece.data_ptr() == p.data_ptr() + self.rank * chunk * p.element_size()):  # p's slice
+                out = p.detach().view(-1)
+                work = collective("all_gather_single", "all_gather_into_tensor")(out, piece, group=self._pg,
+                                                                                 async_op=True)
+                q.append((p, None, chunk, out, work))
+                while len(q) > 1:
+                    self._finish_gather(*q.popleft())
+                continue
             if piece.numel() == chunk:
                 send = piece
             else:
@@ -1629,6 +1642,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
     def _finish_gather(self, p, bounds, chunk, out, work) -> None:
         work.wait()
+        if bounds is None:  # gathered in place
+            return
         flat = p.detach().view(-1)
         for r, (a, b) in enumerate(zip(bounds, bounds[1:])):
             if r != self.rank:

@@ -230,7 +230,7 @@ class GaLoreAdamW(FastOptimizer):
                     due.append((gi, pi, local(g)))
         if not due:
             return
-        finite = torch.stack([torch.isfinite(g).all().to(due[0][2].device) for *_, g in due])
+        finite = torch.stack([ckpt.all_finite(g).to(due[0][2].device) for *_, g in due])
         if bool(finite.all()):
             return
         gi, pi, _ = due[int((~finite).nonzero()[0])]

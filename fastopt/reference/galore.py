@@ -98,11 +98,13 @@ def orthogonal_bases(g: Tensor, rank: int, side: str, dtype: torch.dtype) -> dic
         parts = [torch.linalg.svd(x.clone(), full_matrices=False) for x in g.reshape(-1, *g.shape[-2:])]
         u = torch.stack([x[0] for x in parts]).view(*g.shape[:-2], *parts[0][0].shape)
         vh = torch.stack([x[2] for x in parts]).view(*g.shape[:-2], *parts[0][2].shape)
+    # Copies of the rank columns / rows: a slice in the SVD's dtype would keep the whole U or Vh alive (min(m, n)
+    # columns or rows, not `rank`) until the bucket's bases are committed, every refreshed param's at once.
     out = {}
     if side in ("left", "full"):
-        out[LEFT] = u[..., :, :rank].to(dtype)
+        out[LEFT] = u[..., :, :rank].to(dtype).contiguous()
     if side in ("right", "full"):
-        out[RIGHT] = vh[..., :rank, :].to(dtype)
+        out[RIGHT] = vh[..., :rank, :].to(dtype).contiguous()
     return out
 
 
