@@ -212,7 +212,7 @@ def adafactor_phases(params, grads, states, *, lr, eps, clip_threshold, decay_ra
     plan = cached_plan(cache, ("adafactor",), params, states, layouts,
                        lambda: AdafactorPlan(params, states, device, acc_dtype, layouts))
     if common.POISON:
-        for buf in (plan.stats, plan.parts, plan.part, plan.sums):
+        for buf in (plan.stats, plan.part, plan.sums):
             buf.fill_(float("nan"))
     g_ptrs = plan.grad_table([grads[k] for k in plan.order], device)
     g_ref = grads[0]
@@ -224,7 +224,7 @@ def adafactor_phases(params, grads, states, *, lr, eps, clip_threshold, decay_ra
     inf_arg = found_inf if found_inf is not None else dummy
     fp = plan.fplan
     if fp is not None:
-        launch_sq_stats(g_ptrs, g_ref, fp, plan.stats, plan.parts, inv_scale, aligned=al)
+        launch_sq_stats(g_ptrs, g_ref, fp, plan.stats, plan.new_parts(), inv_scale, aligned=al)
         if sharded:
             yield from common.sum_fp64(plan.stats)
         launch_factors(fp, plan.stats, plan.row_ptrs, plan.col_ptrs, plan.step_ptrs, found_inf,

@@ -338,7 +338,7 @@ class CAMEPlan(BucketPlan):
                 self.qtables.append((sum(progs), prog_param, qmeta))
 
     def scratch(self):
-        return (self.stats, self.res, self.parts, self.part, self.sums)
+        return (self.stats, self.res, self.part, self.sums)
 
 
 def came_phases(params, grads, states, *, lr, eps, clip_threshold, betas, weight_decay, bf16_stochastic_round=False,
@@ -367,7 +367,8 @@ def came_phases(params, grads, states, *, lr, eps, clip_threshold, betas, weight
     nf = plan.n_fac
     if fp is not None:
         blocks = dict(BLOCK_R=fp.block_r, BLOCK_C=fp.block_c)
-        launch_sq_stats(g_ptrs, g_ref, fp, plan.stats, plan.parts, inv_scale, aligned=al)
+        parts = plan.new_parts()
+        launch_sq_stats(g_ptrs, g_ref, fp, plan.stats, parts, inv_scale, aligned=al)
         if sharded:
             yield from common.sum_fp64(plan.stats)
         launch_factors(fp, plan.stats, plan.sq_row_ptrs, plan.sq_col_ptrs, plan.step_ptrs, found_inf,
@@ -402,10 +403,10 @@ def came_phases(params, grads, states, *, lr, eps, clip_threshold, betas, weight
         if fp.mapped:  # the slots of rows and columns held by other ranks
             plan.res.zero_()
         _res_stats_kernel[(fp.n_progs,)](g_ptrs, g_ref, plan.m_ptrs, m_ref, absmax_ptrs, qmap, fp.meta, fp.maps,
-                                         fp.prog_param, plan.stats, plan.sums, plan.res, plan.parts, inv_arg, inf_arg,
+                                         fp.prog_param, plan.stats, plan.sums, plan.res, parts, inv_arg, inf_arg,
                                          hyper, Q8=q8, MAPPED=fp.mapped, ALIGNED=al and fp.sizes_aligned, **flags,
                                          **blocks, **FP_FUSION)
-        launch_col_reduce(fp, plan.res, plan.parts)
+        launch_col_reduce(fp, plan.res, parts)
         if sharded:
             yield from common.sum_fp64(plan.res)
         launch_factors(fp, plan.res, plan.res_row_ptrs, plan.res_col_ptrs, plan.step_ptrs, found_inf,

@@ -438,7 +438,8 @@ class BucketPlan:
     kernels' tables (`fplan`), the pointer tables of params and step counters, the vector kernels' programs
     (`block_v` elements each) and their (elements here, first program, global elements) `vmeta`, the per-param
     segments of the partial sums (`part`, `width` per program: the factored programs, then the vector ones),
-    summed into `sums` (`width` per param), and the factor scratch `stats` and `parts`."""
+    summed into `sums` (`width` per param), and the factor scratch `stats` (`new_parts()` makes the other one
+    for each step)."""
 
     def __init__(self, params, states, device, acc_dtype, layouts, block_v: int, width: int):
         layouts = layouts or [None] * len(params)
@@ -469,10 +470,18 @@ class BucketPlan:
         self.seg_start = to_device(starts, torch.int64, device)
         self.seg_len = to_device(lens, torch.int64, device)
         self.stats = torch.empty(f.stats_numel if f else 0, dtype=acc_dtype, device=device)
-        self.parts = torch.empty(f.parts_numel if f else 0, dtype=acc_dtype, device=device)
         self.part = torch.empty(width * (self.fac_progs + self.n_vprogs), dtype=acc_dtype, device=device)
         self.sums = torch.empty(width * len(params), dtype=acc_dtype, device=device)
         self._hyper_key = self._hyper = None
+
+    def new_parts(self) -> torch.Tensor:
+        """The statistics kernels' column partials for one step: 4 / BLOCK_R bytes per element of the factored
+        params (1/16 byte at 64-row blocks), so many more than the factors themselves hold that they are made for
+        each step and dropped after it (the allocator can give that memory to the forward and backward between
+        steps), not kept with the plan. NaN under common.POISON."""
+        n = self.fplan.parts_numel if self.fplan else 0
+        parts = torch.empty(n, dtype=self.stats.dtype, device=self.stats.device)
+        return parts.fill_(float("nan")) if common.POISON else parts
 
     def hyper(self, values: tuple) -> torch.Tensor:
         """The hyperparameter tensor (floats, in the kernels' H_* order), rebuilt only when a value changed (an
