@@ -2,7 +2,8 @@
 
 `load()` builds the extension with `torch.utils.cpp_extension` and ninja the first time it is needed, then
 loads the shared library, which registers the ops under `torch.ops.fastopt` (TORCH_LIBRARY; no Python
-module). The build is cached under `$TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions`) in a folder
+module). The build is cached under `$TORCH_EXTENSIONS_DIR` (default `$XDG_CACHE_HOME/torch_extensions`, else
+`~/.cache/torch_extensions`, as torch's own extensions) in a folder
 named by a hash of the sources, the torch, CUDA and Python versions, the C++ compiler (`CXX`), whether the CUDA
 kernels are built and for which architectures, and the libstdc++ the process runs with, so a change of any of
 them rebuilds and a warm cache loads in about the time it takes to `dlopen` the library. A cached
@@ -14,7 +15,7 @@ released by the kernel even if the holder dies): one builds, the others wait and
 CUDA kernels are compiled when `torch.cuda.is_available()` (for the visible GPUs' architectures unless
 `TORCH_CUDA_ARCH_LIST` is set); otherwise the build is CPU-only. `FASTOPT_EXT_CUDA=0|1` overrides that,
 `FASTOPT_EXT_VERBOSE=1` shows the compiler output. Nothing is downloaded at run time: a missing compiler,
-ninja or nvcc raises an error that says what to install.
+ninja or nvcc raises an error that says what to install, an unwritable cache one that says what to set.
 """
 from __future__ import annotations
 
@@ -107,10 +108,14 @@ def build_key(with_cuda: bool | None = None) -> str:
 
 
 def _extensions_root() -> Path:
+    """torch's: `$TORCH_EXTENSIONS_DIR`, else `torch_extensions` in the XDG cache folder (`$XDG_CACHE_HOME`, which
+    the XDG spec ignores when it is not an absolute path, else `~/.cache`)."""
     root = os.environ.get("TORCH_EXTENSIONS_DIR")
     if root:
         return Path(root)
-    return Path(os.path.expanduser("~")) / ".cache" / "torch_extensions"
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    cache = Path(xdg) if os.path.isabs(xdg) else Path(os.path.expanduser("~")) / ".cache"
+    return cache / "torch_extensions"
 
 
 _ESCAPE = " (or set FASTOPT_BACKEND=torch to run the 8-bit optimizers in plain torch, much slower)"
@@ -136,7 +141,8 @@ def _check_toolchain(with_cuda: bool) -> None:
     if with_cuda and cpp_extension.CUDA_HOME is None:
         raise RuntimeError(f"fastopt.ext: CUDA tensors need the CUDA kernels, which need nvcc from the CUDA toolkit "
                            f"{torch.version.cuda} (set CUDA_HOME, or install the toolkit); FASTOPT_EXT_CUDA=0 builds "
-                           "the CPU kernels only")
+                           "the CPU kernels only, for CPU tensors; CUDA tensors without nvcc: set "
+                           "FASTOPT_BACKEND=torch to run the 8-bit optimizers in plain torch, much slower")
 
 
 def _build_and_load(verbose: bool) -> str:
@@ -158,7 +164,13 @@ def _build_and_load(verbose: bool) -> str:
         except OSError:  # cut short or damaged on disk (dlopen's error): built again below
             refused = seen
     _check_toolchain(with_cuda)
-    build_dir.mkdir(parents=True, exist_ok=True)
+    try:  # the folder and our lock file: a cache that cannot be written says what to set, not a bare OSError
+        build_dir.mkdir(parents=True, exist_ok=True)
+        os.close(os.open(root / f"{name}.lock", os.O_RDWR | os.O_CREAT, 0o644))
+    except OSError as e:
+        raise RuntimeError(f"fastopt.ext: the extension cache {root} cannot be written to build the C++ extension "
+                           f"({e.strerror}: {e.filename}): set TORCH_EXTENSIONS_DIR to a writable folder"
+                           f"{_ESCAPE}") from e
     src = source_dir()
     sources = [str(src / s) for s in _SOURCES_CPU + (_SOURCES_CUDA if with_cuda else ())]
     defines = ["-DFASTOPT_WITH_CUDA"] if with_cuda else []
@@ -169,6 +181,9 @@ def _build_and_load(verbose: bool) -> str:
         if refused is not None:  # from nothing: ninja would take the damaged library, newer than its objects, as built
             shutil.rmtree(build_dir)
             build_dir.mkdir(parents=True)
+        # a mark left from a build whose library is gone: while the library is linked again, another process's
+        # warm-cache check would take the mark and dlopen the file as it is being written.
+        done.unlink(missing_ok=True)
         # torch's own build lock: left behind by a build that was killed, it would make load() wait forever;
         # under our lock no other process is building.
         (build_dir / "lock").unlink(missing_ok=True)

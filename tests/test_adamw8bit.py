@@ -676,3 +676,42 @@ def test_cuda_matches_cpu_no_host_sync(built, monkeypatch, dtype, offset):
         torch.cuda.set_sync_debug_mode("default")
         del opt.grad_scale, opt.found_inf
     assert all(torch.equal(p, b) for p, b in zip(ps, before))
+
+
+def test_a_state_dict_for_bitsandbytes_steps_there_as_here(impl):
+    """fastopt's state_dict into bitsandbytes' AdamW8bit (README: the format is the same): as it is, bitsandbytes'
+    first step stops at its missing `qmap1`; through `to_bitsandbytes` (the maps added, the input left as it was)
+    bitsandbytes' next step is this optimizer's next step, 8-bit and fp32 states alike (to bitsandbytes' own
+    rounding: 2.4e-7 measured at lr=1e-2). block_size other than bitsandbytes' 256 is refused, naming the group."""
+    bnb = pytest.importorskip("bitsandbytes")
+    from fastopt.optim.adamw8bit import to_bitsandbytes
+    init, grads = _problem(seed=5, steps=4)
+    ours = [torch.nn.Parameter(x.float()) for x in init]
+    opt = _ours(ours)
+    for gs in grads[:3]:
+        for p, g in zip(ours, gs):
+            p.grad = g.float()
+        opt.step()
+    sd = opt.state_dict()
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    plain = bnb.optim.AdamW8bit(theirs, **HYPER)
+    plain.load_state_dict(save_load(sd))
+    for p, g in zip(theirs, grads[3]):
+        p.grad = g.float()
+    with pytest.raises(KeyError, match="qmap1"):
+        plain.step()
+    converted = to_bitsandbytes(sd)
+    assert all("qmap1" not in st for st in sd["state"].values()), "to_bitsandbytes changed its input"
+    assert all(("qmap1" in converted["state"][i]) == (i in EIGHT) for i in range(len(SHAPES)))
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    b_opt = bnb.optim.AdamW8bit(theirs, **HYPER)
+    b_opt.load_state_dict(save_load(converted))
+    for ps, o in ((ours, opt), (theirs, b_opt)):
+        for p, g in zip(ps, grads[3]):
+            p.grad = g.float()
+        o.step()
+    for p, q in zip(ours, theirs):
+        torch.testing.assert_close(q.detach(), p.detach(), rtol=0, atol=1e-6)
+    other = _ours([torch.nn.Parameter(torch.zeros(4096))], block_size=512)
+    with pytest.raises(ValueError, match=r"param_groups\[0\] has block_size=512"):
+        to_bitsandbytes(other.state_dict())

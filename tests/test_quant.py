@@ -722,16 +722,21 @@ def test_cuda_kernels_are_built_only_where_torch_can_run_them(monkeypatch):
 
 def test_a_marked_build_whose_library_is_gone_is_built_again(tmp_path, monkeypatch):
     """A build folder with BUILD_OK but no library (deleted by hand, or by a cache cleaner that removes large files)
-    is neither taken from the cache nor as built by another process: it is built again (build stubbed)."""
+    is neither taken from the cache nor as built by another process: it is built again (build stubbed), the mark
+    removed while the library is linked (another process's warm-cache check would dlopen it half written)."""
     monkeypatch.setenv("FASTOPT_EXT_CUDA", "0")
     log = []
-    _stub_build(tmp_path, monkeypatch, log)
+
+    def unmarked(name, d):
+        assert not (d / "BUILD_OK").exists(), "BUILD_OK stands beside a library being linked"
+
+    _stub_build(tmp_path, monkeypatch, log, unmarked)
     name = f"fastopt_ext_{ext.build_key(False)}"
     (tmp_path / name).mkdir()
     (tmp_path / name / "BUILD_OK").write_text(ext.build_key(False) + "\n")
     assert ext._build_and_load(False) == "built"
     assert log == [("toolchain", False), ("compile", False, None)], log
-    assert (tmp_path / name / f"{name}.so").is_file()
+    assert (tmp_path / name / f"{name}.so").is_file() and (tmp_path / name / "BUILD_OK").is_file()
 
 
 def test_a_cuda_build_puts_the_architecture_setting_back_exactly_even_when_it_fails(tmp_path, monkeypatch):
@@ -845,8 +850,10 @@ def test_toolchain_check_asks_for_nvcc_only_for_the_cuda_kernels(monkeypatch):
     for cuda, says in (("12.8", "which need nvcc from the CUDA toolkit 12.8"), (None, "is a CPU-only build")):
         monkeypatch.setattr(torch.version, "cuda", cuda)
         ext._check_toolchain(False)
-        with pytest.raises(RuntimeError, match=re.escape(says)):
+        with pytest.raises(RuntimeError, match=re.escape(says)) as e:
             ext._check_toolchain(True)
+        # pip's CUDA torch ships no nvcc: FASTOPT_EXT_CUDA=0 alone leaves CUDA tensors with no kernels at all
+        assert cuda is None or "FASTOPT_BACKEND=torch" in str(e.value), e.value
 
 
 def test_a_loaded_extension_is_not_looked_up_again(built, monkeypatch):
@@ -996,10 +1003,9 @@ def test_missing_ninja_names_the_fix(tmp_path, monkeypatch):
     assert "pip install ninja" in p.stdout
 
 
-def test_missing_compiler_names_the_fix(tmp_path):
-    """No C++ compiler (CXX names none) on a cold cache: load() raises an error that says what to install
-    (checked in a child process, so that this process's loaded extension is not involved; ninja is stubbed as
-    present, so that the compiler check is the one reached whatever this machine has)."""
+def _load_error_in_child(**env) -> str:
+    """The RuntimeError ext.load() raises in a child process (CPU kernels only, ninja stubbed as present; `env`
+    added to this process's), so that this process's loaded extension is not involved; fails if load() works."""
     script = textwrap.dedent("""
         import torch.utils.cpp_extension as ce
         ce.verify_ninja_availability = lambda: None
@@ -1009,12 +1015,20 @@ def test_missing_compiler_names_the_fix(tmp_path):
         except RuntimeError as e:
             print(e)
         else:
-            raise SystemExit("ext.load() built or loaded the extension without a compiler")
+            raise SystemExit("ext.load() built or loaded the extension")
     """)
-    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"), FASTOPT_EXT_CUDA="0", CXX="no-such-cxx")
+    env = dict(os.environ, FASTOPT_EXT_CUDA="0", **env)
     p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert "'no-such-cxx' is not on PATH" in p.stdout and "install g++" in p.stdout, p.stdout
+    return p.stdout
+
+
+def test_missing_compiler_names_the_fix(tmp_path):
+    """No C++ compiler (CXX names none) on a cold cache: load() raises an error that says what to install
+    (checked in a child process, so that this process's loaded extension is not involved; ninja is stubbed as
+    present, so that the compiler check is the one reached whatever this machine has)."""
+    out = _load_error_in_child(TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"), CXX="no-such-cxx")
+    assert "'no-such-cxx' is not on PATH" in out and "install g++" in out, out
     assert not any((tmp_path / "ext").rglob("*.so")), "a library was built"
 
 
@@ -1170,3 +1184,31 @@ def test_cuda_matches_reference_bitwise(built, block_size, dtype, offset):
         assert offset == 0 or (xc.data_ptr() % (4 * xc.element_size()) and c1.data_ptr() % 4)
         assert torch.equal(c1.cpu(), c2) and torch.equal(a1.cpu(), a2)
         assert torch.equal(y1.cpu(), R.dequantize_blockwise(c2, a2, block_size, signed, dtype))
+
+
+def test_the_cache_is_torchs_extensions_folder_xdg_cache_home_included(tmp_path, monkeypatch):
+    """Without TORCH_EXTENSIONS_DIR the cache is where torch puts its own extensions: `torch_extensions` in
+    $XDG_CACHE_HOME (a cluster's answer to a small or read-only home), else in ~/.cache; a relative
+    XDG_CACHE_HOME is ignored (the XDG spec's rule)."""
+    from torch.utils import cpp_extension
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert ext._extensions_root() == tmp_path / "xdg" / "torch_extensions"
+    assert ext._extensions_root() == Path(cpp_extension.get_default_build_root())
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    for unset in ("", "relative/cache"):
+        monkeypatch.setenv("XDG_CACHE_HOME", unset)
+        assert ext._extensions_root() == tmp_path / "home" / ".cache" / "torch_extensions"
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "te"))
+    assert ext._extensions_root() == tmp_path / "te"
+
+
+def test_an_unwritable_cache_names_the_fix(tmp_path):
+    """A cold cache that cannot be written (here a TORCH_EXTENSIONS_DIR under a regular file; a read-only folder
+    fails alike for any user but root): an error that names the folder and what to set, not a bare OSError
+    (checked in a child process, so that this process's loaded extension is not involved; ninja is stubbed)."""
+    (tmp_path / "file").write_text("")
+    root = tmp_path / "file" / "ext"
+    out = _load_error_in_child(TORCH_EXTENSIONS_DIR=str(root))
+    assert f"extension cache {root} cannot be written" in out, out
+    assert "set TORCH_EXTENSIONS_DIR to a writable folder" in out and "FASTOPT_BACKEND=torch" in out, out

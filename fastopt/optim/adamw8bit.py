@@ -38,8 +38,9 @@ class AdamW8bit(FastOptimizer):
     `absmax1`, `absmax2` (fp32, ceil(numel / block_size)); full precision: `state1` (m), `state2` (v).
     bitsandbytes also stores `qmap1`/`qmap2`; here the maps are fixed (fastopt.reference.quant.dynamic_map),
     and `load_state_dict` takes a bitsandbytes state_dict as it is (the maps checked to be these, then dropped;
-    `step` made a tensor). Works with `torch.amp.GradScaler` without host sync: a step with a non-finite
-    gradient changes nothing.
+    `step` made a tensor); the other way, `to_bitsandbytes(opt.state_dict())` adds the maps bitsandbytes' step
+    reads (with block_size=256, bitsandbytes' only one). Works with `torch.amp.GradScaler` without host sync: a
+    step with a non-finite gradient changes nothing.
     """
 
     _name = "AdamW8bit"
@@ -146,3 +147,31 @@ def _from_bnb(pid, st: dict) -> dict:
     if not isinstance(st.get("step"), torch.Tensor) and "step" in st:
         st["step"] = torch.tensor(float(st["step"]))
     return st
+
+
+_BNB_BLOCK_SIZE = 256  # bitsandbytes' 8-bit optimizers quantize their states in blocks of 256, not a setting there
+
+
+def to_bitsandbytes(state_dict: dict) -> dict:
+    """A fastopt `AdamW8bit` state_dict that bitsandbytes' `AdamW8bit` loads and steps on.
+
+    bitsandbytes' step reads each 8-bit state's maps (`qmap1`, signed; `qmap2`, unsigned) from the state itself,
+    which fastopt's state_dict does not hold (its maps are fixed): loaded as it is, bitsandbytes' first step
+    stops with `KeyError: 'qmap1'`. This adds them to every 8-bit state (full-precision states need none) and
+    leaves `state_dict` as it was (the state tensors are shared, not copied). Groups quantized in other blocks
+    than bitsandbytes' 256 are refused, naming the group: bitsandbytes would misread their absmax.
+    """
+    from ..reference.quant import create_dynamic_map
+    for i, g in enumerate(state_dict["param_groups"]):
+        if g.get("block_size", _BNB_BLOCK_SIZE) != _BNB_BLOCK_SIZE:
+            raise ValueError(f"to_bitsandbytes: param_groups[{i}] has block_size={g['block_size']}; bitsandbytes' "
+                             f"AdamW8bit reads 8-bit states in blocks of {_BNB_BLOCK_SIZE} only")
+    maps = {True: create_dynamic_map(signed=True), False: create_dynamic_map(signed=False)}
+    state = {}
+    for pid, st in state_dict["state"].items():
+        st = dict(st)
+        if isinstance(st.get("state1"), torch.Tensor) and st["state1"].dtype == torch.uint8:
+            dev = st["state1"].device
+            st["qmap1"], st["qmap2"] = maps[True].to(dev), maps[False].to(dev)
+        state[pid] = st
+    return {**state_dict, "state": state}
