@@ -29,7 +29,7 @@ except ImportError:
 
 
 def parse(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--optim", choices=sorted(profile_step.OPTIMS), default="galore")
     ap.add_argument("--set", choices=sorted(common.MODELS), default="1b")
     ap.add_argument("--layers", type=common.number(int, 1), default=None, help="decoder layers (default: 4 of 7b's 32, all 22 of 1b's)")

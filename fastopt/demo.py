@@ -474,14 +474,15 @@ def main(argv=None) -> list[dict] | None:
             torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
         return run(args, Parallel(0, 1, 1, 1, device))
     import torch.multiprocessing as mp
-    # CPU ranks fork from a forkserver that imported torch, fastopt and this module once, instead of each
-    # importing them (seconds apiece, on every rank of a small CPU machine), and torch._dynamo, which an
-    # optimizer's first step imports. GPU ranks are spawned: nothing may have initialized CUDA in a process they
-    # fork from.
+    # CPU ranks fork from a forkserver that imported torch and fastopt once, instead of each importing them
+    # (seconds apiece, on every rank of a small CPU machine), and torch._dynamo, which an optimizer's first step
+    # imports. Not this module: under `python -m fastopt.demo` each rank runs it again as __mp_main__, and runpy
+    # warns ("'fastopt.demo' found in sys.modules ... unpredictable behaviour") when the forkserver imported it.
+    # GPU ranks are spawned: nothing may have initialized CUDA in a process they fork from.
     method = "forkserver" if args.device == "cpu" and "forkserver" in mp.get_all_start_methods() else "spawn"
     if method == "forkserver":
         mp.set_forkserver_preload(["torch", "torch.distributed.tensor", "torch.distributed.tensor.parallel",
-                                   "torch.distributed.fsdp", "torch._dynamo", "fastopt", "fastopt.demo"]
+                                   "torch.distributed.fsdp", "torch._dynamo", "fastopt"]
                                   + (["transformers.models.llama.modeling_llama"] if args.model == "llama" else []))
     with tempfile.TemporaryDirectory(prefix="fastopt-demo-") as tmp:
         # file:// rendezvous: no port to pick or to collide with.

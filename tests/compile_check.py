@@ -251,6 +251,7 @@ def main():
         group = dist.new_group([0])
         t0 = time.time()
         failed_workloads = []
+        ran = 0
         # Every workload with GaLore's default dot precisions (tf32x3; bf16/fp16 operands), the forced fp32
         # ones on the "GaLore 32-bit std" workloads (7 with --quick: each dtype, layout and GradScaler setting).
         for precision in ("auto", "ieee", "tf32"):
@@ -259,12 +260,16 @@ def main():
                 if args.k not in label or (precision != "auto" and not label.startswith("GaLore 32-bit std")):
                     continue
                 rec.context = f"{label} dot={precision}"
+                ran += 1
                 try:
                     opt, params, steps, scaler = build()
                     _step(opt, params, steps, scaler)
                 except Exception:  # noqa: BLE001 -- reported below; the other workloads still run
                     failed_workloads.append((rec.context, traceback.format_exc()[-3000:]))
         dist.destroy_process_group()
+    if not ran:
+        sys.exit(f"compile_check: -k {args.k!r} matches no workload (labels are case-sensitive, e.g. 'Lamb 8-bit "
+                 "float32 dense')")
     elapsed = time.time() - t0
 
     table = {}
