@@ -21,7 +21,7 @@ class Adafactor(FastOptimizer):
             transformers: its `AdafactorSchedule` writes the lr it logs there; see `_get_lr`).
         eps: (eps1, eps2): regularizer added to g^2, and the floor of the param RMS used as scale.
         clip_threshold: d, the RMS above which the update is scaled down.
-        decay_rate: c in beta2_t = 1 - t^c (negative).
+        decay_rate: c in beta2_t = 1 - t^c (<= 0; 0, as transformers and torch take it: beta2_t = 0, V_t = G^2).
         beta1: momentum coefficient in [0, 1), or None for none (and no `exp_avg` state).
         weight_decay: decoupled decay, applied as p -= weight_decay * alpha_t * p.
         scale_parameter: scale the step by max(eps2, RMS(p)).
@@ -40,7 +40,7 @@ class Adafactor(FastOptimizer):
     _layout_keys = ("beta1",)  # None: no exp_avg
     _hyper_rules = dict(
         eps=eps_pair, clip_threshold=POSITIVE,
-        decay_rate=(lambda v: is_number(v) and v < 0, "be a finite number < 0"),
+        decay_rate=(lambda v: is_number(v) and v <= 0, "be a finite number <= 0"),
         beta1=(lambda v: v is None or (is_number(v) and 0 <= v < 1), "be None or in [0, 1)"), weight_decay=NONNEG,
         scale_parameter=FLAG, relative_step=FLAG, warmup_init=FLAG, bf16_stochastic_round=FLAG,
         lr=lr_rule(">= 0", allow_none=True))
