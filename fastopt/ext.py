@@ -13,8 +13,9 @@ Several processes (ranks) starting together on a cold cache take an exclusive fi
 released by the kernel even if the holder dies): one builds, the others wait and then load its result.
 
 CUDA kernels are compiled when `torch.cuda.is_available()` (for the visible GPUs' architectures unless
-`TORCH_CUDA_ARCH_LIST` is set); otherwise the build is CPU-only. `FASTOPT_EXT_CUDA=0|1` overrides that,
-`FASTOPT_EXT_VERBOSE=1` shows the compiler output. Nothing is downloaded at run time: a missing compiler,
+`TORCH_CUDA_ARCH_LIST` is set); otherwise the build is CPU-only. `FASTOPT_EXT_CUDA=0|1` overrides that
+(false/true, no/yes, off/on too; auto or unset: the default; anything else is refused), `FASTOPT_EXT_VERBOSE=1`
+shows the compiler output. Nothing is downloaded at run time: a missing compiler,
 ninja or nvcc raises an error that says what to install, an unwritable cache one that says what to set.
 """
 from __future__ import annotations
@@ -52,10 +53,24 @@ def source_dir() -> Path:
                        f"{here.parent / 'csrc'}; reinstall fastopt (pip install fastopt) so that csrc/ ships with it")
 
 
+_FLAG_VALUES = {"0": False, "false": False, "no": False, "off": False, "1": True, "true": True, "yes": True,
+                "on": True, "": None, "auto": None}
+
+
+def _env_flag(name: str) -> bool | None:
+    """An on/off environment variable, case and blanks aside: 0/false/no/off, 1/true/yes/on, or unset/empty/auto
+    (None); anything else is refused, naming it (a typo must not quietly mean the default)."""
+    flag = os.environ.get(name, "").strip().lower()
+    if flag not in _FLAG_VALUES:
+        raise ValueError(f"{name}={os.environ[name]!r} must be one of 0, 1 (or false/true, no/yes, off/on), or auto "
+                         "or unset for the default")
+    return _FLAG_VALUES[flag]
+
+
 def _with_cuda() -> bool:
-    flag = os.environ.get("FASTOPT_EXT_CUDA", "").strip()
-    if flag in ("0", "1"):
-        return flag == "1"
+    flag = _env_flag("FASTOPT_EXT_CUDA")
+    if flag is not None:
+        return flag
     return torch.cuda.is_available() and torch.version.cuda is not None
 
 
@@ -277,9 +292,9 @@ def load(verbose: bool | None = None) -> None:
             return
         if _error is not None:
             raise _error
-        if verbose is None:
-            verbose = os.environ.get("FASTOPT_EXT_VERBOSE", "0") not in ("", "0")
         try:
+            if verbose is None:
+                verbose = bool(_env_flag("FASTOPT_EXT_VERBOSE"))
             _how = _build_and_load(verbose)
             _register_fakes()
         except Exception as e:  # remembered so that every caller sees the real cause

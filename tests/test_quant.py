@@ -694,21 +694,35 @@ def test_build_key_names_the_python_and_the_libstdcxx_it_links(monkeypatch):
 
 
 def test_cuda_kernels_are_built_only_where_torch_can_run_them(monkeypatch):
-    """FASTOPT_EXT_CUDA=0|1 decides (blanks aside); unset or anything else, the CUDA kernels are built where torch is
-    a CUDA build that sees a GPU, not for a CUDA torch on a machine without one (nvcc would be needed for nothing)
-    nor for a CPU-only torch. The architectures: TORCH_CUDA_ARCH_LIST (blanks aside), else every visible GPU's,
-    each once, in order (the build key must not change with the order the GPUs are numbered in)."""
+    """FASTOPT_EXT_CUDA=0|1 (or false/true, no/yes, off/on; case and blanks aside) decides; unset, empty or auto,
+    the CUDA kernels are built where torch is a CUDA build that sees a GPU, not for a CUDA torch on a machine without
+    one (nvcc would be needed for nothing) nor for a CPU-only torch; anything else is refused, naming the variable
+    (`false` meant auto, a CUDA build, before). FASTOPT_EXT_VERBOSE reads alike. The architectures:
+    TORCH_CUDA_ARCH_LIST (blanks aside), else every visible GPU's, each once, in order (the build key must not
+    change with the order the GPUs are numbered in)."""
     for avail, cuda, want in ((True, "12.8", True), (False, "12.8", False), (True, None, False)):
         monkeypatch.setattr(torch.cuda, "is_available", lambda avail=avail: avail)
         monkeypatch.setattr(torch.version, "cuda", cuda)
-        for flag in ("", " ", "auto", "yes"):
+        for flag in ("", " ", "auto", " Auto"):
             monkeypatch.setenv("FASTOPT_EXT_CUDA", flag)
             assert ext._with_cuda() is want, (avail, cuda, flag)
         monkeypatch.delenv("FASTOPT_EXT_CUDA")
         assert ext._with_cuda() is want, (avail, cuda)
-        for flag, forced in (("0", False), (" 0 ", False), ("1", True), (" 1", True)):
+        for flag, forced in (("0", False), (" 0 ", False), ("false", False), ("No", False), ("OFF", False),
+                             ("1", True), (" 1", True), ("true", True), ("Yes", True), ("on", True)):
             monkeypatch.setenv("FASTOPT_EXT_CUDA", flag)
             assert ext._with_cuda() is forced, (avail, cuda, flag)
+    for flag in ("2", "cuda", "y"):
+        monkeypatch.setenv("FASTOPT_EXT_CUDA", flag)
+        with pytest.raises(ValueError, match=f"FASTOPT_EXT_CUDA='{flag}' must be one of 0, 1"):
+            ext._with_cuda()
+    for flag, verbose in (("", False), ("0", False), ("false", False), ("1", True), ("on", True)):
+        monkeypatch.setenv("FASTOPT_EXT_VERBOSE", flag)
+        assert ext._env_flag("FASTOPT_EXT_VERBOSE") in ((None, False) if not verbose else (True,)), flag
+    monkeypatch.setenv("FASTOPT_EXT_VERBOSE", "loud")
+    with pytest.raises(ValueError, match="FASTOPT_EXT_VERBOSE='loud'"):
+        ext._env_flag("FASTOPT_EXT_VERBOSE")
+    monkeypatch.delenv("FASTOPT_EXT_CUDA")
     caps = {0: (9, 0), 1: (8, 0), 2: (9, 0), 3: (8, 6)}
     monkeypatch.setattr(torch.cuda, "device_count", lambda: len(caps))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: caps[i])
