@@ -26,6 +26,10 @@ from ..distributed.layout import _ATTR, Layout, eager_under_compile, fsdp1_refus
 __all__ = ["FastOptimizer", "check", "check_betas", "ScalerArgs", "lr_rule", "host_value"]
 
 
+# torch.nn.parameter.is_lazy(p) is isinstance(p, this); the isinstance alone in the per-step loops
+_LAZY = torch.nn.parameter.UninitializedTensorMixin
+
+
 def check(cond: bool, name: str, owner: str, value: Any, must: str) -> None:
     """Raise `ValueError("Owner: name=value must ...")` unless `cond`."""
     if not cond:
@@ -389,22 +393,24 @@ class FastOptimizer(torch.optim.Optimizer):
         self._check_groups()
         for gi, group in enumerate(self.param_groups):
             for pi, p in enumerate(group["params"]):
-                if p.grad is None:
+                g = p.grad  # read once: a tensor property, and this loop runs over every param at every step
+                if g is None:
                     continue
-                if p.grad.is_sparse:
+                if g.is_sparse:
                     raise RuntimeError(f"{self._name} does not support sparse gradients")
-                if torch.is_complex(p) or torch.is_complex(p.grad):
+                dt, gdt = p.dtype, g.dtype
+                if dt.is_complex or gdt.is_complex:
                     raise RuntimeError(f"{self._name} does not support complex parameters")
-                if not p.is_floating_point():
+                if not dt.is_floating_point:
                     raise RuntimeError(f"{self._name}: parameter of dtype {p.dtype} is not floating point")
-                if torch.promote_types(p.dtype, p.grad.dtype) != p.dtype:
+                if gdt is not dt and torch.promote_types(dt, gdt) != dt:
                     raise RuntimeError(
                         f"{self._name}: param_groups[{gi}]['params'][{pi}] is {p.dtype} but its grad is "
                         f"{p.grad.dtype} (p.grad_dtype): a param is stepped with a grad of its own dtype, or of one "
                         f"that converts to it exactly (FSDP1's keep_low_precision_grads); rounded to {p.dtype}, "
                         f"this grad would lose {'range and ' if p.dtype == torch.float16 else ''}precision. Keep "
                         f"the param in {torch.promote_types(p.dtype, p.grad.dtype)} or its grads in {p.dtype}")
-                if ckpt.is_dtensor(p) != ckpt.is_dtensor(p.grad):
+                if ckpt.is_dtensor(p) != ckpt.is_dtensor(g):
                     kinds = ("a DTensor", "a plain tensor") if ckpt.is_dtensor(p) else ("a plain tensor", "a DTensor")
                     raise RuntimeError(f"{self._name}: param_groups[{gi}]['params'][{pi}] is {kinds[0]} (shape "
                                        f"{tuple(p.shape)}) but its grad is {kinds[1]} (shape {tuple(p.grad.shape)}): "
@@ -422,7 +428,7 @@ class FastOptimizer(torch.optim.Optimizer):
         live = set()
         for gi, group in enumerate(self.param_groups):
             sig = (tuple(group.get(k) for k in self._layout_keys),  # (a lazy module's param has no shape yet)
-                   tuple((p.dtype, None if torch.nn.parameter.is_lazy(p) else p.shape, p.device)
+                   tuple((p.dtype, None if isinstance(p, _LAZY) else p.shape, p.device)
                          for p in group["params"]))
             live.add(id(group))
             old = sigs.get(id(group))
@@ -544,10 +550,17 @@ class FastOptimizer(torch.optim.Optimizer):
         self.__dict__.pop("_amp_memo", None)
         self._layout_cache.pop(id(p), None)
 
-    def _fsdp_grads(self) -> dict:
-        """`fsdp_grads` of this optimizer's FSDP1 pieces (none: no collective)."""
-        pieces = [(p, lay) for g in self.param_groups for p in g["params"]
-                  if (lay := self._layout(p)) is not None and lay.fsdp]
+    def _fsdp_grads(self, lays: dict | None = None) -> dict:
+        """`fsdp_grads` of this optimizer's FSDP1 pieces (none: no collective). `lays`, when given, takes every
+        param's layout by id, for `_buckets` to read instead of a second `_layout` per param and step."""
+        pieces = []
+        for g in self.param_groups:
+            for p in g["params"]:
+                lay = self._layout(p)
+                if lays is not None:
+                    lays[id(p)] = lay
+                if lay is not None and lay.fsdp:
+                    pieces.append((p, lay))
         return fsdp_grads(pieces) if pieces else {}
 
     def _whole_statistics(self, p: Tensor) -> bool:
@@ -595,16 +608,16 @@ class FastOptimizer(torch.optim.Optimizer):
         lay = self._layout(p)
         return tuple(p.shape) if lay is None else lay.global_shape
 
-    def _buckets(self, params: Iterable[Tensor], fsdp: dict) -> dict:
+    def _buckets(self, params: Iterable[Tensor], fsdp: dict, lays: dict | None = None) -> dict:
         """Params with grads and elements, grouped by (device, dtype, reduction groups): one fused launch
         sequence, and one collective per phase and group, for each. A sharded param whose piece here is empty
         stays in: every rank of its group must put the same params in the same buffers. An FSDP1 piece has a grad
         when some rank of its unit has one (`fsdp`: `fsdp_grads`): FSDP1 leaves the pieces of no elements without
         one. A DTensor on a mesh without this rank (`Layout.outside`) has no group here: skipped, as DTensor's
-        ops skip such a rank."""
+        ops skip such a rank. `lays`: the layouts `_fsdp_grads` read this step (by id), else read here."""
         out: dict = defaultdict(list)
         for p in params:
-            lay = self._layout(p)
+            lay = self._layout(p) if lays is None else lays[id(p)]
             if ((not fsdp[id(p)] if lay is not None and lay.fsdp else p.grad is None)
                     or _whole_numel(p, lay) == 0 or (lay is not None and lay.outside)):
                 continue
@@ -724,15 +737,16 @@ class FastOptimizer(torch.optim.Optimizer):
         """step() after the closure, under no autocast (`_autocast_off`)."""
         self._check_grads()
         self.__dict__.pop("_unstepped", None)
-        fsdp = self._fsdp_grads()
+        lays: dict = {}  # every param's layout, read once this step
+        fsdp = self._fsdp_grads(lays)
         buckets = []  # every bucket's declarations checked before any param or step counter changes
         for group in self.param_groups:
-            for (device, _dtype, group_key), params in self._buckets(group["params"], fsdp).items():
+            for (device, _dtype, group_key), params in self._buckets(group["params"], fsdp, lays).items():
                 layouts = None
                 if group_key is not None:
                     if not self._supports_layouts:
                         raise NotImplementedError(f"{self._name} does not support sharded parameters yet")
-                    layouts = [self._layout(p) for p in params]
+                    layouts = [lays[id(p)] for p in params]
                     self._check_flat_contiguous(params, layouts)
                     self._check_declarations(group, params, layouts)
                 if self._triton_seam:

@@ -171,11 +171,14 @@ class GaLoreAdamW(FastOptimizer):
             p = p[1] if isinstance(p, tuple) else p  # (name, param), before torch unpacks named params
             lay = self._layout(p) if at_step else layout_of(p, owner=n)
             shape = tuple(p.shape) if lay is None else lay.global_shape
-            spec = getattr(p, "dist_layout", None)  # a ColossalAI d_tensor: setup_distributed will declare it
-            if not at_step and lay is None and getattr(spec, "global_shape", None) is not None:
-                shape = tuple(spec.global_shape)
+            if not at_step and lay is None:  # a ColossalAI d_tensor: setup_distributed will declare it
+                spec = getattr(p, "dist_layout", None)
+                if getattr(spec, "global_shape", None) is not None:
+                    shape = tuple(spec.global_shape)
             if (not at_step and len(shape) < 2 and lay is None) or math.prod(shape) == 0:
                 continue  # 0-element params are never stepped
+            if len(shape) >= 2 and rank <= min(shape[-2:]):
+                continue  # the messages below are formatted only for a refusal: this runs at every step
             check(len(shape) >= 2, f"{where}['params'][{pi}].shape", n, shape,
                   "have 2 dims (more: a batch of matrices over the last two) to be projected; put vectors "
                   "in a group without 'rank'")
