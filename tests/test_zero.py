@@ -2105,6 +2105,25 @@ def test_bad_input_distributed(pool, case):
         assert all(torch.equal(a, b) for a, b in zip(results[1]["params"], results[3]["params"]))
 
 
+def test_built_before_the_process_group_refuses_to_step_once_there_are_ranks(monkeypatch):
+    """Built before init_process_group, the wrapper is a single rank; stepped once a group of several ranks
+    exists, it would average nothing (each rank's params drift apart: 0.627 apart after 3 CAME steps on 2 gloo
+    ranks under torchrun). It refuses, as torch's refuses to be built without the group."""
+    model = Net()
+    opt = ZeroRedundancyOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    assert opt.world_size == 1
+    sum(p.square().sum() for p in model.parameters()).backward()
+    opt.step()  # no group: a single rank, as documented
+    before = [p.detach().clone() for p in model.parameters()]
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    with pytest.raises(RuntimeError, match="built before torch.distributed was initialized.*2 ranks"):
+        opt.step()
+    with pytest.raises(RuntimeError, match="built before torch.distributed was initialized"):
+        opt.clip_grad_norm_(1.0)
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters())), "a refused step changed a param"
+
+
 def test_not_an_optimizer():
     model = Net()
     with pytest.raises(TypeError, match="must be a torch.optim.Optimizer instance"):

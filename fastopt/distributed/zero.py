@@ -393,7 +393,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         optimizer: a constructed `torch.optim.Optimizer` over all of the model's params (any fastopt optimizer,
             torch's AdamW or SGD, ...). It is cut down in place to this rank's params: use the wrapper from now on.
         process_group: the data-parallel group (default: the default group; without an initialized process
-            group the wrapper runs as a single rank).
+            group the wrapper runs as a single rank; built so, it refuses to step once a default group of
+            several ranks exists: build it after `init_process_group`).
         partition_grad: False for ZeRO-1 (optimizer state sharded, gradients all-reduced), True for ZeRO-2
             (gradients reduced to their owner during backward and freed on the other ranks).
         overlap_communication: ZeRO-1: all-reduce gradient buckets asynchronously during backward instead of in
@@ -1475,6 +1476,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         """Make the gradients averaged (ZeRO-1) / owned and averaged (ZeRO-2), whatever produced them."""
         self._check_newest()
         if self.world_size == 1:
+            self._check_no_late_world()
             return
         if not self._ddp_checked:
             self._check_no_ddp()
@@ -1514,6 +1516,19 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             raise RuntimeError(f"{_NAME}: param #{i} {tuple(self._params[i].shape)} (the wrapper's order) is managed "
                                f"by a newer {_NAME} built over the same params since this one; step that one "
                                "(this one's hooks no longer act on them)")
+
+    def _check_no_late_world(self) -> None:
+        """A wrapper built without a process group (torch.distributed not yet initialized: an optimizer made
+        before `init_process_group`, or before Trainer/accelerate set it up) runs as a single rank. Refuse to
+        step it once a default group of several ranks exists: it would average nothing, and each rank's params
+        would drift apart silently (torch's wrapper refuses to be built without the group). Every rank alike."""
+        if self._pg is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            raise RuntimeError(
+                f"{_NAME} was built before torch.distributed was initialized, so it runs as a single rank, but "
+                f"the default process group now has {dist.get_world_size()} ranks: it would average no gradient "
+                "and the ranks' params would drift apart. Build it after init_process_group (with Trainer or "
+                "accelerate: after TrainingArguments / Accelerator, which initialize it), or pass a "
+                "process_group of one rank to step each rank on its own on purpose.")
 
     def _check_no_ddp(self) -> None:
         """Refuse params that a DistributedDataParallel module reduces too (looked for once, at the first step or
