@@ -161,17 +161,16 @@ def to_bitsandbytes(state_dict: dict) -> dict:
     leaves `state_dict` as it was (the state tensors are shared, not copied). Groups quantized in other blocks
     than bitsandbytes' 256 are refused, naming the group: bitsandbytes would misread their absmax.
     """
-    from ..reference.quant import create_dynamic_map
+    from ..reference.quant import dynamic_map
     for i, g in enumerate(state_dict["param_groups"]):
         if g.get("block_size", _BNB_BLOCK_SIZE) != _BNB_BLOCK_SIZE:
             raise ValueError(f"to_bitsandbytes: param_groups[{i}] has block_size={g['block_size']}; bitsandbytes' "
                              f"AdamW8bit reads 8-bit states in blocks of {_BNB_BLOCK_SIZE} only")
-    maps = {True: create_dynamic_map(signed=True), False: create_dynamic_map(signed=False)}
     state = {}
     for pid, st in state_dict["state"].items():
         st = dict(st)
         if isinstance(st.get("state1"), torch.Tensor) and st["state1"].dtype == torch.uint8:
-            dev = st["state1"].device
-            st["qmap1"], st["qmap2"] = maps[True].to(dev), maps[False].to(dev)
+            dev = st["state1"].device  # copies of the cached maps: the state_dict's owner may write its tensors
+            st["qmap1"], st["qmap2"] = dynamic_map(True, dev).clone(), dynamic_map(False, dev).clone()
         state[pid] = st
     return {**state_dict, "state": state}
