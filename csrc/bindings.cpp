@@ -58,6 +58,18 @@ DType dtype_of(at::ScalarType st, const char* op, const char* what) {
 
 DType dtype_of(const Tensor& t, const char* op, const char* what) { return dtype_of(t.scalar_type(), op, what); }
 
+#ifndef FASTOPT_WITH_CUDA
+// A tensor on another device than the CPU, in a build without the CUDA kernels (FASTOPT_EXT_CUDA=0, or a torch
+// without CUDA): what to do about it.
+void no_cuda_kernels(const char* op, const at::Device& device) {
+  TORCH_CHECK(device.is_cuda(), "fastopt.", op, ": unsupported device ", device);
+  TORCH_CHECK(false, "fastopt.", op, ": this build of the extension has no CUDA kernels (device ", device,
+              "): it was built for the CPU only (FASTOPT_EXT_CUDA=0, or a torch without CUDA); unset "
+              "FASTOPT_EXT_CUDA to build them, or set FASTOPT_BACKEND=torch to run the 8-bit optimizers in plain "
+              "torch, much slower");
+}
+#endif
+
 void check_block_size(int64_t block_size, const char* op) {
   TORCH_CHECK_VALUE(valid_block_size(block_size), "fastopt.", op, ": block_size=", block_size,
                     " must be a power of two from 64 to 4096");
@@ -118,7 +130,7 @@ struct Tables {
   }
 
   // The table on `device`: for a later call's `table` argument.
-  Tensor on(const at::Device& device) {
+  Tensor on(const at::Device& device, const char* op) {
     if (device.is_cpu()) {
       Tensor t = at::empty({(int64_t)buf.size()}, at::TensorOptions().dtype(at::kLong));
       if (!buf.empty()) std::memcpy(t.data_ptr<int64_t>(), buf.data(), buf.size() * sizeof(int64_t));
@@ -129,7 +141,8 @@ struct Tables {
     to_device(device);
     return device_copy;
 #else
-    TORCH_CHECK(false, "fastopt: this build of the extension has no CUDA kernels (device ", device, ")");
+    no_cuda_kernels(op, device);
+    return Tensor();
 #endif
   }
 
@@ -199,7 +212,7 @@ void quantize_multi_impl(TensorList xs, TensorList codes, TensorList absmax, con
   C10_CUDA_CHECK(cuda::quantize(dt, tab.dev_tile_start(), tab.dev_entries(), tab.n, tab.total, block_size,
                                 map.data_ptr<float>(), dev_ptr(found_inf), c10::cuda::getCurrentCUDAStream().stream()));
 #else
-  TORCH_CHECK(false, "fastopt.", op, ": this build of the extension has no CUDA kernels (device ", device, ")");
+  no_cuda_kernels(op, device);
 #endif
 }
 
@@ -247,7 +260,7 @@ void dequantize_multi_impl(TensorList codes, TensorList absmax, TensorList out, 
   C10_CUDA_CHECK(cuda::dequantize(dt, tab.dev_tile_start(), tab.dev_entries(), tab.n, tab.total, block_size,
                                   map.data_ptr<float>(), c10::cuda::getCurrentCUDAStream().stream()));
 #else
-  TORCH_CHECK(false, "fastopt.", op, ": this build of the extension has no CUDA kernels (device ", device, ")");
+  no_cuda_kernels(op, device);
 #endif
 }
 
@@ -362,13 +375,13 @@ Tensor adamw8bit_table(TensorList params, TensorList grads, TensorList state1, T
   Tables<AdamWEntry> tab(adamw8bit_entries(params, grads, state1, state2, absmax1, absmax2, steps, block_size,
                                            "adamw8bit_table"),
                          quant_tile(block_size));
-  return tab.on(device_of(params));
+  return tab.on(device_of(params), "adamw8bit_table");
 }
 
 Tensor adamw32_table(TensorList params, TensorList grads, TensorList exp_avg, TensorList exp_avg_sq,
                      TensorList steps) {
   Tables<AdamWEntry> tab(adamw32_entries(params, grads, exp_avg, exp_avg_sq, steps, "adamw32_table"), kTile32);
-  return tab.on(device_of(params));
+  return tab.on(device_of(params), "adamw32_table");
 }
 
 void adamw8bit_step_(TensorList params, TensorList grads, TensorList state1, TensorList state2, TensorList absmax1,
@@ -408,7 +421,7 @@ void adamw8bit_step_(TensorList params, TensorList grads, TensorList state1, Ten
                                  map1.data_ptr<float>(), map2.data_ptr<float>(), h, dev_ptr(inv_scale),
                                  dev_ptr(found_inf), c10::cuda::getCurrentCUDAStream().stream()));
 #else
-  TORCH_CHECK(false, "fastopt.", op, ": this build of the extension has no CUDA kernels (device ", device, ")");
+  no_cuda_kernels(op, device);
 #endif
 }
 
@@ -441,7 +454,7 @@ void adamw32_step_(TensorList params, TensorList grads, TensorList exp_avg, Tens
   C10_CUDA_CHECK(cuda::adamw32(dt, tab.dev_tile_start(), tab.dev_entries(), tab.n, tab.total, h, dev_ptr(inv_scale),
                                dev_ptr(found_inf), c10::cuda::getCurrentCUDAStream().stream()));
 #else
-  TORCH_CHECK(false, "fastopt.", op, ": this build of the extension has no CUDA kernels (device ", device, ")");
+  no_cuda_kernels(op, device);
 #endif
 }
 
