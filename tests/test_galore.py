@@ -214,6 +214,19 @@ def test_rank_equal_to_the_smaller_dim_matches_galore_torch(backend, device, pro
         assert_tracks([a], [b], [x], torch.float64, what=f"param {i}")
 
 
+def test_refresh_at_every_step_and_a_group_scale_match_galore_torch(backend, device):
+    """update_proj_gap=1 (the end of the rule "an int >= 1": an SVD at every step) and groups with their own
+    scale (other than the default 0.25, each read from its group): 5 steps in float64 are galore-torch's, param
+    by param."""
+    init, grads = make_problem([(20, 12), (12, 20), (7,)], steps=5)
+    ours, ref = _both(lambda ps: [{"params": ps[:1], **GROUP, "update_proj_gap": 1, "scale": 0.7, "proj_type": "std"},
+                                  {"params": ps[1:2], **GROUP, "update_proj_gap": 2, "scale": 1.5,
+                                   "proj_type": "std"},
+                                  {"params": ps[2:]}], init, grads, device, lr=LR, weight_decay=WD)
+    for i, (a, b, x) in enumerate(zip(ours, ref, init)):
+        assert_tracks([a], [b], [x], torch.float64, what=f"param {i}")
+
+
 def test_groups_step_with_their_own_weight_decay(backend, device):
     """A projected group and a plain group with a weight_decay of their own (0.3, 0.0) and a plain group that
     takes the constructor's (0.1): 9 steps (refreshes at 1, 4, 7) in float64 are galore-torch's, param by param."""
@@ -367,6 +380,24 @@ def test_8bit_matches_quantized_reference(backend, device, proj_type):
             assert torch.equal(got[0], c[0]) and torch.equal(got[1], c[1]), f"param {i}"
     kinds = [opt.state[p]["exp_avg"].dtype for p in params]
     assert kinds[:3] == [torch.uint8] * 3 and kinds[-1] == torch.float64
+
+
+def test_8bit_decision_reads_the_size_of_the_moments(backend, device):
+    """min_8bit_size is compared with the moments' elements (the projected shape), not the param's: a (20, 12)
+    param at rank 4 (moments of 20 x 4 = 80 elements) with min_8bit_size=128 keeps float64 moments and steps as
+    galore-torch's 32-bit GaLoreAdamW (7 steps, refreshes at 1, 4, 7), while a plain (16, 9) param (144 elements)
+    gets 8-bit ones."""
+    init, grads = make_problem([(20, 12), (16, 9)], steps=7)
+    params = [p.to(device=device, copy=True).requires_grad_() for p in init]
+    opt = fastopt.GaLoreAdamW8bit([{"params": params[:1], **GROUP, "proj_type": "std"}, {"params": params[1:]}],
+                                  lr=LR, weight_decay=WD, min_8bit_size=128, block_size=64)
+    step(opt, params, grads)
+    st, plain = opt.state[params[0]], opt.state[params[1]]
+    assert st["exp_avg"].dtype == torch.float64 and "exp_avg_absmax" not in st, sorted(st)
+    assert plain["exp_avg"].dtype == torch.uint8 and plain["exp_avg_absmax"].shape == (3,)
+    ref, *_ = galore_torch_run(init[:1], [g[:1] for g in grads], "std", 1, device=device)
+    assert_tracks([params[0].detach().cpu()], ref, init[:1], torch.float64)
+
 
 
 # Relative update error of 8-bit state against galore-torch's 32-bit GaLoreAdamW in float64 after 9 steps of

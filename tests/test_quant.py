@@ -229,6 +229,29 @@ def test_extension_matches_reference_bitwise(built):
                 assert torch.equal(y1, R.dequantize_blockwise(c2, a2, block_size, signed, dtype))
 
 
+def test_dequantize_rounds_halfway_values_to_even_as_torch_casts(built):
+    """Dequantized values exactly halfway between two neighbours of bf16 or fp16 (normal and subnormal), where
+    random data (as in test_extension_matches_reference_bitwise) almost never lands: the extension's bf16/fp16
+    stores round them to even, bit for bit as torch's cast (and the reference) do. Code 255 of either map is 1.0,
+    so each block's values are its absmax exactly: the absmax values are the ties, of both parities."""
+    k = torch.arange(0x3400, 0x4400, dtype=torch.int64)  # bf16 ties: low 16 bits 0x8000, values 2^-23 .. 2^9
+    bf16_ties = ((k << 16) | 0x8000).to(torch.int32).view(torch.float32)
+    e = torch.arange(113, 143, dtype=torch.int64).repeat_interleave(64)  # fp16 normal ties: low 13 bits 0x1000
+    mant = torch.arange(e.numel(), dtype=torch.int64) * 37 % 1024
+    f16_ties = ((e << 23) | (mant << 13) | 0x1000).to(torch.int32).view(torch.float32)
+    f16_sub = (torch.arange(1024, dtype=torch.float64) + 0.5).mul(2.0 ** -24).float()  # fp16 subnormal ties
+    for dtype, absmax in ((torch.bfloat16, bf16_ties), (torch.float16, torch.cat([f16_ties, f16_sub]))):
+        for signed in (True, False):
+            code = R.dynamic_map(signed)
+            assert code[255] == 1.0
+            codes = torch.full((absmax.numel() * 64,), 255, dtype=torch.uint8)
+            want = absmax.repeat_interleave(64).to(dtype)
+            assert torch.equal(R.dequantize_blockwise(codes, absmax, 64, signed, dtype), want)
+            got = torch.ops.fastopt.dequantize_blockwise(codes, absmax, code, 64, dtype)
+            bad = (got.view(torch.int16) != want.view(torch.int16)).nonzero().flatten()
+            assert not bad.numel(), (dtype, signed, bad.numel(), absmax[bad[:3] // 64].tolist())
+
+
 def test_codes_on_the_decision_points_equal_the_reference(built):
     """Values on and one or two ulps beside the points where the nearest code changes (conftest's
     near_decision_points; signed and unsigned maps, blocks of 256 and 64): the extension's codes and absmax
