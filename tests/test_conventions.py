@@ -730,6 +730,29 @@ def test_plans_of_replaced_groups_are_dropped(case, backend, device):
     assert_same(opt, twin)
 
 
+@pytest.mark.parametrize("case", list(CASES))
+def test_state_dropped_between_steps_is_rebuilt(case, backend, device):
+    """A param's state deleted between steps (`del opt.state[p]`, as code that resets some layers' moments does)
+    starts afresh at the next step, as a new optimizer stepped from the params of that moment does, bit for bit;
+    the old state, which a state_dict taken before still holds, is written no more. The kernels' cached plans
+    (kernels/common.py's `cached_plan`) are keyed by the state tensors' addresses too: keyed by the params alone,
+    a plan went on writing through the old state's pointers (freed ones, where nothing held them)."""
+    ps = make_params(device)
+    opt = make(case, ps)
+    run(opt, ps, range(3))
+    tw = [p.detach().clone().requires_grad_() for p in ps]
+    twin = make(case, tw)
+    kept = opt.state_dict()  # holds the state tensors themselves: they stay allocated
+    old = {i: {k: v.clone() for k, v in st.items() if isinstance(v, torch.Tensor)} for i, st in kept["state"].items()}
+    for p in ps:
+        del opt.state[p]
+    run(opt, ps, range(3, 6))
+    run(twin, tw, range(3, 6))
+    for i, st in kept["state"].items():
+        assert all(torch.equal(st[k], v) for k, v in old[i].items()), f"param {i}: its dropped state changed"
+    assert_same(opt, twin)
+
+
 # ---- 9. what a torch user may hand in: numpy scalars, named params, state_dicts with bad or extra keys -------------
 def _name(case):
     return "GaLoreAdamW" if CASES[case][0] is _galore else CASES[case][0].__name__
