@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import DIST_WORLD, on_torch_backend, rel_update_error
+from conftest import DIST_WORLD, TOL, on_torch_backend, rel_update_error
 from dist_utils import placement, scaled_dtensor_step
 
 import fastopt
@@ -795,6 +795,80 @@ def test_param_groups_share_collectives_and_match_single_process(pool, name):
     """Params over three param groups with their own lr: their buckets' collectives are batched together
     (fastopt.distributed.phases; GaLore's reduce-scatters and all-gathers too), each group's lr still its own."""
     pool.run(_placements_case, name, 3)
+
+
+def _first_group_shared_case(rank, world, name, a_from):
+    """Two params declared by hand whose layouts name the same first group and different groups after it: B's
+    rows over the tp group alone (replicated over dp), A's rows over all 4 ranks, declared over (tp, dp). Their
+    partial statistics need other sums (B's over tp, A's over tp then dp): they must not share one bucket's
+    collectives. A gets gradients from step `a_from` on (1: each declaration is checked alone first, so a shared
+    bucket would not be refused, its sums silently wrong). 8 float64 steps of fresh gradients against one
+    process on the whole tensors."""
+    from fastopt.distributed import declare_shard, full_tensor
+    tp, dp = _tp_groups(rank)
+    shapes = [(6, 5), (8, 7)]  # B, A
+    init, grads = _problem(shapes)
+    ref = [torch.nn.Parameter(t.clone()) for t in init]
+    cuts = [lambda t: t.chunk(2)[dist.get_rank(tp)], lambda t: t.chunk(world)[rank]]  # rank = tp rank + 2 dp rank
+    b = declare_shard(torch.nn.Parameter(cuts[0](init[0]).clone()), shapes[0], tp, dim=0)
+    a = declare_shard(torch.nn.Parameter(cuts[1](init[1]).clone()), shapes[1], (tp, dp), dim=0,
+                      start=rank * (shapes[1][0] // world))
+    opt, ref_opt = _make_opt(name, [b, a]), _make_opt(name, ref)
+    for t, gs in enumerate(grads):
+        for p, q, cut, g in zip(ref, (b, a), cuts, gs):
+            p.grad, q.grad = (None, None) if q is a and t < a_from else (g.clone(), cut(g).clone())
+        opt.step()
+        ref_opt.step()
+    got = [full_tensor(p.detach(), opt._layout(p)).view(s) for p, s in zip((b, a), shapes)]
+    return rel_update_error(got, [p.detach() for p in ref], init)
+
+
+@pytest.mark.parametrize("a_from", [0, 1])
+@pytest.mark.parametrize("name", ["adafactor", "came", "lamb"])
+def test_layouts_that_share_only_their_first_group_are_summed_apart(pool, name, a_from):
+    """Buckets are keyed by every group of a layout (`Layout.group_key`), not by its first one."""
+    for err in pool.run(_first_group_shared_case, name, a_from):
+        assert err <= TOL[torch.float64], (name, a_from, err)
+
+
+def _galore_mixed_bucket_case(rank, world):
+    """One GaLore bucket over the world group: a DTensor matrix (its projected moments cut over the ranks,
+    reduce-scattered) beside a declared row shard and a declared flat range (whole moments: their partial R's
+    all-reduced), in two orders of the param list (the whole-moment params need not come first). 8 float64 steps
+    of fresh gradients, the projections refreshed every 3, against one process on the whole tensors."""
+    from fastopt.distributed import declare_shard, full_tensor
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    mesh = init_device_mesh("cpu", (world,))
+    shapes = [(10, 8), (12, 10), (3, 6)]  # rows 3, 3, 3, 1 over 4 ranks; a DTensor; 18 elements, 5 a rank
+    init, grads = _problem(shapes, seed=3)
+    n = -(-18 // world)
+    lo, hi = min(n * rank, 18), min(n * rank + n, 18)
+    cuts = [lambda t: t.chunk(world)[rank], lambda t: distribute_tensor(t, mesh, [Shard(0)], src_data_rank=None),
+            lambda t: torch.cat([t.reshape(-1)[lo:hi], t.new_zeros(n - (hi - lo))])]
+    errs = []
+    for order in ([0, 1, 2], [1, 2, 0]):
+        ref = [torch.nn.Parameter(init[i].clone()) for i in order]
+        step_all(_galore(ref), ref, [[gs[i] for i in order] for gs in grads])
+        mine = {0: declare_shard(torch.nn.Parameter(cuts[0](init[0]).clone()), shapes[0], dist.group.WORLD, dim=0),
+                1: torch.nn.Parameter(cuts[1](init[1].clone())),
+                2: declare_shard(torch.nn.Parameter(cuts[2](init[2]).clone()), shapes[2], dist.group.WORLD,
+                                 flat_offset=lo)}
+        params = [mine[i] for i in order]
+        opt = _galore(params)
+        assert len({opt._layout(p).group_key for p in params}) == 1, "one bucket: the test would prove less"
+        step_all(opt, params, [[cuts[i](gs[i].clone()) for i in order] for gs in grads])
+        got = [p.full_tensor() if i == 1 else full_tensor(p.detach(), opt._layout(p)).view(shapes[i])
+               for i, p in zip(order, params)]
+        errs.append(rel_update_error(got, [p.detach() for p in ref], [init[i] for i in order]))
+    return errs
+
+
+def test_galore_bucket_of_cut_and_whole_moments_matches_single_process(pool):
+    """The one bucket's R: the whole-moment params' prefix all-reduced, the cut ones' reduce-scattered (the
+    collective counts of this mix: test_collectives_per_step_do_not_grow; here its values)."""
+    for errs in pool.run(_galore_mixed_bucket_case):
+        assert max(errs) <= TOL[torch.float64], errs
 
 
 # ---- collectives per step ----------------------------------------------------------------------------------
@@ -1907,7 +1981,8 @@ def test_non_contiguous_flat_range_is_refused_before_anything_changes(name, monk
 # back end: only its step is routed.
 KERNEL_OPTS = ["adafactor", "adafactor_relative", "came", "came8"]
 KERNEL_STEPS = {"adafactor": "adafactor_phases", "adafactor_relative": "adafactor_phases", "came": "came_phases",
-                "came8": "came_phases", "galore": "galore_phases", "galore8": "galore_phases"}  # name -> the routed op
+                "came8": "came_phases", "galore": "galore_phases", "galore8": "galore_phases",
+                "lamb": "lamb_phases"}  # name -> the routed op
 # The interpreter is slow: whole-model runs only for the layouts the placement and flat-range cases below do not
 # already cover one by one (strided FSDP2 + TP, hand-declared dims beside unsharded buckets, ZeRO over TP).
 KERNEL_MODES = ["fsdp_tp", "explicit", "colossal", "fsdp1"]
@@ -1932,6 +2007,7 @@ def _on_kernels(rank, world, case, *args):
     from fastopt.reference import adafactor as ref_adafactor
     from fastopt.reference import came as ref_came
     from fastopt.reference import galore as ref_galore
+    from fastopt.reference import lamb as ref_lamb
 
     sharded_calls, launches = [], []
 
@@ -1967,8 +2043,9 @@ def _on_kernels(rank, world, case, *args):
 
     cls = type(triton.jit(lambda: None))
     patches = [(ops, "adafactor_phases", route), (ops, "came_phases", route), (ops, "galore_phases", route),
-               (ref_adafactor, "adafactor_phases", refuse), (ref_came, "came_phases", refuse),
-               (ref_galore, "galore_phases", refuse), (cls, "__getitem__", None)]
+               (ops, "lamb_phases", route), (ref_adafactor, "adafactor_phases", refuse),
+               (ref_came, "came_phases", refuse), (ref_galore, "galore_phases", refuse),
+               (ref_lamb, "lamb_phases", refuse), (cls, "__getitem__", None)]
     saved = [(mod, attr, getattr(mod, attr)) for mod, attr, _ in patches]
     orig_getitem = cls.__getitem__
     global STEPS
@@ -2036,7 +2113,9 @@ def test_kernels_every_layout_match_single_process(pool, mode, name):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("name", KERNEL_OPTS + ["galore", "galore8"])
+# Lamb's kernels: the trust ratio from the summed norms (test_sr_layouts clamps it with max_trust_ratio, where
+# the norms' sums go unseen)
+@pytest.mark.parametrize("name", KERNEL_OPTS + ["galore", "galore8", "lamb"])
 def test_kernels_dtensor_placements_match_single_process(pool, name):
     pool.run(_on_kernels, _placements_case, name)
 
@@ -2165,7 +2244,7 @@ def test_state_dict_saved_between_declaration_and_first_step_resumes(pool, name)
 
 
 @needs_interpreter
-@pytest.mark.parametrize("name", KERNEL_OPTS)
+@pytest.mark.parametrize("name", KERNEL_OPTS + ["lamb"])
 def test_kernels_flat_ranges_match_single_process(pool, name):
     pool.run(_on_kernels, _flat_ranges_case, name)
 
