@@ -68,6 +68,8 @@ def test_suite_end_to_end_on_cpu(tmp_path, monkeypatch, capsys):
     assert m["cpu_threads"] == 1 and m["fp32_matmul"] == torch.backends.cuda.matmul.fp32_precision != "tf32"
     assert m["torch"] == torch.__version__ and m["commit"] and m["device"] == "cpu" and "triton" in m
     assert doc["copy"]["gbps"] > 0 and doc["copy"]["bytes"] == 2 * 4 * 2**20
+    # GB/s in 1e9 bytes a second, from the median: the unit of every row's gbps, which frac_copy divides
+    assert doc["copy"]["gbps"] == pytest.approx(doc["copy"]["bytes"] / (doc["copy"]["ms_median"] * 1e-3) / 1e9)
     rows = doc["results"]
     assert len(rows) == 2 * 2 * 3  # sets x dtypes x implementations
     assert {r["impl"] for r in rows} == {"fastopt.Adafactor", "transformers Adafactor",
@@ -86,10 +88,16 @@ def test_suite_end_to_end_on_cpu(tmp_path, monkeypatch, capsys):
     ours = [r for r in rows if r["ours"]]
     assert len(ours) == 4 and all(r["backend"] == "torch reference" and r["speedup"] > 0 for r in ours)
     assert all(r["kernel_bytes_per_param"] > 2 * r["min_bytes_per_param"] for r in ours)
+    for r in ours:  # what the kernels move, over the same median time and copy bandwidth as gbps
+        kgbps = r["kernel_bytes_per_param"] * r["n_params"] / (r["ms_median"] * 1e-3) / 1e9
+        assert r["kernel_gbps"] == pytest.approx(kgbps) and r["kernel_frac_copy"] == pytest.approx(
+            kgbps / doc["copy"]["gbps"])
 
     md = (tmp_path / "suite-cpu.md").read_text()
     assert "**CPU numbers**" in md and "| bench | params | dtype | impl |" in md
     assert md.count("**fastopt.Adafactor**") == 4
+    for r in rows:  # the table's GB/s and % copy cells are the JSON's numbers, the fraction in percent
+        assert f"| {r['gbps']:.4g} | {100 * r['frac_copy']:.0f}% |" in md, (r["impl"], r["frac_copy"])
     assert (tmp_path / "suite-cpu.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -656,7 +664,102 @@ def test_machine_info_names_the_checked_out_commit(suite):
         pytest.skip("not a git checkout (the lent GPU gets the working tree without .git)")
     head = got.stdout.strip()
     m = common.machine_info(common.finish_args(common.parser().parse_args(["--device", "cpu"])))
-    assert m["commit"] == head and f"commit {head[:12]}" in common.machine_line(m)
+    line = common.machine_line(m)
+    assert m["commit"] == head and f"commit {head[:12]}" in line
+    assert f"· torch {torch.__version__} ·" in line and f"· Triton {m['triton']} ·" in line, line
+
+
+def test_cpu_timing_returns_p20_median_p80_of_the_runs(suite, monkeypatch):
+    """Off CUDA `time_fn` times runs on the wall clock (a fake one here, each run taking the next of a skewed list
+    of durations) and returns their 20th, 50th and 80th percentiles (linear interpolation, numpy's default), and
+    how many runs it timed: at least 5, then until rep_ms is spent."""
+    np = pytest.importorskip("numpy")
+    _, common, _ = suite
+    now = [0.0]
+    durations = iter([0.5] + [4.0, 1.0, 100.0, 2.0, 3.0, 8.0, 6.0])  # warm-up run, then the timed ones (ms)
+
+    def fn():
+        now[0] += next(durations) * 1e-3
+    monkeypatch.setattr(common.time, "perf_counter", lambda: now[0])
+    q, n = common.time_fn(fn, torch.device("cpu"), 0.0, 20.0)  # 4 + 1 + 100 > 20 ms: stops after the 5th run
+    assert n == 5
+    assert q == pytest.approx(list(np.percentile([4.0, 1.0, 100.0, 2.0, 3.0], [20, 50, 80])))
+
+
+def test_launches_are_counted_per_step(suite, monkeypatch):
+    """`count_launches` (CUDA only; the profiler faked here): device kernels and memcpy/memset events per step,
+    host events left out."""
+    from torch.autograd import DeviceType
+    _, common, _ = suite
+
+    class Event:
+        def __init__(self, name, dev):
+            self.name, self.device_type = name, dev
+
+    class Prof:
+        def __init__(self, activities):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def events(self):
+            per_step = [Event("triton_kernel", DeviceType.CUDA), Event("void at::vectorized_kernel", DeviceType.CUDA),
+                        Event("Memcpy HtoD", DeviceType.CUDA), Event("aten::add_", DeviceType.CPU)]
+            return per_step * steps[0]
+
+    steps = [0]
+    monkeypatch.setattr(torch.profiler, "profile", Prof)
+    monkeypatch.setattr(common, "_sync", lambda device: None)
+
+    def fn():
+        steps[0] += 1
+    assert common.count_launches(fn, torch.device("cuda"), steps=3) == (2.0, 1.0) and steps[0] == 3
+
+
+def test_kernel_bytes_of_lamb_and_came_are_their_docstrings_rates(suite):
+    """bench_lamb's and bench_came's kernel bytes per element of a large matrix, as their docstrings state them
+    (plus the partial sums: under half a byte for Lamb, a few bytes for CAME, whose row blocks are short under the
+    interpreter): Lamb 4 s + 6 a over a minimum of 3 s + 4 a (fp32: 40 and 28, the 70% cap); CAME 5 s + 3 a over
+    3 s + 2 a (fp32: 32 and 20; bf16: 22 and 14)."""
+    run, common, _ = suite
+    lamb, came = (importlib.import_module(f"{run.__package__}.bench_{s}") for s in ("lamb", "came"))
+    big = common.ParamSet("m", "m", (("w", (4096, 4096)),))
+    n = 4096 * 4096
+    if lamb.kernel_bytes(big, torch.float32) is None:
+        pytest.skip("no Triton: no kernels to count")
+    for dtype, (lk, lm, ck, cm) in ((torch.float32, (40, 28, 32, 20)), (torch.bfloat16, (32, 22, 22, 14))):
+        assert lk <= lamb.kernel_bytes(big, dtype) / n < lk + 0.5 and lamb.min_bytes(big, dtype) == lm * n
+        assert ck <= came.kernel_bytes(big, dtype) / n < ck + 4 and came.min_bytes(big, dtype) / n == \
+            pytest.approx(cm, abs=0.01)
+
+
+@pytest.mark.parametrize("impl", ["EagerLamb", "ForeachLamb"])
+def test_eager_lamb_baselines_run_fastopts_lamb_maths(suite, impl, monkeypatch):
+    """The eager baselines the LAMB speed target compares against run the same maths as fastopt.Lamb (bias
+    correction in the step size, weight decay inside the trust ratio, no clamp): float64, the bench's
+    hyperparameters, 12 steps of fresh random gradients, within TOL[float64] of the update's size (the torch
+    reference as the oracle, which tests/test_lamb.py holds to the external references)."""
+    from conftest import TOL, rel_update_error
+    import fastopt
+    run = suite[0]
+    lamb = importlib.import_module(f"{run.__package__}.bench_lamb")
+    monkeypatch.setenv("FASTOPT_BACKEND", "torch")
+    gen = torch.Generator().manual_seed(0)
+    init = [torch.randn(s, generator=gen, dtype=torch.float64) for s in ((24, 16), (16,), (7, 3, 5))]
+    ours, ref = ([torch.nn.Parameter(p.clone()) for p in init] for _ in range(2))
+    opt, oracle = getattr(lamb, impl)(ours, **lamb.HYPER), fastopt.Lamb(ref, **lamb.HYPER)
+    for _ in range(12):
+        for a, b in zip(ours, ref):
+            a.grad = torch.randn(a.shape, generator=gen, dtype=torch.float64) * 3.0
+            b.grad = a.grad.clone()
+        opt.step()
+        oracle.step()
+    err = rel_update_error(ours, ref, init)
+    assert err <= TOL[torch.float64], f"{impl}: relative update error {err:.3g}"
 
 
 def test_state_bytes_count_each_state_tensor_once_at_its_element_size(suite):

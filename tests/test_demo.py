@@ -73,7 +73,12 @@ def test_cli_trains_and_reports(tp_run):
         assert abs(losses[0] - res["uniform_loss"]) < 0.5, (name, losses[0])  # a fresh model guesses ~uniformly
         assert losses[-1] < losses[0] - 0.1, (name, losses)  # and learns within 8 steps
         assert r["state_bytes_per_param"] > 0 and r["step_ms"] > 0
+        assert r["final_loss"] == pytest.approx(sum(losses[-5:]) / 5), (name, r["final_loss"])  # "last 5 steps"
         assert os.path.getsize(out / f"model-{name}.pt") > 0
+    # AdamW's two float64 moments are 16 B/param: every element held by some rank (the sum over all 4 ranks of
+    # their local pieces, not one rank's nor the global tensor counted on each); the params TP leaves whole
+    # (embeddings, head, norm weights) counted on both TP ranks: below twice that.
+    assert 16 <= by_name["adamw"]["state_bytes_per_param"] < 2 * 16, by_name["adamw"]
     # Adafactor keeps factored second moments only: a small fraction of AdamW's two full moments.
     assert by_name["adafactor"]["state_bytes_per_param"] < 0.2 * by_name["adamw"]["state_bytes_per_param"]
     with open(out / "loss.png", "rb") as f:
@@ -111,6 +116,12 @@ def test_tp_fsdp_matches_single_process(tp_run, single_run, name):
         assert tp_params[n].dtype == torch.float64 and tp_params[n].shape == init[n].shape, n
         err = rel_update_error([tp_params[n]], [one_params[n]], [init[n]])
         assert err <= TOL[torch.float64], f"{name}: {n}: relative update error {err:.3g}"
+
+
+def test_single_process_state_bytes_per_param(single_run):
+    """One process, float64: AdamW holds exactly two moments per param (16 B; its step counters aside)."""
+    _, one_res = single_run
+    assert one_res["adamw"]["state_bytes_per_param"] == 16.0, one_res["adamw"]
 
 
 def test_tp_fsdp_adamw8bit_tracks_like_single_process(tp_run, single_run):
