@@ -193,7 +193,8 @@ def _where(e: BaseException) -> str:
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| in units of the tolerance (fp32: 1e-6 * max|b|; bf16/fp16: one ulp of max|b|)."""
+    """max |a - b| in units of the tolerance: fp32 1e-6 * max|b|; bf16/fp16 2^-7 * max|b| (one to two bf16 ulps
+    of max|b|, 8 to 16 fp16 ones)."""
     ref = b.double().abs().max().item() if b.numel() else 0.0
     tol = max(ref, 1e-30) * (2.0 ** -7 if a.dtype in (torch.bfloat16, torch.float16) else 1e-6)
     return (a.double() - b.double()).abs().max().item() / tol if a.numel() else 0.0

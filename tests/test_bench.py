@@ -503,6 +503,21 @@ def test_gpu_check_configurations(suite, monkeypatch, capsys):
     assert e.value.code == 0
 
 
+def test_gpu_checks_tolerance_unit(suite):
+    """gpu_checks' `_close` (the CUDA-graph check's PASS needs <= 1 between replay and eager, and > 1 between the
+    params before and after): max |a - b| over 1e-6 * max|b| in fp32, over 2^-7 * max|b| in bf16 and fp16."""
+    run, _, _ = suite
+    close = importlib.import_module(run.__package__ + ".gpu_checks")._close
+    b = torch.tensor([1.0, -4.0])
+    assert close(b, b) == 0.0 and close(b[:0], b[:0]) == 0.0
+    for k in (1.0, 3.0, 100.0):  # 4e-6 * k apart in the largest element: k tolerances (fp32's rounding aside)
+        assert close(b + torch.tensor([0.0, 4e-6 * k]), b) == pytest.approx(k, rel=0.15), k
+    for dtype in (torch.bfloat16, torch.float16):
+        b = torch.tensor([2.0, 0.5], dtype=dtype)
+        assert close(b + torch.tensor([0.0, 2.0 ** -6], dtype=dtype), b) == 1.0, dtype  # 2^-6 = 2^-7 * 2
+        assert close(torch.tensor([2.0 + 2.0 ** -5, 0.5], dtype=dtype), b) == 2.0, dtype
+
+
 def test_gpu_checks_keep_rows_as_they_come(suite, monkeypatch, tmp_path, capsys):
     """gpu_checks.py under a stage timeout (CUDA faked, configurations faked): the JSON is rewritten as each
     configuration finishes, so a slow one leaves the others saved and itself listed as pending; a child killed
