@@ -45,15 +45,18 @@ import triton.language as tl
 
 from fastopt.reference.came import QBLOCK as QBLOCK_
 from . import common
-from .common import (FP_FUSION, INTERPRET, cached_plan, keep_limit, load_ptr, map_values, multiples, param_of_program,
-                     program_table, ptr_table, quantize_rows, round_to, search_table, segment_sum, sr_round, to_device,
-                     unscale_factor)
+from .common import (FP_FUSION, INTERPRET, cached_plan, divmod_near, keep_limit, load_ptr, map_values, multiples,
+                     param_of_program, program_table, ptr_table, quantize_rows, round_to, search_table, segment_sum,
+                     sr_round, to_device, unscale_factor)
 from .factored import (BucketPlan, col_map, global_numel, in_piece, launch_col_reduce, launch_factors,
                        launch_sq_stats, launch_usq, load_meta, row_block, row_map, store_param_tile)
 
 BLOCK_V = 256 if INTERPRET else 1024
 QBLOCK = tl.constexpr(QBLOCK_)  # elements per 8-bit quantization block (one fp32 absmax each)
 QB_PER_PROG = 1 if INTERPRET else 4
+# _apply8_kernel finds the rows and columns of a factored param's elements in int32 when every R and C of the
+# bucket's (B, R, C) views is below this (the offsets within a program then stay below 2^31), else in int64.
+NARROW_SIDE = 1 << 30
 # Hyperparameters live in a small tensor of the accumulation dtype, filled on the host in float64 with the
 # 1 - beta terms and lr * weight_decay formed there, as came-pytorch forms them (compiled Triton passes
 # Python floats as fp32: fp64 params would lose precision, and 1 - beta from an fp32 beta is off by up to
@@ -252,7 +255,7 @@ def _apply8_kernel(g_ptrs, g_ref, p_ptrs, p_ref, code_ptrs, code_ref, absmax_ptr
                    inv_scale_ptr, found_inf_ptr, hyper_ptr, sr_ptr, FACTORED: tl.constexpr,
                    HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr, HAS_WD: tl.constexpr, SR: tl.constexpr,
                    GMAP: tl.constexpr,
-                   MAPPED: tl.constexpr, ALIGNED: tl.constexpr, QB_PER_PROG: tl.constexpr):
+                   MAPPED: tl.constexpr, NARROW: tl.constexpr, ALIGNED: tl.constexpr, QB_PER_PROG: tl.constexpr):
     """nbits=8, one program per QB_PER_PROG quantization blocks of a param (flat, any shape): U = clip(G rfac
     cfac) (or clip(G / sqrt(V_t))), M_t = b1 M + (1-b1) U from the dequantized M, X_t = X - lr wd X -
     lr M_t rres cres (or - lr M_t), and M_t's codes and block scales stored. U and M_t are formed exactly as
@@ -260,7 +263,8 @@ def _apply8_kernel(g_ptrs, g_ref, p_ptrs, p_ref, code_ptrs, code_ref, absmax_ptr
     pid = tl.program_id(0)
     j, n, prog_start, _third = param_of_program(qmeta_ptr, prog_param_ptr, ALIGNED)
     acc_t = sums_ptr.dtype.element_ty
-    blk = (pid - prog_start).to(tl.int64) * QB_PER_PROG + tl.arange(0, QB_PER_PROG)
+    blk0 = (pid - prog_start).to(tl.int64) * QB_PER_PROG
+    blk = blk0 + tl.arange(0, QB_PER_PROG)
     offs = blk[:, None] * QBLOCK + tl.arange(0, QBLOCK)[None, :]
     mask = offs < n
     inv = unscale_factor(inv_scale_ptr, HAS_SCALE)
@@ -275,14 +279,24 @@ def _apply8_kernel(g_ptrs, g_ref, p_ptrs, p_ref, code_ptrs, code_ref, absmax_ptr
     g = tl.load(load_ptr(g_ptrs, j, g_ref, ALIGNED) + offs, mask=mask, other=0.0).to(acc_t) * inv
     if FACTORED:
         B, R, C, row_off, col_off, _po, _ps, _cps, _fps = load_meta(meta_ptr, j)
-        if MAPPED:  # local element -> view element -> global row and column slots
-            vo = offs + tl.load(meta_ptr + j * 16 + 12)
-            row = tl.load(maps_ptr + tl.load(meta_ptr + j * 16 + 14) + vo // C, mask=mask, other=0)
-            col = tl.load(maps_ptr + tl.load(meta_ptr + j * 16 + 15) + (vo // (R * C)) * C + vo % C, mask=mask,
-                          other=0)
+        # The element at offs (view element vo, MAPPED) is in row vo // C (b * R + r) and column b * C + vo % C of
+        # the (B, R, C) view, b = vo // (R C): from the program's first element's row and column (two scalar
+        # divisions) and divmod_near of the offsets within the program.
+        first = blk0 * QBLOCK + tl.load(meta_ptr + j * 16 + 12) if MAPPED else blk0 * QBLOCK
+        row0 = first // C
+        b0 = row0 // R
+        local = tl.arange(0, QB_PER_PROG)[:, None] * QBLOCK + tl.arange(0, QBLOCK)[None, :]  # offs - blk0 QBLOCK
+        if NARROW:  # every R and C of the plan below NARROW_SIDE: int32 offsets within the program
+            dr, c = divmod_near((first - row0 * C).to(tl.int32) + local, C.to(tl.int32), 1.0 / C.to(tl.float32))
+            db, _r = divmod_near((row0 - b0 * R).to(tl.int32) + dr, R.to(tl.int32), 1.0 / R.to(tl.float32))
         else:
-            row = offs // C                        # b * R + r
-            col = (offs // (R * C)) * C + offs % C  # b * C + c
+            dr, c = divmod_near((first - row0 * C) + local, C, 1.0 / C.to(tl.float32))
+            db, _r = divmod_near((row0 - b0 * R) + dr, R, 1.0 / R.to(tl.float32))
+        row = row0 + dr
+        col = (b0 + db) * C + c
+        if MAPPED:  # view rows and columns -> global row and column slots
+            row = tl.load(maps_ptr + tl.load(meta_ptr + j * 16 + 14) + row, mask=mask, other=0)
+            col = tl.load(maps_ptr + tl.load(meta_ptr + j * 16 + 15) + col, mask=mask, other=0)
         rfac = tl.load(stats_ptr + row_off + row, mask=mask, other=0.0) * scale
         u = g * rfac * tl.load(stats_ptr + col_off + col, mask=mask, other=0.0)
     else:
@@ -397,7 +411,7 @@ def came_phases(params, grads, states, *, lr, eps, clip_threshold, betas, weight
         _apply8_kernel[(n_progs,)](g_ptrs[nf:], g_ref, plan.p_ptrs[nf:], p_ref, plan.m_ptrs[nf:], m_ref,
                                    absmax_ptrs[nf:], plan.v_ptrs, plan.step_ptrs[nf:], qmeta, prog_param, plan.sums,
                                    qmeta, plan.sums, plan.sums, plan.sums, nf, qmap, inv_arg, inf_arg, hyper,
-                                   sr_arg, FACTORED=False, MAPPED=False, ALIGNED=al_vec,
+                                   sr_arg, FACTORED=False, MAPPED=False, NARROW=True, ALIGNED=al_vec,
                                    QB_PER_PROG=QB_PER_PROG, **consts, **FP_FUSION)
     if fp is not None:
         if fp.mapped:  # the slots of rows and columns held by other ranks
@@ -416,7 +430,8 @@ def came_phases(params, grads, states, *, lr, eps, clip_threshold, betas, weight
             _apply8_kernel[(n_progs,)](g_ptrs, g_ref, plan.p_ptrs, p_ref, plan.m_ptrs, m_ref, absmax_ptrs, plan.v_ptrs,
                                        plan.step_ptrs, qmeta, prog_param, fp.meta, fp.maps, plan.stats, plan.res,
                                        plan.sums, 0, qmap, inv_arg, inf_arg, hyper, sr_arg, FACTORED=True,
-                                       MAPPED=fp.mapped, ALIGNED=al and plan.fac_numel_aligned,
+                                       MAPPED=fp.mapped, NARROW=fp.max_side < NARROW_SIDE,
+                                       ALIGNED=al and plan.fac_numel_aligned,
                                        QB_PER_PROG=QB_PER_PROG, **consts, **FP_FUSION)
         else:
             _apply_kernel[(fp.n_progs,)](plan.p_ptrs, p_ref, plan.m_ptrs, plan.step_ptrs, fp.meta, fp.maps,

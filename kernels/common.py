@@ -177,6 +177,22 @@ def unscale_factor(inv_scale_ptr, HAS_SCALE: tl.constexpr):
 
 
 @triton.jit
+def divmod_near(x, d, rcp):
+    """(x // d, x % d) for integers x >= 0 and a scalar d >= 1 of x's dtype with x / d < 2^12 (an offset past a row's
+    start within one program's span, in rows of d; int32 needs x + d < 2^31): the quotient estimated in fp32 from
+    rcp ~ 1 / d (taken once per program, a few ulps off at most) is within 0.01 of x / d, so its truncation is off
+    by one at most, which one step on the remainder's sign corrects. Ten or so instructions where `//` and `%` took
+    a reciprocal and some twenty more per element (and in int64 a call for operands over 32 bits)."""
+    q = (x.to(tl.float32) * rcp).to(x.dtype)
+    r = x - q * d
+    low = r < 0
+    q = tl.where(low, q - 1, q)
+    r = tl.where(low, r + d, r)
+    high = r >= d
+    return tl.where(high, q + 1, q), tl.where(high, r - d, r)
+
+
+@triton.jit
 def param_of_program(meta_ptr, prog_param_ptr, ALIGNED: tl.constexpr = False):
     """(row j of an int64 meta table of width 3 [numel, first program, a third column], numel, first program,
     third column) of this program's param, for the kernels that give each param a run of programs; with

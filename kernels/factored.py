@@ -388,6 +388,7 @@ class FactoredPlan:
     maps: torch.Tensor
     mapped: bool
     sizes_aligned: bool  # every C, shard shift and count a multiple of common.ALIGN_ELEMS (see ALIGNED)
+    max_side: int  # the largest R or C of the views
 
     @staticmethod
     def build(views: list, device: torch.device) -> "FactoredPlan":
@@ -429,7 +430,8 @@ class FactoredPlan:
         sizes_aligned = multiples([c for _, _, c in shapes] + [x for v in views for x in (v.shift, max(v.count, 0))])
         return FactoredPlan(len(shapes), to_device(meta, torch.int64, device), prog_param, colprog_param,
                             factprog_param, sum(progs), sum(colprogs), sum(factprogs), block_r, block_c, block_col,
-                            256 if INTERPRET else 1024, col_off, part_off, prog_starts, maps, mapped, sizes_aligned)
+                            256 if INTERPRET else 1024, col_off, part_off, prog_starts, maps, mapped, sizes_aligned,
+                            max(max(r, c) for _, r, c in shapes))
 
 
 class BucketPlan:

@@ -105,6 +105,16 @@ def _triton_runs_here() -> bool:
     return ops.triton_available() and (torch.cuda.is_available() or ops.interpreting())
 
 
+def triton_device() -> torch.device:
+    """Where a test launches a Triton kernel of its own: the CPU under TRITON_INTERPRET=1, else CUDA; skips without
+    either."""
+    if ops.interpreting():
+        return torch.device("cpu")
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1")
+
+
 @pytest.fixture(params=["torch", "triton"])
 def backend(request, monkeypatch):
     if request.param == "triton" and not _triton_runs_here():

@@ -328,18 +328,37 @@ def test_8bit_least_squares_converges_like_32bit(backend, device):
     assert final[8] <= 1.1 * final[32], final
 
 
-def test_8bit_kernels_match_8bit_reference(monkeypatch):
-    """The Triton 8-bit path stores the same codes and block scales as the reference (float64, 6 steps)."""
+@pytest.mark.parametrize("wide", [False, True], ids=["int32", "int64"])
+@pytest.mark.parametrize("declared", [False, True], ids=["plain", "declared"])
+def test_8bit_kernels_match_8bit_reference(monkeypatch, wide, declared):
+    """The Triton 8-bit path stores the same codes and block scales as the reference (float64, 6 steps). Its apply
+    kernel finds each element's row and column from the program's first (C = 9, 1, 300, 5: rows that start inside
+    the interpreter's 256-element programs, and rows longer than one; B = 2 with R = 3) in int32, or in int64
+    (`wide`: kernels.came.NARROW_SIDE at 1, as for views with R or C of 2^30 and more); `declared`: each param a
+    flat piece that holds its whole tensor (fastopt.distributed.declare_shard, one process, `Layout.reduce` patched
+    out), which takes the MAPPED kernels, their rows and columns through the layout's maps."""
     from fastopt import ops
+    from fastopt.distributed import declare_shard
+    from fastopt.distributed.layout import Layout
+    from fastopt.kernels import came as kcame
     if not (ops.triton_available() and (torch.cuda.is_available() or ops.interpreting())):
         pytest.skip("needs CUDA or TRITON_INTERPRET=1")
     dev = "cuda" if torch.cuda.is_available() and not ops.interpreting() else "cpu"
+    if wide:
+        monkeypatch.setattr(kcame, "NARROW_SIDE", 1)
+    if declared:
+        monkeypatch.setattr(Layout, "reduce", lambda self, buf: None)
     kw = dict(lr=1e-2, weight_decay=0.1, nbits=8)
     init, grads = make_problem(shapes=[(1, 9), (9, 1), (3, 300), (2, 3, 4, 5), (600,), (1,), ()], steps=6)
     runs = []
     for be in ("torch", "triton"):
         monkeypatch.setenv("FASTOPT_BACKEND", be)
-        runs.append(run(fastopt.CAME, init, grads, torch.float64, dev, **kw))
+        params = make_params(init, torch.float64, dev)
+        if declared:
+            params = [declare_shard(p, x.shape, "group", flat_offset=0) for p, x in zip(params, init)]
+        opt = fastopt.CAME(params, **kw)
+        feed(opt, params, grads)
+        runs.append((params, opt))
     (ref, ref_opt), (ours, opt) = runs
     assert_tracks(ours, ref, init, torch.float64)
     for p, q in zip(ours, ref):

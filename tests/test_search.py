@@ -8,7 +8,7 @@ import torch
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
-from fastopt import ops  # noqa: E402
+from conftest import triton_device  # noqa: E402
 from fastopt.kernels.common import (FP_FUSION, Q_BUCKET_BITS, Q_BUCKETS, Q_LO, nearest_code,  # noqa: E402
                                     search_table)
 from fastopt.reference import quant as R  # noqa: E402
@@ -37,12 +37,7 @@ def _search_kernel(x_ptr, t_ptr, out_ptr, n, BLOCK: tl.constexpr):
 def test_triton_search_is_the_nearest_code(signed):
     """kernels.common.nearest_code (the Triton kernels' 8-bit search: a bucket table and one threshold compare)
     equals the reference's searchsorted-and-compare on values packed around every edge the tables have."""
-    if ops.interpreting():
-        device = torch.device("cpu")
-    elif torch.cuda.is_available():
-        device = torch.device("cuda")
-    else:
-        pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1")
+    device = triton_device()
     search = _search_kernel
     table = search_table(signed, device)
     assert torch.equal(table[:256].cpu(), R.dynamic_map(signed))  # `table + code` dequantizes
