@@ -328,15 +328,21 @@ def test_8bit_least_squares_converges_like_32bit(backend, device):
     assert final[8] <= 1.1 * final[32], final
 
 
-@pytest.mark.parametrize("wide", [False, True], ids=["int32", "int64"])
-@pytest.mark.parametrize("declared", [False, True], ids=["plain", "declared"])
-def test_8bit_kernels_match_8bit_reference(monkeypatch, wide, declared):
+# (layout, int64 rows and columns, quantization blocks per program of the apply kernel)
+APPLY8_CASES = [("plain", False, 1), ("plain", False, 4), ("plain", True, 4), ("declared", False, 4),
+                ("declared", True, 1)]
+
+
+@pytest.mark.parametrize("layout, wide, qb", APPLY8_CASES,
+                         ids=[f"{lay}-{'int64' if w else 'int32'}-qb{q}" for lay, w, q in APPLY8_CASES])
+def test_8bit_kernels_match_8bit_reference(monkeypatch, layout, wide, qb):
     """The Triton 8-bit path stores the same codes and block scales as the reference (float64, 6 steps). Its apply
-    kernel finds each element's row and column from the program's first (C = 9, 1, 300, 5: rows that start inside
-    the interpreter's 256-element programs, and rows longer than one; B = 2 with R = 3) in int32, or in int64
-    (`wide`: kernels.came.NARROW_SIDE at 1, as for views with R or C of 2^30 and more); `declared`: each param a
-    flat piece that holds its whole tensor (fastopt.distributed.declare_shard, one process, `Layout.reduce` patched
-    out), which takes the MAPPED kernels, their rows and columns through the layout's maps."""
+    kernel finds each element's row and column from its program's first element's (rows shorter than a program of
+    qb * 256 elements and longer, C = 9, 1, 300, 5, 7, 40; matrices of a batch starting inside a program and
+    spanning several, B = 2, 4, 6) in int32, or in int64 (`wide`: kernels.came.NARROW_SIDE at 1, as for views with
+    R or C of 2^30 and more). `declared`: each param a flat piece of its tensor from element 7 on (the whole of the
+    tiny ones; fastopt.distributed.declare_shard, one process, `Layout.reduce` patched out), which takes the MAPPED
+    kernels: rows and columns shifted to the piece's start and through the layout's maps."""
     from fastopt import ops
     from fastopt.distributed import declare_shard
     from fastopt.distributed.layout import Layout
@@ -344,18 +350,23 @@ def test_8bit_kernels_match_8bit_reference(monkeypatch, wide, declared):
     if not (ops.triton_available() and (torch.cuda.is_available() or ops.interpreting())):
         pytest.skip("needs CUDA or TRITON_INTERPRET=1")
     dev = "cuda" if torch.cuda.is_available() and not ops.interpreting() else "cpu"
+    monkeypatch.setattr(kcame, "QB_PER_PROG", qb)
     if wide:
         monkeypatch.setattr(kcame, "NARROW_SIDE", 1)
-    if declared:
-        monkeypatch.setattr(Layout, "reduce", lambda self, buf: None)
     kw = dict(lr=1e-2, weight_decay=0.1, nbits=8)
-    init, grads = make_problem(shapes=[(1, 9), (9, 1), (3, 300), (2, 3, 4, 5), (600,), (1,), ()], steps=6)
+    shapes = [(1, 9), (9, 1), (3, 300), (2, 3, 4, 5), (4, 60, 7), (2, 3, 5, 40), (600,), (1,), ()]
+    init, grads = make_problem(shapes=shapes, steps=6)
+    if layout == "declared":
+        monkeypatch.setattr(Layout, "reduce", lambda self, buf: None)
+        offs = [7 if x.numel() > 7 else 0 for x in init]
+        init = [x.reshape(-1)[o:].clone() for x, o in zip(init, offs)]
+        grads = [[g.reshape(-1)[o:].clone() for g, o in zip(gs, offs)] for gs in grads]
     runs = []
     for be in ("torch", "triton"):
         monkeypatch.setenv("FASTOPT_BACKEND", be)
         params = make_params(init, torch.float64, dev)
-        if declared:
-            params = [declare_shard(p, x.shape, "group", flat_offset=0) for p, x in zip(params, init)]
+        if layout == "declared":
+            params = [declare_shard(p, s, "group", flat_offset=o) for p, s, o in zip(params, shapes, offs)]
         opt = fastopt.CAME(params, **kw)
         feed(opt, params, grads)
         runs.append((params, opt))
