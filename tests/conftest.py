@@ -106,13 +106,11 @@ def _triton_runs_here() -> bool:
 
 
 def triton_device() -> torch.device:
-    """Where a test launches a Triton kernel of its own: the CPU under TRITON_INTERPRET=1, else CUDA; skips without
-    either."""
-    if ops.interpreting():
-        return torch.device("cpu")
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1")
+    """Where a test runs Triton kernels: the CPU under TRITON_INTERPRET=1, else CUDA; skips without Triton or
+    without either."""
+    if not _triton_runs_here():
+        pytest.skip("Triton kernels need Triton, and CUDA or TRITON_INTERPRET=1")
+    return torch.device("cpu") if ops.interpreting() else torch.device("cuda")
 
 
 @pytest.fixture(params=["torch", "triton"])

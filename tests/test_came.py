@@ -7,7 +7,7 @@ from came_pytorch import CAME as RefCAME
 from conftest import (TALL_ROWS, TOL, assert_tracks, rel_update_error, step_with_inf_at,
                       launches_per_step, check_bad_group_refused, check_foreign_group_count_refused,
                       check_refuses_sparse_and_complex, check_skips_params_without_grad, feed, save_load,
-                      check_lr_scheduler_drives_group_lr, run_changed_midway)
+                      check_lr_scheduler_drives_group_lr, run_changed_midway, triton_device)
 
 import fastopt
 from sr_checks import (assert_sr_beats_nearest, check_noise_varies, check_own_state_dict_keeps_sr,
@@ -343,13 +343,10 @@ def test_8bit_kernels_match_8bit_reference(monkeypatch, layout, wide, qb):
     R or C of 2^30 and more). `declared`: each param a flat piece of its tensor from element 7 on (the whole of the
     tiny ones; fastopt.distributed.declare_shard, one process, `Layout.reduce` patched out), which takes the MAPPED
     kernels: rows and columns shifted to the piece's start and through the layout's maps."""
-    from fastopt import ops
+    dev = triton_device()
     from fastopt.distributed import declare_shard
     from fastopt.distributed.layout import Layout
     from fastopt.kernels import came as kcame
-    if not (ops.triton_available() and (torch.cuda.is_available() or ops.interpreting())):
-        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
-    dev = "cuda" if torch.cuda.is_available() and not ops.interpreting() else "cpu"
     monkeypatch.setattr(kcame, "QB_PER_PROG", qb)
     if wide:
         monkeypatch.setattr(kcame, "NARROW_SIDE", 1)

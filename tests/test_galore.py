@@ -399,7 +399,6 @@ def test_8bit_decision_reads_the_size_of_the_moments(backend, device):
     assert_tracks([params[0].detach().cpu()], ref, init[:1], torch.float64)
 
 
-
 # Relative update error of 8-bit state against galore-torch's 32-bit GaLoreAdamW in float64 after 9 steps of
 # this problem (blocks of 64): measured 0.0057 (std) and 0.0057 (right) on both back ends, with fp32 and fp64
 # params alike (32-bit state, fp32 params: 4.2e-6); allowed: 3x that.
