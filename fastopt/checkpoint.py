@@ -150,6 +150,23 @@ def as_dtensor(t: Tensor, p: Tensor, form: tuple) -> Tensor:
     return DTensor.from_local(t, p.device_mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride)
 
 
+def as_step(step, where: str, device) -> Tensor:
+    """A state's `step` as the kernels read it: a new fp32 0-dim tensor on `device`, from a one-element tensor or
+    a Python number (transformers', came-pytorch's and galore-torch's int); anything else, a DTensor, or a value
+    that is not a finite number >= 0 is a ValueError naming `where`['step']."""
+    if is_dtensor(step):  # kept as it comes, it would be a DTensor in the state: the kernels mix it with plain tensors
+        raise ValueError(f"{where}['step'] is a DTensor; this state is a plain tensor, the same on every rank")
+    if isinstance(step, Tensor) and step.numel() == 1 and not step.is_complex():
+        step = step.detach().reshape(()).to(dtype=torch.float32, copy=True)
+    elif isinstance(step, (int, float)) and not isinstance(step, bool):
+        step = torch.tensor(float(step), dtype=torch.float32)
+    else:
+        raise ValueError(f"{where}['step'] must be a scalar tensor or number, got {type(step).__name__}")
+    if not step.is_meta and (not torch.isfinite(step) or step < 0):  # checked where it is: params may be on meta
+        raise ValueError(f"{where}['step']={float(step)} must be a finite number >= 0")
+    return step.to(device)
+
+
 def zero_state(spec: dict, p: Tensor, forms: dict) -> dict:
     """The state a param starts from: step 0 and zeros of `spec` (key -> (local shape, dtype)); the keys of
     `forms` (a DTensor param's sharded states: key -> (global shape, placements)) are DTensors."""
@@ -303,18 +320,7 @@ def import_state(st, p: Tensor, spec: dict, quantized: dict, forms: dict, where:
         raise ValueError(f"{where} has keys {sorted(st)}, expected {sorted(expected)} (missing {missing}, "
                          f"unexpected {extra}): not this optimizer's state, or other hyperparameters")
     out, problem = {}, None
-    step = st["step"]
-    if is_dtensor(step):  # kept as it comes, it would be a DTensor in the state: the kernels mix it with plain tensors
-        raise ValueError(f"{where}['step'] is a DTensor; this state is a plain tensor, the same on every rank")
-    if isinstance(step, Tensor) and step.numel() == 1 and not step.is_complex():
-        step = step.detach().reshape(()).to(dtype=torch.float32, copy=True)
-    elif isinstance(step, (int, float)) and not isinstance(step, bool):
-        step = torch.tensor(float(step), dtype=torch.float32)
-    else:
-        raise ValueError(f"{where}['step'] must be a scalar tensor or number, got {type(step).__name__}")
-    if not step.is_meta and (not torch.isfinite(step) or step < 0):  # checked where it is: params may be on meta
-        raise ValueError(f"{where}['step']={float(step)} must be a finite number >= 0")
-    out["step"] = step.to(device)
+    out["step"] = step = as_step(st["step"], where, device)
     for key, (shape, dtype) in spec.items():
         if key in akeys and akeys[key] in dequantized:
             continue  # rebuilt from the dequantized codes below

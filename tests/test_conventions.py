@@ -14,7 +14,9 @@ projected group, AdamW8bit) on both back ends:
 - a param twice in one group, or in two groups, is refused; the group dicts a caller hands in are the param_groups
   (a change made through them takes effect), as in torch; a lazy module's params are taken before their dry run;
 - a state_dict that looks like another library's but is malformed is refused as fastopt's own would be;
-- the kernels' plans of groups replaced by load_state_dict are dropped;
+- the kernels' plans of groups replaced by load_state_dict are dropped; a state tensor replaced by hand is checked
+  (another dtype or shape refused), a step count set by hand (a number, another tensor, reset in place) steps as
+  a loaded one, and a param appended by hand to a group that holds it is refused;
 - torch.compile of a training step runs step() eagerly (a graph break), bit for bit the eager run.
 Float64 params (unless a test is about dtypes) and fresh random gradients at every step.
 """
@@ -751,6 +753,106 @@ def test_state_dropped_between_steps_is_rebuilt(case, backend, device):
     for i, st in kept["state"].items():
         assert all(torch.equal(st[k], v) for k, v in old[i].items()), f"param {i}: its dropped state changed"
     assert_same(opt, twin)
+
+
+def _first_state_key(opt, ps):
+    """(param, key) of the first state tensor but the step: a moment, a factor, 8-bit codes or a projection."""
+    return next((p, k) for p in ps for k, v in opt.state[p].items() if k != "step" and isinstance(v, torch.Tensor))
+
+
+@pytest.mark.parametrize("what", ["dtype", "shape", "same"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_state_tensor_replaced_by_hand_is_checked(case, what, backend, device):
+    """A state tensor replaced between steps (`opt.state[p]["exp_avg"] = torch.zeros_like(p)`, as torch users reset
+    a moment) is checked as a changed param is: of another dtype or shape it is refused, naming the param and
+    what it needs, and nothing changes (unchecked, the kernels read and wrote it as the old one: NaN, a segfault
+    or heap corruption under the interpreter, an out-of-bounds access on a GPU); of the same dtype and shape it is
+    stepped with, as a twin that loads the state_dict holding it steps."""
+    ps = make_params(device)
+    opt = make(case, ps)
+    run(opt, ps, range(2))
+    p, key = _first_state_key(opt, ps)
+    v = opt.state[p][key]
+    new = {"dtype": lambda: torch.zeros(v.shape, dtype=F32 if v.dtype != F32 else F64, device=device),
+           "shape": lambda: torch.zeros(v.numel() + 1, dtype=v.dtype, device=device),
+           "same": lambda: torch.zeros_like(v)}[what]()
+    opt.state[p][key] = new
+    set_grads(ps, 2)
+    if what != "same":
+        before = snapshot(opt)
+        gi, pi = next((gi, g["params"].index(p)) for gi, g in enumerate(opt.param_groups) if p in g["params"])
+        with pytest.raises(ValueError, match=re.escape(f"the state of param_groups[{gi}]['params'][{pi}] does not "
+                                                       f"fit its param")):
+            opt.step()
+        assert_unchanged(opt, before)
+        return
+    tw = [q.detach().clone().requires_grad_() for q in ps]
+    twin = make(case, tw)
+    twin.load_state_dict(opt.state_dict())
+    run(opt, ps, range(2, 5))
+    run(twin, tw, range(2, 5))
+    assert_same(opt, twin)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_step_count_set_by_hand_steps_as_a_loaded_one(case, backend, device):
+    """`state["step"]` set by hand between steps, as code written for transformers', came-pytorch's or
+    galore-torch's int steps does: a Python number, a CPU or int64 tensor, or a counter reset in place
+    (`.zero_()`; GaLore's refresh schedule, mirrored on the host, reads it again) steps as the same count loaded
+    from a state_dict does, bit for bit; the count becomes an fp32 0-dim tensor on the param's device. A count
+    that is no number, or negative, is refused naming it, before anything changes."""
+    ps = make_params(device)
+    opt = make(case, ps)
+    run(opt, ps, range(3))
+    forms = [lambda t: 1, lambda t: torch.tensor(1, dtype=torch.int64), lambda t: t.zero_().add_(1)]
+    for i, q in enumerate(ps):
+        opt.state[q]["step"] = forms[i % len(forms)](opt.state[q]["step"])
+    sd = opt.state_dict()
+    for st in sd["state"].values():
+        st["step"] = torch.tensor(1.0)
+    tw = [q.detach().clone().requires_grad_() for q in ps]
+    twin = make(case, tw)
+    twin.load_state_dict(sd)
+    run(opt, ps, range(3, 8))  # GaLore (update_proj_gap 3): refreshes at counts 4 and 7, as after a count of 1
+    run(twin, tw, range(3, 8))
+    assert_same(opt, twin)
+    for q in ps:
+        step = opt.state[q]["step"]
+        assert step.dtype == F32 and step.dim() == 0 and step.device == q.device and float(step) == 6
+    for bad, message in (("x", "must be a scalar tensor or number, got str"), (-1, "=-1.0 must be a finite number")):
+        opt.state[ps[0]]["step"] = bad
+        before = {q: (q.detach().clone(), {k: v for k, v in opt.state[q].items()}) for q in ps}
+        with pytest.raises(ValueError, match=re.escape(message)):
+            opt.step()
+        for q, (q0, s0) in before.items():
+            assert torch.equal(q, q0) and all(opt.state[q][k] is v for k, v in s0.items())
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_param_appended_to_a_group_twice_by_hand_is_refused(case, backend, device):
+    """A param appended by hand to a group that holds it already (`opt.param_groups[0]["params"].append(p)`):
+    refused at the next step as the constructor refuses it, naming both places, before anything changes (it
+    would be stepped twice in one launch: neither torch's two updates nor the same on both back ends). A param
+    appended by hand that is new to the optimizer steps, as in torch."""
+    ps = make_params(device)
+    opt = make(case, ps)
+    run(opt, ps, range(2))
+    group = opt.param_groups[-1]
+    group["params"].append(group["params"][0])
+    set_grads(ps, 2)
+    before = snapshot(opt)
+    n = len(group["params"]) - 1
+    gi = len(opt.param_groups) - 1
+    with pytest.raises(ValueError, match=re.escape(f"param_groups[{gi}]['params'][{n}] is the same tensor as "
+                                                   f"param_groups[{gi}]['params'][0]")):
+        opt.step()
+    assert_unchanged(opt, before)
+    group["params"].pop()
+    extra = torch.randn(6, dtype=F64, device=device, requires_grad=True)
+    group["params"].append(extra)
+    extra.grad = torch.randn_like(extra)
+    opt.step()
+    assert float(opt.state[extra]["step"]) == 1
 
 
 # ---- 9. what a torch user may hand in: numpy scalars, named params, state_dicts with bad or extra keys -------------

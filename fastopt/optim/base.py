@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import math
 import numbers
+import operator
 from collections import defaultdict
 from typing import Any, Callable, Iterable
 
@@ -421,24 +423,51 @@ class FastOptimizer(torch.optim.Optimizer):
     def _check_state_layouts(self) -> None:
         """Refuse a step whose params' existing state no longer fits `_state_spec`: a group key of
         `_layout_keys` changed between steps (Adafactor's beta1 None -> 0.9, nbits, block_size, GaLore's rank
-        ...), or a param's dtype or shape changed (`model.double()`). The kernels would read and write the
-        old tensors out of bounds. The full comparison (metadata only, no host sync) runs for a group only when
-        its signature (those keys, its params' dtypes, shapes and devices) differs from the one last checked."""
-        sigs = self._layout_sigs
-        live = set()
+        ...), a param's dtype or shape changed (`model.double()`), or a state tensor was replaced by one of
+        another dtype or shape (`opt.state[p]["exp_avg"] = torch.zeros_like(p)` on a bf16 param). The kernels
+        would read and write the old tensors out of bounds. The full comparison (metadata only, no host sync) runs
+        for a group only when its signature differs from the one last checked: those keys, its params' dtypes,
+        shapes and devices, and which state dicts and values its params have (by identity: the signature holds
+        the values, so none of them can be freed and its id taken by a new one while the signature is kept). A
+        group whose signature changed also has its params checked for one appearing twice in the optimizer (put
+        there by hand: `add_param_group` refuses it), which would be stepped twice in one launch."""
+        sigs, state, empty = self._layout_sigs, self.state, {}
+        live, checked = set(), []
         for gi, group in enumerate(self.param_groups):
-            sig = (tuple(group.get(k) for k in self._layout_keys),  # (a lazy module's param has no shape yet)
-                   tuple((p.dtype, None if isinstance(p, _LAZY) else p.shape, p.device)
-                         for p in group["params"]))
+            params = group["params"]
             live.add(id(group))
+            entry = self._layout_sig(group, params, state, empty)
             old = sigs.get(id(group))
-            if old is not None and old[0] is group and old[1] == sig:
+            if (old is not None and old[0] is group and old[1] == entry[1] and len(old[2]) == len(entry[2])
+                    and all(map(operator.is_, old[2], entry[2]))):
                 continue
             self._check_group_state(gi, group, old[1] if old is not None and old[0] is group else None)
-            sigs[id(group)] = (group, sig)
+            checked.append(group)
+        if checked:
+            self._check_unique_params()
+            for group in checked:  # after the checks, which may have converted a step or cleared unstepped state
+                sigs[id(group)] = self._layout_sig(group, group["params"], state, empty)
         if len(sigs) > len(live):
             for k in [k for k in sigs if k not in live]:
                 del sigs[k]
+
+    def _layout_sig(self, group: dict, params: list, state, empty: dict) -> tuple:
+        """(group, signature, the state dicts and values) for `_check_state_layouts`: the last two are compared by
+        identity (`operator.is_`: a tensor's == would compare its elements)."""
+        sts = tuple(map(state.get, params, itertools.repeat(empty)))
+        return (group, (tuple(group.get(k) for k in self._layout_keys),  # (a lazy module's param has no shape yet)
+                        tuple((p.dtype, None if isinstance(p, _LAZY) else p.shape, p.device) for p in params)),
+                sts + tuple(itertools.chain.from_iterable(map(dict.values, sts))))
+
+    def _check_unique_params(self) -> None:
+        seen: dict = {}
+        for gi, group in enumerate(self.param_groups):
+            for pi, p in enumerate(group["params"]):
+                here = f"param_groups[{gi}]['params'][{pi}]"
+                first = seen.setdefault(id(p), here)
+                if first is not here:
+                    raise ValueError(f"{self._name}: {here} is the same tensor as {first}; each param may appear "
+                                     "once in an optimizer (it would be stepped twice)")
 
     def _check_group_state(self, gi: int, group: dict, old_sig) -> None:
         where = f"param_groups[{gi}]"
@@ -447,8 +476,13 @@ class FastOptimizer(torch.optim.Optimizer):
             if not st:
                 continue
             spec = self._state_spec(p, group)
-            here = ckpt.local_state(st, p)
             dev = local(p).device
+            step = st.get("step")
+            if not (isinstance(step, Tensor) and not ckpt.is_dtensor(step) and step.dtype is torch.float32
+                    and step.dim() == 0 and step.device == dev):
+                # as load_state_dict takes it: a number (transformers' int step) or a one-element tensor elsewhere
+                st["step"] = ckpt.as_step(step, f"{self._name}.state[{where}['params'][{pi}]]", dev)
+            here = ckpt.local_state(st, p)
             have = {k: (tuple(v.shape), v.dtype, v.device) for k, v in here.items()
                     if k != "step" and isinstance(v, Tensor)}
             want = {k: (tuple(s), d, dev) for k, (s, d) in spec.items()}
@@ -476,7 +510,7 @@ class FastOptimizer(torch.optim.Optimizer):
             keys = ", ".join(f"{where}[{k!r}]={group.get(k)!r}" for k in self._layout_keys if k in group)
             raise ValueError(f"{n}: the state of {pw} does not fit its param ({p.dtype}, shape {tuple(p.shape)})"
                              f"{' with ' + keys if keys else ''} ({diff}): restore the settings and the param it was "
-                             f"made with, or {new_opt}")
+                             f"made with (a state tensor set by hand: the shape and dtype it needs), or {new_opt}")
 
     def _plan_cache(self, group: dict, params: list[Tensor], layouts: list | None) -> dict:
         """The kernels' cache (plans, tables, scratch buffers) of one bucket of `group` (its local `params` and

@@ -128,7 +128,9 @@ class GaLoreAdamW(FastOptimizer):
         defaults = self._check_hyper(dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, nbits=nbits,
                                           min_8bit_size=min_8bit_size, block_size=block_size,
                                           correct_bias=correct_bias))
-        self._host_steps: dict = {}  # id(state["step"]) -> [that tensor, its value as the host knows it]
+        # id(state["step"]) -> [that tensor, its value as the host knows it, the tensor's _version then]: a counter
+        # changed in place by anything but this optimizer's one add per step (`state["step"].zero_()`) is read again
+        self._host_steps: dict = {}
         self._pending: list = []     # (found_inf copy, CUDA event or None, host-step entries it may undo)
         super().__init__(params, defaults)
 
@@ -136,8 +138,8 @@ class GaLoreAdamW(FastOptimizer):
         """After unpickling, deepcopy and load_state_dict: the host's mirror of the step counters, read once
         here from the (copied or loaded) state, so that step() never needs a read."""
         super().__setstate__(state)
-        self._host_steps = {id(s["step"]): [s["step"], _host_value(s["step"])] for s in self.state.values()
-                            if "step" in s}
+        self._host_steps = {id(s["step"]): [s["step"], _host_value(s["step"]), s["step"]._version]
+                            for s in self.state.values() if isinstance(s.get("step"), Tensor)}
         self._pending = []
 
     # ---- validation -----------------------------------------------------------------------------------
@@ -225,8 +227,8 @@ class GaLoreAdamW(FastOptimizer):
                 s = states.get(p)
                 step = s.get("step") if s else None
                 if step is not None:
-                    e = mirror.get(id(step))
-                    if (e[1] if e is not None and e[0] is step else int(step.item())) % gap:
+                    e = mirror.get(id(step))  # (before this step's add)
+                    if (e[1] if e is not None and e[0] is step and e[2] == step._version else int(step.item())) % gap:
                         continue
                 # (no step yet: its first step is a refresh)
                 if not (g.is_meta or p.numel() == 0 or self._layout(p) is not None):
@@ -319,7 +321,7 @@ class GaLoreAdamW(FastOptimizer):
         fresh = not self.state[p]
         state = super()._init_state(p, group)
         if fresh:
-            self._host_steps[id(state["step"])] = [state["step"], 0]
+            self._host_steps[id(state["step"])] = [state["step"], 0, state["step"]._version]
         return state
 
     # ---- the refresh schedule, on the host --------------------------------------------------------------
@@ -334,12 +336,14 @@ class GaLoreAdamW(FastOptimizer):
         self._pending.clear()
 
     def _host_step(self, state: dict, found_inf: Tensor | None) -> list:
-        e = self._host_steps.get(id(state["step"]))
-        if e is None or e[0] is not state["step"]:
-            # State set from outside (not created nor loaded here): read it once. The device counter already
-            # counts this step unless found_inf is set.
-            before = _host_value(state["step"]) - (1 if found_inf is None else 1 - _host_value(found_inf))
-            e = self._host_steps[id(state["step"])] = [state["step"], before]
+        step = state["step"]
+        e = self._host_steps.get(id(step))
+        if e is None or e[0] is not step or e[2] != step._version - 1:
+            # State set or changed from outside (not created, loaded nor stepped here): read it once. The device
+            # counter already counts this step (its add is the one _version step expected) unless found_inf is set.
+            before = _host_value(step) - (1 if found_inf is None else 1 - _host_value(found_inf))
+            e = self._host_steps[id(step)] = [step, before, step._version - 1]
+        e[2] = step._version
         return e
 
     def _refresh_flags(self, states: list[dict], gap: int, found_inf: Tensor | None) -> list[bool]:
