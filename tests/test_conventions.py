@@ -16,7 +16,8 @@ projected group, AdamW8bit) on both back ends:
 - a state_dict that looks like another library's but is malformed is refused as fastopt's own would be;
 - the kernels' plans of groups replaced by load_state_dict are dropped; a state tensor replaced by hand is checked
   (another dtype or shape refused), a step count set by hand (a number, another tensor, reset in place) steps as
-  a loaded one, and a param appended by hand to a group that holds it is refused;
+  a loaded one, a param appended by hand to a group that holds it, or a state tensor set in two params'
+  states, is refused; state dropped by hand is freed at once;
 - torch.compile of a training step runs step() eagerly (a graph break), bit for bit the eager run.
 Float64 params (unless a test is about dtypes) and fresh random gradients at every step.
 """
@@ -760,14 +761,22 @@ def _first_state_key(opt, ps):
     return next((p, k) for p in ps for k, v in opt.state[p].items() if k != "step" and isinstance(v, torch.Tensor))
 
 
-@pytest.mark.parametrize("what", ["dtype", "shape", "same"])
+def _strided_copy(v):
+    """v's values in a tensor of v's shape whose last dim has stride 2 (as zeros_like of a transposed or
+    channels_last param is not row-major either)."""
+    out = torch.zeros((*v.shape, 2), dtype=v.dtype, device=v.device)[..., 0]
+    return out.copy_(v)
+
+
+@pytest.mark.parametrize("what", ["dtype", "shape", "same", "strided"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_state_tensor_replaced_by_hand_is_checked(case, what, backend, device):
     """A state tensor replaced between steps (`opt.state[p]["exp_avg"] = torch.zeros_like(p)`, as torch users reset
     a moment) is checked as a changed param is: of another dtype or shape it is refused, naming the param and
     what it needs, and nothing changes (unchecked, the kernels read and wrote it as the old one: NaN, a segfault
     or heap corruption under the interpreter, an out-of-bounds access on a GPU); of the same dtype and shape it is
-    stepped with, as a twin that loads the state_dict holding it steps."""
+    stepped with, as a twin that loads the state_dict holding it steps, strided too (made contiguous, as the
+    load makes it: the kernels read it as row-major, 1.6e-2 to 0.86 off the twin under the interpreter)."""
     ps = make_params(device)
     opt = make(case, ps)
     run(opt, ps, range(2))
@@ -775,14 +784,15 @@ def test_a_state_tensor_replaced_by_hand_is_checked(case, what, backend, device)
     v = opt.state[p][key]
     new = {"dtype": lambda: torch.zeros(v.shape, dtype=F32 if v.dtype != F32 else F64, device=device),
            "shape": lambda: torch.zeros(v.numel() + 1, dtype=v.dtype, device=device),
-           "same": lambda: torch.zeros_like(v)}[what]()
+           "same": lambda: torch.zeros_like(v), "strided": lambda: _strided_copy(v + 1)}[what]()
     opt.state[p][key] = new
     set_grads(ps, 2)
-    if what != "same":
+    if what in ("dtype", "shape"):
         before = snapshot(opt)
         gi, pi = next((gi, g["params"].index(p)) for gi, g in enumerate(opt.param_groups) if p in g["params"])
         with pytest.raises(ValueError, match=re.escape(f"the state of param_groups[{gi}]['params'][{pi}] does not "
-                                                       f"fit its param")):
+                                                       f"fit its param ({p.dtype}, shape {tuple(p.shape)}) since the "
+                                                       "last step")):
             opt.step()
         assert_unchanged(opt, before)
         return
@@ -853,6 +863,44 @@ def test_a_param_appended_to_a_group_twice_by_hand_is_refused(case, backend, dev
     extra.grad = torch.randn_like(extra)
     opt.step()
     assert float(opt.state[extra]["step"]) == 1
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_state_tensor_shared_by_hand_is_refused(case, backend, device):
+    """One tensor set by hand in two params' states (`opt.state[q]["step"] = opt.state[p]["step"]`, a reset of
+    the counts to one tensor) would be stepped once per param in one launch (two params: 8 after 4 steps): refused,
+    naming both, before anything changes; a copy steps."""
+    ps = make_params(device)
+    opt = make(case, ps)
+    run(opt, ps, range(2))
+    a, b = ps[0], ps[2]
+    opt.state[b]["step"] = opt.state[a]["step"]
+    set_grads(ps, 2)
+    before = snapshot(opt)
+    where = {id(p): f"param_groups[{gi}]['params'][{pi}]" for gi, g in enumerate(opt.param_groups)
+             for pi, p in enumerate(g["params"])}
+    with pytest.raises(ValueError, match=re.escape(f"the state of {where[id(b)]} holds under 'step' the tensor that "
+                                                   f"the state of {where[id(a)]} holds under 'step'")):
+        opt.step()
+    assert_unchanged(opt, before)
+    opt.state[b]["step"] = opt.state[a]["step"].clone()
+    opt.step()
+    assert float(opt.state[a]["step"]) == float(opt.state[b]["step"]) == 3
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_state_dropped_by_hand_is_freed_at_once(case, backend, device):
+    """State the optimizer no longer holds (`opt.state.clear()`, an offload's `state[k] = v.to("cpu")`) is freed
+    then, not kept alive until the next step by the step's record of the state it checked (weak references)."""
+    import gc
+    import weakref
+    ps = make_params(device)
+    opt = make(case, ps)
+    run(opt, ps, range(2))
+    refs = [weakref.ref(v) for st in opt.state.values() for v in st.values()]
+    opt.state.clear()
+    gc.collect()
+    assert not [r for r in refs if r() is not None]
 
 
 # ---- 9. what a torch user may hand in: numpy scalars, named params, state_dicts with bad or extra keys -------------

@@ -13,6 +13,7 @@ import itertools
 import math
 import numbers
 import operator
+import weakref
 from collections import defaultdict
 from typing import Any, Callable, Iterable
 
@@ -424,13 +425,12 @@ class FastOptimizer(torch.optim.Optimizer):
         """Refuse a step whose params' existing state no longer fits `_state_spec`: a group key of
         `_layout_keys` changed between steps (Adafactor's beta1 None -> 0.9, nbits, block_size, GaLore's rank
         ...), a param's dtype or shape changed (`model.double()`), or a state tensor was replaced by one of
-        another dtype or shape (`opt.state[p]["exp_avg"] = torch.zeros_like(p)` on a bf16 param). The kernels
-        would read and write the old tensors out of bounds. The full comparison (metadata only, no host sync) runs
-        for a group only when its signature differs from the one last checked: those keys, its params' dtypes,
-        shapes and devices, and which state dicts and values its params have (by identity: the signature holds
-        the values, so none of them can be freed and its id taken by a new one while the signature is kept). A
-        group whose signature changed also has its params checked for one appearing twice in the optimizer (put
-        there by hand: `add_param_group` refuses it), which would be stepped twice in one launch."""
+        another dtype, shape or device (`opt.state[p]["exp_avg"] = torch.zeros_like(p)` on a bf16 param). The
+        kernels would read and write the old tensors out of bounds. The full comparison (metadata only, no host
+        sync) runs for a group only when its signature (`_layout_sig`) differs from the one last checked. Then
+        every param of the optimizer is also checked for appearing twice (put there by hand: `add_param_group`
+        refuses it) and every state tensor for being another param's too: either would be stepped twice in one
+        launch."""
         sigs, state, empty = self._layout_sigs, self.state, {}
         live, checked = set(), []
         for gi, group in enumerate(self.param_groups):
@@ -444,22 +444,36 @@ class FastOptimizer(torch.optim.Optimizer):
             self._check_group_state(gi, group, old[1] if old is not None and old[0] is group else None)
             checked.append(group)
         if checked:
-            self._check_unique_params()
+            self._check_nothing_shared()
             for group in checked:  # after the checks, which may have converted a step or cleared unstepped state
                 sigs[id(group)] = self._layout_sig(group, group["params"], state, empty)
         if len(sigs) > len(live):
             for k in [k for k in sigs if k not in live]:
                 del sigs[k]
 
-    def _layout_sig(self, group: dict, params: list, state, empty: dict) -> tuple:
-        """(group, signature, the state dicts and values) for `_check_state_layouts`: the last two are compared by
-        identity (`operator.is_`: a tensor's == would compare its elements)."""
-        sts = tuple(map(state.get, params, itertools.repeat(empty)))
-        return (group, (tuple(group.get(k) for k in self._layout_keys),  # (a lazy module's param has no shape yet)
-                        tuple((p.dtype, None if isinstance(p, _LAZY) else p.shape, p.device) for p in params)),
-                sts + tuple(itertools.chain.from_iterable(map(dict.values, sts))))
+    _META = operator.attrgetter("dtype", "shape", "device")
 
-    def _check_unique_params(self) -> None:
+    def _layout_sig(self, group: dict, params: list, state, empty: dict) -> tuple:
+        """(group, signature, each param's number of state entries and the values) for `_check_state_layouts`.
+        The signature: the group's `_layout_keys` and its params' dtypes, shapes and devices. The values are
+        compared by identity (`operator.is_`: a tensor's == would compare its elements), tensors held by weak
+        reference: `weakref.ref(t)` is the same object while t lives, and a dead one is never `is` a new tensor's
+        (whose id may be the freed one's), while the state it held is freed when the state drops it
+        (`opt.state.clear()`, an offload's `state[k] = v.to("cpu")`), not at the next step."""
+        sts = tuple(map(state.get, params, itertools.repeat(empty)))
+        vals = tuple(itertools.chain.from_iterable(map(dict.values, sts)))
+        try:
+            held = tuple(map(weakref.ref, vals))
+        except TypeError:  # a number set by hand (a step), None: held itself
+            held = tuple(weakref.ref(v) if isinstance(v, Tensor) else v for v in vals)
+        try:
+            meta = tuple(map(self._META, params))
+        except RuntimeError:  # a lazy module's param has no shape yet
+            meta = tuple((p.dtype, None if isinstance(p, _LAZY) else p.shape, p.device) for p in params)
+        return group, (tuple(group.get(k) for k in self._layout_keys), meta), tuple(map(len, sts)) + held
+
+    def _check_nothing_shared(self) -> None:
+        """No param twice in the optimizer, no state tensor in two params' states (set there by hand)."""
         seen: dict = {}
         for gi, group in enumerate(self.param_groups):
             for pi, p in enumerate(group["params"]):
@@ -468,6 +482,17 @@ class FastOptimizer(torch.optim.Optimizer):
                 if first is not here:
                     raise ValueError(f"{self._name}: {here} is the same tensor as {first}; each param may appear "
                                      "once in an optimizer (it would be stepped twice)")
+        held: dict = {}
+        for gi, group in enumerate(self.param_groups):
+            for pi, p in enumerate(group["params"]):
+                for k, v in self.state.get(p, {}).items():
+                    if isinstance(v, Tensor):
+                        here = (f"param_groups[{gi}]['params'][{pi}]", k)
+                        first = held.setdefault(id(v), here)
+                        if first is not here:
+                            raise ValueError(f"{self._name}: the state of {here[0]} holds under {k!r} the tensor that "
+                                             f"the state of {first[0]} holds under {first[1]!r}: each param's state "
+                                             "is its own (it would be stepped once per param); set a copy")
 
     def _check_group_state(self, gi: int, group: dict, old_sig) -> None:
         where = f"param_groups[{gi}]"
@@ -480,8 +505,14 @@ class FastOptimizer(torch.optim.Optimizer):
             step = st.get("step")
             if not (isinstance(step, Tensor) and not ckpt.is_dtensor(step) and step.dtype is torch.float32
                     and step.dim() == 0 and step.device == dev):
-                # as load_state_dict takes it: a number (transformers' int step) or a one-element tensor elsewhere
+                # a number (transformers' int step) or a one-element tensor of another dtype or device: a copy
+                # as load_state_dict makes it
                 st["step"] = ckpt.as_step(step, f"{self._name}.state[{where}['params'][{pi}]]", dev)
+            # The kernels index row-major memory: a state set by hand as zeros_like(p) of a channels_last or
+            # transposed p keeps p's strides (made dense, as load_state_dict makes it)
+            for k, v in list(st.items()):
+                if k != "step" and isinstance(v, Tensor) and not local(v).is_contiguous():
+                    st[k] = v.contiguous()
             here = ckpt.local_state(st, p)
             have = {k: (tuple(v.shape), v.dtype, v.device) for k, v in here.items()
                     if k != "step" and isinstance(v, Tensor)}
@@ -507,10 +538,14 @@ class FastOptimizer(torch.optim.Optimizer):
                     keys = ", ".join(f"{where}[{k!r}]={v!r} (was {v0!r})" for k, v0, v in changed)
                     raise ValueError(f"{n}: {keys} changes the layout of the state of {pw} ({diff}); a group's state "
                                      f"layout is fixed once its params have state: set it back, or {new_opt}")
+                # the settings and the param as at the last check: state set by hand since
+                raise ValueError(f"{n}: the state of {pw} does not fit its param ({p.dtype}, shape {tuple(p.shape)}) "
+                                 f"since the last step ({diff}): a state tensor set by hand must have the shape, dtype "
+                                 f"and device the optimizer keeps; set it so, or {new_opt}")
             keys = ", ".join(f"{where}[{k!r}]={group.get(k)!r}" for k in self._layout_keys if k in group)
             raise ValueError(f"{n}: the state of {pw} does not fit its param ({p.dtype}, shape {tuple(p.shape)})"
                              f"{' with ' + keys if keys else ''} ({diff}): restore the settings and the param it was "
-                             f"made with (a state tensor set by hand: the shape and dtype it needs), or {new_opt}")
+                             f"made with, or {new_opt}")
 
     def _plan_cache(self, group: dict, params: list[Tensor], layouts: list | None) -> dict:
         """The kernels' cache (plans, tables, scratch buffers) of one bucket of `group` (its local `params` and

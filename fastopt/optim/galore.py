@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import warnings
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,12 @@ __all__ = ["GaLoreAdamW", "GaLoreAdamW8bit", "get_galore_param_groups"]
 
 # A group with `rank` may leave these out; galore-torch's documented values.
 GROUP_DEFAULTS = dict(update_proj_gap=200, scale=0.25, proj_type="std")
+
+
+def _version(t: Tensor) -> int | None:
+    """t's `_version`; None for an inference tensor (made under torch.inference_mode: it has no version counter,
+    and reading one raises), whose host mirror is trusted as it is."""
+    return None if t.is_inference() else t._version
 
 
 def _host_value(t: Tensor) -> int:
@@ -128,8 +135,9 @@ class GaLoreAdamW(FastOptimizer):
         defaults = self._check_hyper(dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, nbits=nbits,
                                           min_8bit_size=min_8bit_size, block_size=block_size,
                                           correct_bias=correct_bias))
-        # id(state["step"]) -> [that tensor, its value as the host knows it, the tensor's _version then]: a counter
-        # changed in place by anything but this optimizer's one add per step (`state["step"].zero_()`) is read again
+        # id(state["step"]) -> [a weak reference to that tensor, its value as the host knows it, the tensor's
+        # _version then] (`_mirror`): a counter changed in place by anything but this optimizer's one add per step
+        # (`state["step"].zero_()`) is read again
         self._host_steps: dict = {}
         self._pending: list = []     # (found_inf copy, CUDA event or None, host-step entries it may undo)
         super().__init__(params, defaults)
@@ -138,8 +146,10 @@ class GaLoreAdamW(FastOptimizer):
         """After unpickling, deepcopy and load_state_dict: the host's mirror of the step counters, read once
         here from the (copied or loaded) state, so that step() never needs a read."""
         super().__setstate__(state)
-        self._host_steps = {id(s["step"]): [s["step"], _host_value(s["step"]), s["step"]._version]
-                            for s in self.state.values() if isinstance(s.get("step"), Tensor)}
+        self._host_steps = {}
+        for s in self.state.values():
+            if isinstance(s.get("step"), Tensor):
+                self._mirror(s["step"], _host_value(s["step"]), _version(s["step"]))
         self._pending = []
 
     # ---- validation -----------------------------------------------------------------------------------
@@ -228,7 +238,8 @@ class GaLoreAdamW(FastOptimizer):
                 step = s.get("step") if s else None
                 if step is not None:
                     e = mirror.get(id(step))  # (before this step's add)
-                    if (e[1] if e is not None and e[0] is step and e[2] == step._version else int(step.item())) % gap:
+                    known = e is not None and e[0]() is step and e[2] == _version(step)
+                    if (e[1] if known else int(step.item())) % gap:
                         continue
                 # (no step yet: its first step is a refresh)
                 if not (g.is_meta or p.numel() == 0 or self._layout(p) is not None):
@@ -321,7 +332,7 @@ class GaLoreAdamW(FastOptimizer):
         fresh = not self.state[p]
         state = super()._init_state(p, group)
         if fresh:
-            self._host_steps[id(state["step"])] = [state["step"], 0, state["step"]._version]
+            self._mirror(state["step"], 0, _version(state["step"]))
         return state
 
     # ---- the refresh schedule, on the host --------------------------------------------------------------
@@ -335,15 +346,27 @@ class GaLoreAdamW(FastOptimizer):
                     e[1] -= 1
         self._pending.clear()
 
+    def _mirror(self, step: Tensor, value: int, version: int | None) -> list:
+        """A new `_host_steps` entry for counter `step`, dropped when the tensor is freed: the mirror keeps no
+        state alive that the optimizer no longer holds (`opt.state.clear()`)."""
+        key, mirror = id(step), self._host_steps
+
+        def drop(ref, key=key, mirror=mirror):
+            e = mirror.get(key)
+            if e is not None and e[0] is ref:
+                del mirror[key]
+        e = mirror[key] = [weakref.ref(step, drop), value, version]
+        return e
+
     def _host_step(self, state: dict, found_inf: Tensor | None) -> list:
         step = state["step"]
-        e = self._host_steps.get(id(step))
-        if e is None or e[0] is not step or e[2] != step._version - 1:
+        e, v = self._host_steps.get(id(step)), _version(step)
+        if e is None or e[0]() is not step or (v is not None and e[2] != v - 1):
             # State set or changed from outside (not created, loaded nor stepped here): read it once. The device
             # counter already counts this step (its add is the one _version step expected) unless found_inf is set.
             before = _host_value(step) - (1 if found_inf is None else 1 - _host_value(found_inf))
-            e = self._host_steps[id(step)] = [step, before, step._version - 1]
-        e[2] = step._version
+            e = self._mirror(step, before, None)
+        e[2] = v
         return e
 
     def _refresh_flags(self, states: list[dict], gap: int, found_inf: Tensor | None) -> list[bool]:
