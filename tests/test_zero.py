@@ -969,6 +969,51 @@ def test_split_param_of_equal_ranges_is_gathered_in_place(pool, partition_grad):
             assert len(res["made"]) == SPLIT_STEPS, res["made"]  # the gradient bucket, once a step
     _check_equal_across_ranks(results)
 
+def _data_replaced(rank, world, partition_grad, name):
+    """p.data replaced by a copy (same values, new storage) on every param at step 3, on the reference and the
+    wrapper's model alike; then the split param converted to fp32 (model.float() on that param)."""
+    ref_model, ref_opt, model, opt, init = _ref_and_zero(name, partition_grad, False, Wide)
+    for step in range(SPLIT_STEPS):
+        if step == 3:
+            for m in (ref_model, model):
+                for q in m.parameters():
+                    q.data = q.data.clone()
+        x, y = batch(step, world, n_in=Wide.N_IN)
+        ref_opt.zero_grad()
+        loss_fn(ref_model, x, y).backward()
+        ref_opt.step()
+        opt.zero_grad()
+        _local_backward(model, x, y, rank, 1, False)
+        opt.step()
+    ours = [p.detach().clone() for p in model.parameters()]
+    out = dict(err=rel_update_error(ours, list(ref_model.parameters()), init), params=ours,
+               split=sorted(opt._split))
+    model.big.data = model.big.data.float()
+    opt.zero_grad()  # (a forward would mix the dtypes)
+    try:
+        opt.step()
+    except ValueError as e:
+        out["refused"] = str(e)
+    out["unchanged"] = all(torch.equal(p, q.to(p.dtype)) for p, q in zip(model.parameters(), ours))
+    return out
+
+
+@pytest.mark.parametrize("name", ["AdamW", "Lamb"])
+@pytest.mark.parametrize("partition_grad", [False, True], ids=["zero1", "zero2"])
+def test_param_data_replaced_after_wrapping(pool, partition_grad, name):
+    """`p.data = new` of the same dtype and shape (new storage) steps as one process does: a split param's piece
+    viewed the old storage, so each rank's range kept its unstepped values and the replicas differed (0.045
+    apart, torch's SGD). Another dtype (model.float() of an fp64 model) is refused on every rank before any
+    reduction, naming the param, where the owner's optimizer alone refused it and the other ranks waited."""
+    results = pool.run(_data_replaced, partition_grad, name)
+    for r, res in enumerate(results):
+        assert res["split"], "the test needs a split param"
+        assert res["err"] <= TOL[DT], f"rank {r}: relative update error {res['err']:.3g}"
+        assert "is now torch.float32 of shape (128, 257)" in res.get("refused", ""), res.get("refused")
+        assert res["unchanged"]
+    _check_equal_across_ranks(results)
+
+
 # ---- params frozen or unfrozen after construction ------------------------------------------------------
 def _refreeze(rank, world, partition_grad, overlap, accum):
     """w2 frozen at construction and unfrozen at step 3, b1 frozen at step 5 (with its state kept), on the

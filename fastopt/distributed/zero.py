@@ -149,6 +149,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import operator
 import sys
 import weakref
 from collections import deque
@@ -1143,6 +1144,36 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 self._drop_round()
                 raise RuntimeError(_sparse_message(i, p, g))
 
+    _META = operator.attrgetter("dtype", "shape", "device")
+
+    def _check_param_storage(self) -> None:
+        """Before the step's reductions, every rank alike (the params are replicated, so is a change to them):
+        refuse a param whose dtype, shape or device changed since it was given to the wrapper (`model.double()`,
+        `p.data = ...` of another shape): its buckets, its piece and its state were made for what it was (the
+        owner's optimizer alone would refuse it, leaving the other ranks waiting). A split param whose storage
+        was replaced (`p.data = new` of the same dtype and shape) gets its piece pointed at the new storage: the
+        piece went on viewing the old one, so the step's result never reached the param (each rank's own range
+        kept the new values unstepped, and the ranks' replicas differed)."""
+        P = self._params
+        meta = self.__dict__.get("_meta") or []
+        if len(meta) != len(P):  # recorded when a param is first seen here (added params; a copy's)
+            meta = self._meta = meta[:len(P)] + [self._META(p) for p in P[len(meta):]]
+        now = list(map(self._META, P))
+        if now != meta:
+            i, (dt, shape, dev) = next((i, m) for i, (m, w) in enumerate(zip(now, meta)) if m != w)
+            raise ValueError(f"{_NAME}: param {i} is now {dt} of shape {tuple(shape)} on {dev}, but was {meta[i][0]} "
+                             f"of shape {tuple(meta[i][1])} on {meta[i][2]} when it was given to the wrapper "
+                             "(p.data replaced, or the model converted): its gradient buckets, its state and any "
+                             "piece of it were made for that. Change it back, or wrap a new optimizer over the "
+                             "params as they are now (a consolidated state_dict loads into it)")
+        for i, piece in self._pieces.items():
+            p, (a, b) = P[i], self._range(i)
+            if piece.data_ptr() != p.data_ptr() + a * p.element_size() or not p.is_contiguous():
+                if not p.is_contiguous():
+                    raise ValueError(f"{_NAME}: split param {i} (shape {tuple(p.shape)}) is no longer contiguous "
+                                     "(p.data replaced): its pieces are ranges of its memory; make it contiguous")
+                piece.data = p.detach().view(-1)[a:b]
+
     def _give_back_stashed(self) -> None:
         """Expose again the owners' views that a tensor hook took away and no accumulation followed (a
         `torch.autograd.grad` over the params): `model.zero_grad()` and the next round see them as before. Called
@@ -1481,6 +1512,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         if not self._ddp_checked:
             self._check_no_ddp()
         self._check_dense()
+        self._check_param_storage()
         self._give_back_stashed()
         if self._round:
             self._flush()
