@@ -995,6 +995,13 @@ def _data_replaced(rank, world, partition_grad, name):
     except ValueError as e:
         out["refused"] = str(e)
     out["unchanged"] = all(torch.equal(p, q.to(p.dtype)) for p, q in zip(model.parameters(), ours))
+    # converted after wrapping, before the first step (model.half() or .cuda() after building the optimizer)
+    _, _, model, opt, _ = _ref_and_zero(name, partition_grad, False, Wide)
+    model.w.data = model.w.data.float()
+    try:
+        opt.step()
+    except ValueError as e:
+        out["refused_first"] = str(e)
     return out
 
 
@@ -1004,13 +1011,15 @@ def test_param_data_replaced_after_wrapping(pool, partition_grad, name):
     """`p.data = new` of the same dtype and shape (new storage) steps as one process does: a split param's piece
     viewed the old storage, so each rank's range kept its unstepped values and the replicas differed (0.045
     apart, torch's SGD). Another dtype (model.float() of an fp64 model) is refused on every rank before any
-    reduction, naming the param, where the owner's optimizer alone refused it and the other ranks waited."""
+    reduction, naming the param, where the owner's optimizer alone refused it and the other ranks waited; so is
+    a param converted after wrapping and before the first step."""
     results = pool.run(_data_replaced, partition_grad, name)
     for r, res in enumerate(results):
         assert res["split"], "the test needs a split param"
         assert res["err"] <= TOL[DT], f"rank {r}: relative update error {res['err']:.3g}"
         assert "is now torch.float32 of shape (128, 257)" in res.get("refused", ""), res.get("refused")
         assert res["unchanged"]
+        assert "is now torch.float32" in res.get("refused_first", ""), res.get("refused_first")
     _check_equal_across_ranks(results)
 
 

@@ -621,6 +621,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             self._gidx[id(p)] = base + k
             self._params.append(p)
             self._owner.append(-1)
+        meta = self.__dict__.setdefault("_meta", [])
+        if len(meta) == base:  # each param's dtype, shape and device as given (_check_param_storage)
+            meta.extend(map(self._META, params))
         # A frozen param weighs nothing (it has no state): counting it could leave a rank without trainable ones.
         weight = lambda i: self._params[i].numel() if self._params[i].requires_grad else 0  # noqa: E731
         world = self.world_size
@@ -1156,7 +1159,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         kept the new values unstepped, and the ranks' replicas differed)."""
         P = self._params
         meta = self.__dict__.get("_meta") or []
-        if len(meta) != len(P):  # recorded when a param is first seen here (added params; a copy's)
+        if len(meta) != len(P):  # recorded by _assign; else when first seen here
             meta = self._meta = meta[:len(P)] + [self._META(p) for p in P[len(meta):]]
         now = list(map(self._META, P))
         if now != meta:
