@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import weakref
 from dataclasses import dataclass, field, replace
 
@@ -262,6 +263,11 @@ def collective(new: str, old: str):
 # decorates, 2.5 of the 2.8 s that `import fastopt` took after `import torch` (-X importtime, torch 2.13, 2-core
 # CPU machine); this imports it at the first step, as torch.optim's first step does anyway.
 eager_under_compile = getattr(torch, "_disable_dynamo", None) or torch.compiler.disable
+
+
+# (dtype, shape, device) of a tensor: what a param's state, buckets and pieces were made for (one C-level call per
+# param; the optimizers' and the ZeRO wrapper's per-step checks compare these)
+param_meta = operator.attrgetter("dtype", "shape", "device")
 
 
 def local(t: Tensor) -> Tensor:

@@ -149,7 +149,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import operator
 import sys
 import weakref
 from collections import deque
@@ -161,7 +160,7 @@ from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import checkpoint as ckpt
-from .layout import collective, eager_under_compile, layout_of
+from .layout import collective, eager_under_compile, layout_of, param_meta
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
@@ -623,7 +622,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             self._owner.append(-1)
         meta = self.__dict__.setdefault("_meta", [])
         if len(meta) == base:  # each param's dtype, shape and device as given (_check_param_storage)
-            meta.extend(map(self._META, params))
+            meta.extend(map(param_meta, params))
         # A frozen param weighs nothing (it has no state): counting it could leave a rank without trainable ones.
         weight = lambda i: self._params[i].numel() if self._params[i].requires_grad else 0  # noqa: E731
         world = self.world_size
@@ -1147,8 +1146,6 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 self._drop_round()
                 raise RuntimeError(_sparse_message(i, p, g))
 
-    _META = operator.attrgetter("dtype", "shape", "device")
-
     def _check_param_storage(self) -> None:
         """Before the step's reductions, every rank alike (the params are replicated, so is a change to them):
         refuse a param whose dtype, shape or device changed since it was given to the wrapper (`model.double()`,
@@ -1160,8 +1157,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         P = self._params
         meta = self.__dict__.get("_meta") or []
         if len(meta) != len(P):  # recorded by _assign; else when first seen here
-            meta = self._meta = meta[:len(P)] + [self._META(p) for p in P[len(meta):]]
-        now = list(map(self._META, P))
+            meta = self._meta = meta[:len(P)] + [param_meta(p) for p in P[len(meta):]]
+        now = list(map(param_meta, P))
         if now != meta:
             i, (dt, shape, dev) = next((i, m) for i, (m, w) in enumerate(zip(now, meta)) if m != w)
             raise ValueError(f"{_NAME}: param {i} is now {dt} of shape {tuple(shape)} on {dev}, but was {meta[i][0]} "

@@ -24,7 +24,8 @@ from torch import Tensor
 from .. import checkpoint as ckpt
 from .. import ops
 from ..distributed import phases
-from ..distributed.layout import _ATTR, Layout, eager_under_compile, fsdp1_refusal, fsdp_grads, layout_of, local
+from ..distributed.layout import (_ATTR, Layout, eager_under_compile, fsdp1_refusal, fsdp_grads, layout_of, local,
+                                  param_meta)
 
 __all__ = ["FastOptimizer", "check", "check_betas", "ScalerArgs", "lr_rule", "host_value"]
 
@@ -451,8 +452,6 @@ class FastOptimizer(torch.optim.Optimizer):
             for k in [k for k in sigs if k not in live]:
                 del sigs[k]
 
-    _META = operator.attrgetter("dtype", "shape", "device")
-
     def _layout_sig(self, group: dict, params: list, state, empty: dict) -> tuple:
         """(group, signature, each param's number of state entries and the values) for `_check_state_layouts`.
         The signature: the group's `_layout_keys` and its params' dtypes, shapes and devices. The values are
@@ -467,7 +466,7 @@ class FastOptimizer(torch.optim.Optimizer):
         except TypeError:  # a number set by hand (a step), None: held itself
             held = tuple(weakref.ref(v) if isinstance(v, Tensor) else v for v in vals)
         try:
-            meta = tuple(map(self._META, params))
+            meta = tuple(map(param_meta, params))
         except RuntimeError:  # a lazy module's param has no shape yet
             meta = tuple((p.dtype, None if isinstance(p, _LAZY) else p.shape, p.device) for p in params)
         return group, (tuple(group.get(k) for k in self._layout_keys), meta), tuple(map(len, sts)) + held
@@ -475,6 +474,7 @@ class FastOptimizer(torch.optim.Optimizer):
     def _check_nothing_shared(self) -> None:
         """No param twice in the optimizer, no state tensor in two params' states (set there by hand)."""
         seen: dict = {}
+        held: dict = {}
         for gi, group in enumerate(self.param_groups):
             for pi, p in enumerate(group["params"]):
                 here = f"param_groups[{gi}]['params'][{pi}]"
@@ -482,15 +482,11 @@ class FastOptimizer(torch.optim.Optimizer):
                 if first is not here:
                     raise ValueError(f"{self._name}: {here} is the same tensor as {first}; each param may appear "
                                      "once in an optimizer (it would be stepped twice)")
-        held: dict = {}
-        for gi, group in enumerate(self.param_groups):
-            for pi, p in enumerate(group["params"]):
                 for k, v in self.state.get(p, {}).items():
                     if isinstance(v, Tensor):
-                        here = (f"param_groups[{gi}]['params'][{pi}]", k)
-                        first = held.setdefault(id(v), here)
-                        if first is not here:
-                            raise ValueError(f"{self._name}: the state of {here[0]} holds under {k!r} the tensor that "
+                        first = held.setdefault(id(v), (here, k))
+                        if first != (here, k):
+                            raise ValueError(f"{self._name}: the state of {here} holds under {k!r} the tensor that "
                                              f"the state of {first[0]} holds under {first[1]!r}: each param's state "
                                              "is its own (it would be stepped once per param); set a copy")
 
