@@ -1,15 +1,15 @@
 """GaLore's matmul tiles on this GPU: the step time of fastopt.GaLoreAdamW (no SVD) for tile choices of the
-projection and of the back-projection (kernels/galore.py's TILES).
+projection and of the back-projection (kernels/galore.py's TILES_SM90 on an H100/H200, TILES elsewhere).
 
     python bench/galore_tiles.py [--set 7b] [--dtypes fp32,bf16] [--ranks 128,1024] [--json out.json]
 
-For each parameter set, dtype and rank: the step with the current TILES first (`default`), then each
+For each parameter set, dtype and rank: the step with the shipped tiles first (`default`), then each
 candidate of `--project` with the back-projection's tiles as they are, then each of `--back` with the
 projection's as they are; every candidate's first step is checked against the default's (params after one
 step from the same state, relative difference of the update within `--rtol`, `--rtol-16` for bf16/fp16
 params, whose rounding to the param moves an element by a whole ulp: other tiles sum the products in another
 order, so the last bits may differ; the checks catch a broken tile, not a rounding). Times: do_bench's median,
-as the suite takes them. The numbers decide kernels/galore.py's TILES; they are not a benchmark of their own.
+as the suite takes them. The numbers decide kernels/galore.py's tiles; they are not a benchmark of their own.
 On CPU (`--device cpu`, with TRITON_INTERPRET=1 and FASTOPT_BACKEND=triton, at a small `--scale`) it runs the
 same code through the interpreter, which is how CI checks it; its times mean nothing.
 """
@@ -32,7 +32,7 @@ except ImportError:
 import fastopt
 from fastopt import ops
 
-# (BM, BN, BK, num_warps, num_stages): the shipped one first, then larger tiles for the H100's tensor cores.
+# (BM, BN, BK, num_warps, num_stages): TILES, then larger tiles for the H100's tensor cores (TILES_SM90 among them).
 CANDIDATES = [(64, 64, 32, 4, 3), (128, 64, 32, 4, 3), (64, 128, 32, 4, 3), (128, 64, 32, 8, 3),
               (128, 128, 32, 8, 3), (128, 64, 64, 8, 3), (128, 128, 64, 8, 3), (64, 64, 64, 4, 4),
               (128, 128, 32, 4, 4), (256, 64, 32, 8, 3)]
@@ -76,14 +76,15 @@ def _case(args, pset, dtype, rank, k, device) -> list[dict]:
         opt.step()  # the bases and the state
     start = [p.detach().clone() for p in params]
     state = {p: {key: v.clone() for key, v in s.items()} for p, s in opt.state.items()}
-    shipped = dict(k.TILES)
+    table = k.tiles_for(device)  # the one these launches take (TILES_SM90 on an H100/H200), changed in place
+    shipped = dict(table)
     rows, ref = [], None
 
     def run(stage, tiles):
         nonlocal ref
-        k.TILES.update(shipped)
+        table.update(shipped)
         if stage is not None:
-            k.TILES[stage] = tiles
+            table[stage] = tiles
         opt._plans.clear()  # launches and tables are rebuilt with these tiles
         for p, p0 in zip(params, start):
             p.data.copy_(p0)
@@ -119,7 +120,7 @@ def _case(args, pset, dtype, rank, k, device) -> list[dict]:
                                  "tiles": list(tiles), "error": f"{type(e).__name__}: {e}"[:300]})
                     print(f"  {stage:8s} {str(tiles):24s} failed: {rows[-1]['error'][:120]}", flush=True)
     finally:
-        k.TILES.update(shipped)
+        table.update(shipped)
     return rows
 
 
@@ -142,7 +143,7 @@ def main(argv=None) -> list[dict]:
             if args.budget_s is not None and time.perf_counter() - t0 > args.budget_s:
                 print(f"budget: {dt} rank {rank} not run", flush=True)
                 continue
-            print(f"{pset.label}, {dt}, rank {rank} (shipped TILES {k.TILES})", flush=True)
+            print(f"{pset.label}, {dt}, rank {rank} (shipped tiles {k.tiles_for(device)})", flush=True)
             rows += _case(args, pset, common.DTYPES[dt], rank, k, device)
             common._free(device)
     if args.json is not None:

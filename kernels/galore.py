@@ -101,10 +101,38 @@ def dot_precision() -> tuple[str, bool]:
 # Matmul tiles (BM, BN, BK, num_warps, num_stages) of the projections (R = P^T G, G Q^T and the rank-sized
 # products of a full projection) and of the back-projections with the update (p -= eta scale P N, N Q):
 # tl.dot needs 16 at least; small under the interpreter so the tests' matrices span several. fp64 multiplies a
-# [BM, BK, BN] product in registers: small tiles there. bench/galore_tiles.py times others on a GPU.
+# [BM, BK, BN] product in registers: small tiles there. tiles_for(device) picks the table; bench/galore_tiles.py
+# times others on a GPU.
 TILES = {"project": (16, 16, 16, 4, 1), "back": (16, 16, 16, 4, 1)} if INTERPRET else \
     {"project": (64, 64, 32, 4, 3), "back": (64, 64, 32, 4, 3)}
+# Compute capability 9.x (H100/H200: wgmma, 227 KB of shared memory a block), for launches whose every access is
+# aligned (ALIGNED; large models' are) and whose products run on tensor cores: two warpgroups on 128x128 tiles,
+# each issuing 64x128 wgmma where TILES issue 64x64 ones from one, and each operand slice read for twice the rows
+# or columns. Compiled for sm_90 (tests/compile_check.py, Triton 3.6 and 3.9): at most 230 registers and 96 KB
+# of shared memory, no spill; unaligned launches and fp32 FMA products (FASTOPT_GALORE_DOT=ieee) spilled with
+# them. Not yet timed on a GPU against TILES (the H100's profile had 20.7 of GaLore-r1024 bf16's 24.3 ms in the
+# 64x64 tiles). TILES take 48 KB at most (fp32), what every CUDA GPU gives a block.
+TILES_SM90 = {"project": (128, 128, 32, 8, 3), "back": (128, 128, 32, 8, 3)}
 TILES64 = (16, 16, 16, 4, 1)
+_TILES_OF: dict = {}  # device index (None: CPU tensors, compiled for the active driver's target) -> its table
+
+
+def tiles_for(device: torch.device, large: bool = True) -> dict:
+    """The tile table of launches on `device`: TILES_SM90 on compute capability 9.x when `large`, else TILES
+    (always under the interpreter). The dict itself, so bench/galore_tiles.py can change it in place."""
+    if INTERPRET or not large:
+        return TILES
+    key = device.index if device.type == "cuda" else None
+    table = _TILES_OF.get(key)
+    if table is None:
+        if key is None:  # only tests/compile_check.py launches non-interpreted kernels on CPU tensors
+            major = triton.runtime.driver.active.get_current_target().arch // 10
+        else:
+            major = torch.cuda.get_device_capability(device)[0]
+        table = _TILES_OF[key] = TILES_SM90 if major == 9 else TILES
+    return table
+
+
 NUM_WARPS = 4  # the Adam kernel's
 # Adam kernel: [NQ, QB] tiles of the flat moments (QB = the quantization block with 8-bit state).
 QB32, NQ32 = (64, 2) if INTERPRET else (256, 8)
@@ -572,19 +600,22 @@ class _Launch:
             self._launch_adam(kind, jobs)
             return
         update, has_scale, _, _, _, (a_k1, a_m1, b_n1, b_k1, c_n1) = kind[1:]
-        bm, bn, bk, warps, stages = TILES64 if self.fp64 else TILES["back" if update else "project"]
         rows = []
         for a, b, c, step in jobs:
             ptrs, rel = self._pointers((a, b, c, step if update else None))
             rows.append([*ptrs, a.shape[1], b.shape[2], a.shape[2], *a.stride(), *b.stride(), *c.stride(), rel])
-        programs = [a.shape[0] * common.cdiv(a.shape[1], bm) * common.cdiv(b.shape[2], bn) for a, b, _, _ in jobs]
-        table, total, log_jobs, values = self.tables.get(programs, rows, jobs[0][2].device)
         ptrs = [t for job in jobs for t in job[:3]]
         # every stride the kernel loads, and M, N, K, a multiple of 16 elements; every pointer 16-byte aligned
         loaded = [r[i] for r in rows for i in (4, 5, 6, 7, 10, 13, 14)]
         loaded += [r[i] for r in rows for i, unit in ((8, a_m1), (9, a_k1), (11, b_k1), (12, b_n1), (15, c_n1))
                    if not unit]
         al = common.aligned(ptrs) and common.multiples(loaded)
+        # TILES_SM90 spill where the loads go element by element or the fp32 product runs in FMAs (ieee)
+        large = al and (self.op_dummy is not None or self.precision != "ieee")
+        bm, bn, bk, warps, stages = TILES64 if self.fp64 else \
+            tiles_for(jobs[0][2].device, large)["back" if update else "project"]
+        programs = [a.shape[0] * common.cdiv(a.shape[1], bm) * common.cdiv(b.shape[2], bn) for a, b, _, _ in jobs]
+        table, total, log_jobs, values = self.tables.get(programs, rows, jobs[0][2].device)
         a0, b0, c0, step0 = jobs[0]
         self._go("_galore_matmul_kernel", (total,), [
             table, self._base(), _ref(a0), _ref(b0), _ref(c0), _ref(step0) if update else self.dummy, self.dummy,

@@ -202,13 +202,17 @@ def workloads(group, quick: bool):
                 for nbits in (32, 8):
                     for proj in PROJ_TYPES:
                         # quick: GaLore's kernels see local rectangles (no MAPPED variants) and differ by dtype,
-                        # HAS_SCALE and 8-bit only: the five projections and the sharded rectangles in fp32 alone.
+                        # HAS_SCALE and 8-bit only: the five projections and the sharded rectangles in fp32 alone;
+                        # aligned (rank 16: every size and stride of the products a multiple of 16, where
+                        # kernels/galore.py takes TILES_SM90) the 32-bit std one, whose matmuls the 8-bit share.
                         if quick and proj != "std" and (dtype != torch.float32 or lay != "dense" or scaler):
                             continue
-                        if (quick and lay == "sharded" and dtype != torch.float32) or lay == "aligned":
+                        if (quick and lay == "sharded" and dtype != torch.float32) or (
+                                lay == "aligned" and (proj != "std" or (quick and nbits == 8))):
                             continue
-                        W.append((f"GaLore {nbits}-bit {proj} {tag}", lambda mk=mk, s=scaler, n=nbits, pt=proj: (
-                            *_galore(mk(), n, pt), 3, s)))
+                        rank = 16 if lay == "aligned" else 2
+                        W.append((f"GaLore {nbits}-bit {proj} {tag}", lambda mk=mk, s=scaler, n=nbits, pt=proj,
+                                  r=rank: (*_galore(mk(), n, pt, r), 3, s)))
         if dtype == torch.bfloat16:
             for lay, mk in layouts[:2]:
                 W.append((f"Adafactor stochastic-round bf16 {lay}", lambda mk=mk: (fastopt.Adafactor(
@@ -224,12 +228,12 @@ def workloads(group, quick: bool):
     return W
 
 
-def _galore(params, nbits, proj_type):
+def _galore(params, nbits, proj_type, rank=2):
     from fastopt.distributed import layout_of
     shape = lambda p: getattr(layout_of(p), "global_shape", p.shape)  # noqa: E731
-    mats = [p for p in params if len(shape(p)) >= 2 and min(shape(p)[-2:]) >= 2]
+    mats = [p for p in params if len(shape(p)) >= 2 and min(shape(p)[-2:]) >= rank]
     rest = [p for p in params if p not in set(mats)]
-    groups = [{"params": mats, "rank": 2, "update_proj_gap": 2, "proj_type": proj_type}]
+    groups = [{"params": mats, "rank": rank, "update_proj_gap": 2, "proj_type": proj_type}]
     groups += [{"params": rest}] if rest else []
     return fastopt.GaLoreAdamW(groups, lr=1e-3, nbits=nbits, min_8bit_size=1), params
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import (TOL, Counting, assert_tracks, rel_update_error, step_with_inf_at,
                       check_refuses_sparse_and_complex, check_skips_params_without_grad, through_8bit,
-                      check_no_host_sync, snapshot, assert_unchanged, save_load, run_changed_midway)
+                      check_no_host_sync, snapshot, assert_unchanged, save_load, run_changed_midway, on_torch_backend)
 
 import fastopt
 from fastopt import ops
@@ -974,18 +974,84 @@ def test_dot_operands_rounded_to_the_param_dtype(backend, device, dtype, mode, m
         k.dot_precision()
 
 
-class _Precisions:
-    """Stands in for _galore_matmul_kernel and logs the PRECISION of each launch, replayed ones too (a replay
-    calls the launcher its recording step took from here)."""
+# Aligned matrices (every size, stride and the rank a multiple of 16) spanning two 128-row or -column tiles each
+# way, the second partial, and K a multiple of 16 but not of 32: where kernels/galore.py takes TILES_SM90.
+ALIGNED_MATS = [(272, 160), (160, 400)]
+ALIGNED_RANK = 144
 
-    def __init__(self, fn, log: list):
-        self.fn, self.log = fn, log
+
+def _aligned_run(dtype, device, steps=4, shapes=ALIGNED_MATS, rank=ALIGNED_RANK):
+    init, grads = make_problem(shapes, steps=steps)
+    params = [p.to(device=device, dtype=dtype, copy=True).requires_grad_() for p in init]
+    opt = fastopt.GaLoreAdamW([{"params": params, "rank": rank, "update_proj_gap": 2, "scale": 0.25}],
+                              lr=LR, weight_decay=WD)
+    step(opt, params, grads)
+    return [p.detach().cpu() for p in params], init
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_large_tiles_track_the_reference(backend, device, dtype, monkeypatch):
+    """The matmul kernel with TILES_SM90 (128x128x32; under the interpreter, TILES set to them) on ALIGNED_MATS,
+    4 steps with a refresh at 1 and 3: within the dtype's tolerance of the float64 reference, and no further from
+    it than the reference run in the dtype. On an H100/H200 every launch took them; on other GPUs, TILES."""
+    if backend != "triton":
+        pytest.skip("the Triton matmul kernel")
+    from fastopt.kernels import galore as k
+    if ops.interpreting():
+        for stage in ("project", "back"):
+            monkeypatch.setitem(k.TILES, stage, k.TILES_SM90[stage])
+    log = []
+    monkeypatch.setattr(k, "_galore_matmul_kernel", _Logged(k._galore_matmul_kernel, log, "BM"))
+    ours, init = _aligned_run(dtype, device)
+    with on_torch_backend(monkeypatch):
+        truth, _ = _aligned_run(torch.float64, device)
+        ref_lowp, _ = _aligned_run(dtype, device)
+    assert_tracks(ours, truth, [p.to(dtype) for p in init], dtype, ref_lowp=ref_lowp)
+    big = ops.interpreting() or torch.cuda.get_device_capability(device)[0] == 9
+    assert set(log) == {k.TILES_SM90["project"][0] if big else k.TILES["project"][0]}, log
+
+
+def test_large_tiles_only_for_aligned_tensor_core_launches(backend, device, monkeypatch):
+    """tiles_for: TILES_SM90 on compute capability 9.x for launches whose every access is aligned and whose
+    product runs on tensor cores; TILES for unaligned launches (MATS), fp32 FMA products (FASTOPT_GALORE_DOT=ieee),
+    other GPUs, and under the interpreter."""
+    if backend != "triton":
+        pytest.skip("the Triton matmul kernel")
+    from fastopt.kernels import galore as k
+    asked = []
+    real = k.tiles_for
+    monkeypatch.setattr(k, "tiles_for", lambda dev, large=True: asked.append(large) or real(dev, large))
+    small = dict(steps=2, shapes=[(48, 32), (32, 64)], rank=16)  # as aligned, fewer interpreted programs
+    _aligned_run(torch.float32, device, **small)
+    assert asked and all(asked), asked
+    asked.clear()
+    init, grads = make_problem(MATS + PLAIN, steps=2)
+    run(init, grads, torch.float32, device)
+    assert asked and not any(asked), asked
+    asked.clear()
+    monkeypatch.setenv("FASTOPT_GALORE_DOT", "ieee")
+    _aligned_run(torch.float32, device, **small)
+    assert asked and not any(asked), asked
+    # the choice per device, as on a machine with such a GPU
+    monkeypatch.setattr(k, "INTERPRET", False)
+    for cap, want in (((9, 0), k.TILES_SM90), ((8, 0), k.TILES), ((10, 0), k.TILES)):
+        monkeypatch.setattr(k, "_TILES_OF", {})
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d, cap=cap: cap)
+        assert real(torch.device("cuda", 0)) is want and real(torch.device("cuda", 0), False) is k.TILES, cap
+
+
+class _Logged:
+    """Stands in for a kernel and logs one keyword argument of each launch, replayed ones too (a replay calls
+    the launcher its recording step took from the module)."""
+
+    def __init__(self, fn, log: list, key: str):
+        self.fn, self.log, self.key = fn, log, key
 
     def __getitem__(self, grid):
         launcher = self.fn[grid]
 
         def launch(*args, **kwargs):
-            self.log.append(kwargs["PRECISION"])
+            self.log.append(kwargs[self.key])
             return launcher(*args, **kwargs)
         return launch
 
@@ -1014,7 +1080,7 @@ def test_fp32_products_follow_torchs_tf32_setting(backend, device, cuda_matmul, 
     monkeypatch.delenv("FASTOPT_GALORE_DOT", raising=False)
     matmul.fp32_precision = "none"
     log = []
-    monkeypatch.setattr(k, "_galore_matmul_kernel", _Precisions(k._galore_matmul_kernel, log))
+    monkeypatch.setattr(k, "_galore_matmul_kernel", _Logged(k._galore_matmul_kernel, log, "PRECISION"))
     ps = [torch.randn(12, 10, device=device, requires_grad=True), torch.randn(10, device=device, requires_grad=True)]
     opt = fastopt.GaLoreAdamW([{"params": ps[:1], "rank": 3, "update_proj_gap": 100}, {"params": ps[1:]}], lr=LR)
 
