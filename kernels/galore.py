@@ -105,13 +105,16 @@ def dot_precision() -> tuple[str, bool]:
 # times others on a GPU.
 TILES = {"project": (16, 16, 16, 4, 1), "back": (16, 16, 16, 4, 1)} if INTERPRET else \
     {"project": (64, 64, 32, 4, 3), "back": (64, 64, 32, 4, 3)}
-# Compute capability 9.x (H100/H200: wgmma, 227 KB of shared memory a block), for launches whose every access is
-# aligned (ALIGNED; large models' are) and whose products run on tensor cores: two warpgroups on 128x128 tiles,
+# Compute capability 9.x (H100/H200: wgmma, 227 KB of shared memory a block), for the launches of matrices whose
+# every access is aligned (ALIGNED: sizes, strides and pointers multiples of 16; large models' matrices, each
+# launched apart from odd-sized ones) and whose products run on tensor cores: two warpgroups on 128x128 tiles,
 # each issuing 64x128 wgmma where TILES issue 64x64 ones from one, and each operand slice read for twice the rows
 # or columns. Compiled for sm_90 (tests/compile_check.py, Triton 3.6 and 3.9): at most 230 registers and 96 KB
-# of shared memory, no spill; unaligned launches and fp32 FMA products (FASTOPT_GALORE_DOT=ieee) spilled with
-# them. Not yet timed on a GPU against TILES (the H100's profile had 20.7 of GaLore-r1024 bf16's 24.3 ms in the
-# 64x64 tiles). TILES take 48 KB at most (fp32), what every CUDA GPU gives a block.
+# of shared memory, no spill (tests/test_compile.py checks the stack frame, where ptxas spills); with them,
+# unaligned launches spilled up to 608 bytes and fp32 FMA products (FASTOPT_GALORE_DOT=ieee) 16. Not yet timed
+# on a GPU against TILES (the H100's profile had 20.7 of GaLore-r1024 bf16's 24.3 ms in the 64x64 tiles). TILES
+# take 48 KB at most (fp32), what every CUDA GPU gives a block; AMD GPUs (a ROCm build reports MI300 as 9.4)
+# keep them too.
 TILES_SM90 = {"project": (128, 128, 32, 8, 3), "back": (128, 128, 32, 8, 3)}
 TILES64 = (16, 16, 16, 4, 1)
 _TILES_OF: dict = {}  # device index (None: CPU tensors, compiled for the active driver's target) -> its table
@@ -122,13 +125,16 @@ def tiles_for(device: torch.device, large: bool = True) -> dict:
     (always under the interpreter). The dict itself, so bench/galore_tiles.py can change it in place."""
     if INTERPRET or not large:
         return TILES
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     key = device.index if device.type == "cuda" else None
     table = _TILES_OF.get(key)
     if table is None:
         if key is None:  # only tests/compile_check.py launches non-interpreted kernels on CPU tensors
-            major = triton.runtime.driver.active.get_current_target().arch // 10
-        else:
-            major = torch.cuda.get_device_capability(device)[0]
+            target = triton.runtime.driver.active.get_current_target()
+            major = target.arch // 10 if target.backend == "cuda" else 0
+        else:  # a ROCm build reports gfx versions here: MI200 (9, 0), MI300 (9, 4), MI350 (9, 5), 64 KB LDS or so
+            major = torch.cuda.get_device_capability(device)[0] if torch.version.hip is None else 0
         table = _TILES_OF[key] = TILES_SM90 if major == 9 else TILES
     return table
 
@@ -529,7 +535,15 @@ class _Launch:
             return
         units = (a.stride(2) == 1, a.stride(2) != 1 and a.stride(1) == 1, b.stride(2) == 1,
                  b.stride(2) != 1 and b.stride(1) == 1, c.stride(2) == 1)
-        kind = ("matmul", update, scale_input and self.inv_scale is not None, a.dtype, b.dtype, c.dtype, units)
+        a_k1, a_m1, b_n1, b_k1, c_n1 = units
+        # ALIGNED: M, N, K and every stride the kernel loads a multiple of 16 elements, every pointer 16-byte
+        # aligned. A kind of its own, so that an odd-sized matrix does not take the vector accesses (and on an
+        # H100 TILES_SM90) from the others of its bucket.
+        loaded = [m, n, k, a.stride(0), b.stride(0), c.stride(0), c.stride(1)]
+        loaded += [st for st, unit in ((a.stride(1), a_m1), (a.stride(2), a_k1), (b.stride(1), b_k1),
+                                       (b.stride(2), b_n1), (c.stride(2), c_n1)) if not unit]
+        al = common.aligned((a, b, c)) and common.multiples(loaded)
+        kind = ("matmul", update, scale_input and self.inv_scale is not None, a.dtype, b.dtype, c.dtype, units, al)
         self._add(kind, (a, b, c, self.step), group)
 
     def adam(self, r, state, out, *, apply, block_size, scale_input, group=None):
@@ -599,17 +613,11 @@ class _Launch:
         if kind[0] == "adam":
             self._launch_adam(kind, jobs)
             return
-        update, has_scale, _, _, _, (a_k1, a_m1, b_n1, b_k1, c_n1) = kind[1:]
+        update, has_scale, _, _, _, (a_k1, a_m1, b_n1, b_k1, c_n1), al = kind[1:]
         rows = []
         for a, b, c, step in jobs:
             ptrs, rel = self._pointers((a, b, c, step if update else None))
             rows.append([*ptrs, a.shape[1], b.shape[2], a.shape[2], *a.stride(), *b.stride(), *c.stride(), rel])
-        ptrs = [t for job in jobs for t in job[:3]]
-        # every stride the kernel loads, and M, N, K, a multiple of 16 elements; every pointer 16-byte aligned
-        loaded = [r[i] for r in rows for i in (4, 5, 6, 7, 10, 13, 14)]
-        loaded += [r[i] for r in rows for i, unit in ((8, a_m1), (9, a_k1), (11, b_k1), (12, b_n1), (15, c_n1))
-                   if not unit]
-        al = common.aligned(ptrs) and common.multiples(loaded)
         # TILES_SM90 spill where the loads go element by element or the fp32 product runs in FMAs (ieee)
         large = al and (self.op_dummy is not None or self.precision != "ieee")
         bm, bn, bk, warps, stages = TILES64 if self.fp64 else \

@@ -78,6 +78,7 @@ class Recorder:
         self.kernels = defaultdict(list)   # kernel name -> [(compiled kernel, workload label)]
         self.errors = []                   # (kernel name, specialization, message)
         self.unpinned = set()              # kernels launched without an explicit enable_fp_fusion (common.FP_FUSION)
+        self.bm = {}                       # id(compiled kernel) -> its BM constexpr, for kernels that have one
         self.context = ""
 
     def install(self):
@@ -99,6 +100,11 @@ class Recorder:
                                    "".join(traceback.format_exception_only(type(e), e))[-3000:]))
                 return None
             rec.kernels[name].append((kernel, rec.context))
+            names = getattr(self, "arg_names", [])
+            consts = {names[k[0]] if isinstance(k, tuple) and len(k) == 1 and isinstance(k[0], int) else k: v
+                      for k, v in constexprs.items()}
+            if "BM" in consts:
+                rec.bm[id(kernel)] = consts["BM"]
             return kernel
 
         JITFunction.run = run
@@ -286,6 +292,10 @@ def main():
                                              if "float64" in label), default=0),
                        "local_bytes_max": max(u.get("local", 0) for u in usage),
                        "stack_max": max(u.get("stack", 0) for u in usage),
+                       # stack frame (where ptxas spills: LOCAL counts .local arrays only) by the BM tile size
+                       "stack_max_by_bm": {str(bm): max(u.get("stack", 0) for u, (k, _) in zip(usage, ks)
+                                                        if rec.bm.get(id(k)) == bm)
+                                           for bm in sorted({rec.bm[id(k)] for k, _ in ks if id(k) in rec.bm})},
                        "shared_max": max(u["shared"] for u in usage),
                        "vectorized_specializations": sum(u["vector_accesses"] > 0 for u in usage),
                        "vectorized_aligned": [u["vector_accesses"] > 0 for u, (_, label) in zip(usage, ks)

@@ -974,60 +974,73 @@ def test_dot_operands_rounded_to_the_param_dtype(backend, device, dtype, mode, m
         k.dot_precision()
 
 
-# Aligned matrices (every size, stride and the rank a multiple of 16) spanning two 128-row or -column tiles each
-# way, the second partial, and K a multiple of 16 but not of 32: where kernels/galore.py takes TILES_SM90.
+# Aligned matrices (every size, stride and the rank a multiple of 16) spanning three and four 128-row or -column
+# tiles, the last partial, and the back-projections' K (the rank) a multiple of 16 but not of 32: where
+# kernels/galore.py takes TILES_SM90.
 ALIGNED_MATS = [(272, 160), (160, 400)]
 ALIGNED_RANK = 144
 
 
-def _aligned_run(dtype, device, steps=4, shapes=ALIGNED_MATS, rank=ALIGNED_RANK):
-    init, grads = make_problem(shapes, steps=steps)
+def _aligned_run(dtype, device, steps=4, shapes=ALIGNED_MATS, rank=ALIGNED_RANK, unaligned=()):
+    """`shapes` projected at `rank`; `unaligned` (shapes) in a group of their own at RANK, in the same steps."""
+    init, grads = make_problem(list(shapes) + list(unaligned), steps=steps)
     params = [p.to(device=device, dtype=dtype, copy=True).requires_grad_() for p in init]
-    opt = fastopt.GaLoreAdamW([{"params": params, "rank": rank, "update_proj_gap": 2, "scale": 0.25}],
-                              lr=LR, weight_decay=WD)
+    groups = [{"params": params[:len(shapes)], "rank": rank, "update_proj_gap": 2, "scale": 0.25}]
+    groups += [{"params": params[len(shapes):], "rank": RANK, "update_proj_gap": 2, "scale": 0.25}] if unaligned else []
+    opt = fastopt.GaLoreAdamW(groups, lr=LR, weight_decay=WD)
     step(opt, params, grads)
     return [p.detach().cpu() for p in params], init
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_large_tiles_track_the_reference(backend, device, dtype, monkeypatch):
-    """The matmul kernel with TILES_SM90 (128x128x32; under the interpreter, TILES set to them) on ALIGNED_MATS,
-    4 steps with a refresh at 1 and 3: within the dtype's tolerance of the float64 reference, and no further from
-    it than the reference run in the dtype. On an H100/H200 every launch took them; on other GPUs, TILES."""
+    """The matmul kernel with TILES_SM90 (128x128x32; under the interpreter, tiles_for chooses as on an H100) on
+    ALIGNED_MATS, beside unaligned MATS (TILES) in the same steps, 4 steps with a refresh at 1 and 3: within the
+    dtype's tolerance of the float64 reference, and no further from it than the reference run in the dtype. On an
+    H100/H200 the aligned launches took TILES_SM90 and the others TILES; on other GPUs every launch TILES."""
     if backend != "triton":
         pytest.skip("the Triton matmul kernel")
     from fastopt.kernels import galore as k
-    if ops.interpreting():
-        for stage in ("project", "back"):
-            monkeypatch.setitem(k.TILES, stage, k.TILES_SM90[stage])
+    monkeypatch.delenv("FASTOPT_GALORE_DOT", raising=False)  # ieee would keep TILES
+    if ops.interpreting():  # as on an H100: the launches choose (and size their grids) as there
+        monkeypatch.setattr(k, "tiles_for", lambda dev, large=True: k.TILES_SM90 if large else k.TILES)
     log = []
     monkeypatch.setattr(k, "_galore_matmul_kernel", _Logged(k._galore_matmul_kernel, log, "BM"))
-    ours, init = _aligned_run(dtype, device)
+    mixed = dict(unaligned=MATS[:2])  # the same steps launch TILES too
+    ours, init = _aligned_run(dtype, device, **mixed)
     with on_torch_backend(monkeypatch):
-        truth, _ = _aligned_run(torch.float64, device)
-        ref_lowp, _ = _aligned_run(dtype, device)
+        truth, _ = _aligned_run(torch.float64, device, **mixed)
+        ref_lowp, _ = _aligned_run(dtype, device, **mixed)
     assert_tracks(ours, truth, [p.to(dtype) for p in init], dtype, ref_lowp=ref_lowp)
     big = ops.interpreting() or torch.cuda.get_device_capability(device)[0] == 9
-    assert set(log) == {k.TILES_SM90["project"][0] if big else k.TILES["project"][0]}, log
+    assert set(log) == ({k.TILES_SM90["project"][0]} if big else set()) | {k.TILES["project"][0]}, log
 
 
 def test_large_tiles_only_for_aligned_tensor_core_launches(backend, device, monkeypatch):
     """tiles_for: TILES_SM90 on compute capability 9.x for launches whose every access is aligned and whose
-    product runs on tensor cores; TILES for unaligned launches (MATS), fp32 FMA products (FASTOPT_GALORE_DOT=ieee),
-    other GPUs, and under the interpreter."""
+    product runs on tensor cores; TILES for unaligned launches (MATS; an odd-sized matrix launches apart from the
+    aligned ones of its group), fp32 FMA products (FASTOPT_GALORE_DOT=ieee), other GPUs (a ROCm build's too), and
+    under the interpreter."""
     if backend != "triton":
         pytest.skip("the Triton matmul kernel")
     from fastopt.kernels import galore as k
+    monkeypatch.delenv("FASTOPT_GALORE_DOT", raising=False)
     asked = []
     real = k.tiles_for
     monkeypatch.setattr(k, "tiles_for", lambda dev, large=True: asked.append(large) or real(dev, large))
     small = dict(steps=2, shapes=[(48, 32), (32, 64)], rank=16)  # as aligned, fewer interpreted programs
     _aligned_run(torch.float32, device, **small)
     assert asked and all(asked), asked
+    launches = len(asked)
     asked.clear()
     init, grads = make_problem(MATS + PLAIN, steps=2)
     run(init, grads, torch.float32, device)
     assert asked and not any(asked), asked
+    asked.clear()
+    # an odd-sized matrix in the same group (projected on the side (48, 32) is) launches apart: the aligned ones
+    # keep their launches
+    _aligned_run(torch.float32, device, **{**small, "shapes": [*small["shapes"], (40, 24)]})
+    assert asked.count(True) == launches and False in asked, asked
     asked.clear()
     monkeypatch.setenv("FASTOPT_GALORE_DOT", "ieee")
     _aligned_run(torch.float32, device, **small)
@@ -1038,6 +1051,19 @@ def test_large_tiles_only_for_aligned_tensor_core_launches(backend, device, monk
         monkeypatch.setattr(k, "_TILES_OF", {})
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d, cap=cap: cap)
         assert real(torch.device("cuda", 0)) is want and real(torch.device("cuda", 0), False) is k.TILES, cap
+    # a ROCm build's MI300 reports (9, 4): TILES there
+    with monkeypatch.context() as m:
+        m.setattr(torch.version, "hip", "6.4.0")
+        m.setattr(k, "_TILES_OF", {})
+        m.setattr(torch.cuda, "get_device_capability", lambda d: (9, 4))
+        assert real(torch.device("cuda", 0)) is k.TILES
+    # each device its own: an H100 beside another GPU, asked in either order
+    caps = {0: (8, 0), 1: (9, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d: caps[d.index])
+    for order in ((0, 1), (1, 0)):
+        monkeypatch.setattr(k, "_TILES_OF", {})
+        for i in order:
+            assert real(torch.device("cuda", i)) is (k.TILES_SM90 if i == 1 else k.TILES), (order, i)
 
 
 class _Logged:
