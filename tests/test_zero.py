@@ -1002,6 +1002,13 @@ def _data_replaced(rank, world, partition_grad, name):
         opt.step()
     except ValueError as e:
         out["refused_first"] = str(e)
+    # the split param's storage replaced by a strided one of the same dtype and shape: its pieces cannot view it
+    _, _, model, opt, _ = _ref_and_zero(name, partition_grad, False, Wide)
+    model.big.data = model.big.data.t().contiguous().t()
+    try:
+        opt.step()
+    except ValueError as e:
+        out["refused_strided"] = str(e)
     return out
 
 
@@ -1012,7 +1019,7 @@ def test_param_data_replaced_after_wrapping(pool, partition_grad, name):
     viewed the old storage, so each rank's range kept its unstepped values and the replicas differed (0.045
     apart, torch's SGD). Another dtype (model.float() of an fp64 model) is refused on every rank before any
     reduction, naming the param, where the owner's optimizer alone refused it and the other ranks waited; so is
-    a param converted after wrapping and before the first step."""
+    a param converted after wrapping and before the first step, and a split param made strided."""
     results = pool.run(_data_replaced, partition_grad, name)
     for r, res in enumerate(results):
         assert res["split"], "the test needs a split param"
@@ -1020,6 +1027,7 @@ def test_param_data_replaced_after_wrapping(pool, partition_grad, name):
         assert "is now torch.float32 of shape (128, 257)" in res.get("refused", ""), res.get("refused")
         assert res["unchanged"]
         assert "is now torch.float32" in res.get("refused_first", ""), res.get("refused_first")
+        assert "is no longer contiguous" in res.get("refused_strided", ""), res.get("refused_strided")
     _check_equal_across_ranks(results)
 
 

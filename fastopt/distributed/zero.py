@@ -1168,10 +1168,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                              "params as they are now (a consolidated state_dict loads into it)")
         for i, piece in self._pieces.items():
             p, (a, b) = P[i], self._range(i)
-            if piece.data_ptr() != p.data_ptr() + a * p.element_size() or not p.is_contiguous():
-                if not p.is_contiguous():
-                    raise ValueError(f"{_NAME}: split param {i} (shape {tuple(p.shape)}) is no longer contiguous "
-                                     "(p.data replaced): its pieces are ranges of its memory; make it contiguous")
+            if not p.is_contiguous():
+                raise ValueError(f"{_NAME}: split param {i} (shape {tuple(p.shape)}) is no longer contiguous "
+                                 "(p.data replaced): its pieces are ranges of its memory; make it contiguous")
+            if piece.data_ptr() != p.data_ptr() + a * p.element_size():
                 piece.data = p.detach().view(-1)[a:b]
 
     def _give_back_stashed(self) -> None:
