@@ -57,8 +57,8 @@ GALORE_MIN_8BIT = 512    # GaLoreAdamW8bit: the projected moments of the two fp3
 class Config:
     """One optimizer set-up to check. `cls`: the fastopt class `factory(params)` returns; `warmup`: eager,
     unchecked steps before the no-sync check (and before the graph's own warm-up ends); `why`: the reason;
-    `amp`: whether step() takes GradScaler's grad_scale/found_inf (the ZeRO wrapper refuses them by design,
-    where `_step_supports_amp_scaling` only makes GradScaler call its step() on every rank)."""
+    `amp`: whether step() takes grad_scale/found_inf set by hand, as GradScaler sets them (the ZeRO wrapper takes
+    them only after ZeroGradScaler's inf check over its ranks, and passes them to the wrapped optimizer)."""
     name: str
     cls: str
     factory: Callable[[list], torch.optim.Optimizer]

@@ -741,6 +741,9 @@ SPLIT_FACTORIES = {  # the 8-bit variants of CAME and Lamb (the others are in FA
     # and drops that of other ranks' params.
     "Adagrad": lambda mats, vecs: torch.optim.Adagrad([{"params": mats, "weight_decay": 0.01}, {"params": vecs}],
                                                       lr=1e-2, initial_accumulator_value=0.1),
+    # GradScaler's verdict on the device (`_step_supports_amp_scaling`), as fastopt's optimizers take it
+    "AdamWFused": lambda mats, vecs: torch.optim.AdamW(
+        [{"params": mats, "weight_decay": 0.1}, {"params": vecs, "weight_decay": 0.0}], lr=1e-2, fused=True),
 }
 
 # (optimizer, mode): every optimizer once, the modes spread over them (ZeRO-1 and 2, overlap or not, accumulation,
@@ -1222,16 +1225,121 @@ def test_param_frozen_with_a_gradient_is_not_stepped(pool, partition_grad):
     _check_equal_across_ranks(results)
 
 
-# ---- torch.amp.GradScaler is refused on every rank alike ---------------------------------------------------
-def _grad_scaler(rank, world, partition_grad):
+# ---- torch.amp: ZeroGradScaler steps as GradScaler in one process; other scalers are refused alike -------------
+SCALER_ARGS = dict(init_scale=2.0 ** 12, growth_factor=2.0, backoff_factor=0.5, growth_interval=2)
+SCALED_STEPS = 9
+# step -> (rank, params, flat index, value): tensor hooks put the value into that element of the params' gradients
+# of that rank's share (of the whole batch's, in the reference). One param: one owner (one rank's piece of Wide's
+# split `big`) finds it, and the verdict must reach every rank; all params: several ranks find one (their verdicts
+# combined must still read 1 to torch's fused AdamW, which skips only at found_inf == 1).
+INF, NAN = float("inf"), float("nan")
+NONFINITE = {"Net": {1: (1, ("b2",), 0, INF), 3: (3, ("w1",), 5, NAN), 5: (0, ("gain",), 2, -INF),
+                     6: (2, ("emb", "w1", "b1", "w2", "b2", "w3", "gain"), 0, INF)},
+             "Wide": {1: (1, ("big",), 0, INF), 3: (3, ("b",), 1, NAN), 5: (0, ("big",), 32895, -INF),
+                      6: (2, ("big", "w", "b", "w3", "gain"), 0, INF)}}
+CLIP = 0.5  # below the gradients' norm: clipping changes the steps
+
+
+def _poison(model, plan, now, rank=None):
+    """Tensor hooks that write `plan`'s value at the step now[0] (on `rank`'s share; rank None: the reference)."""
+    params = dict(model.named_parameters())
+    for step, (r, names, k, v) in plan.items():
+        def hook(g, step=step, r=r, k=k, v=v):
+            if now[0] != step or (rank is not None and rank != r):
+                return g
+            g = g.clone()
+            g.view(-1)[k] = v
+            return g
+        for name in names:
+            params[name].register_hook(hook)
+
+
+def _scaled(rank, world, name, partition_grad, overlap, model_name, clip):
+    """SCALED_STEPS steps with a GradScaler (ZeroGradScaler around the wrapper; torch's in the one-process reference,
+    on the whole batch), three of them with a non-finite gradient element from one rank only, the scale growing
+    every 2 good steps; with `clip`, unscale_ and clipping (the wrapper's clip_grad_norm_) before each step."""
+    model_cls = {"Net": Net, "Wide": Wide}[model_name]
+    ref_model, ref_opt, model, opt, init = _ref_and_zero(name, partition_grad, overlap, model_cls)
+    now = [0]
+    _poison(ref_model, NONFINITE[model_name], now)
+    _poison(model, NONFINITE[model_name], now, rank)
+    n_in = getattr(model, "N_IN", 11)
+    ref_scaler = torch.amp.GradScaler("cpu", **SCALER_ARGS)
+    scaler = fastopt.ZeroGradScaler("cpu", **SCALER_ARGS)
+    scales, ref_scales, skipped, grad_err = [], [], [], 0.0
+    for step in range(SCALED_STEPS):
+        now[0] = step
+        x, y = batch(step, world, n_in=n_in)
+        ref_opt.zero_grad()
+        ref_scaler.scale(loss_fn(ref_model, x, y)).backward()
+        if clip:
+            ref_scaler.unscale_(ref_opt)
+            ref_grads = [q.grad.clone() for q in ref_model.parameters()]
+            torch.nn.utils.clip_grad_norm_(ref_model.parameters(), CLIP)
+        before = [p.detach().clone() for p in model.parameters()]
+        ref_scaler.step(ref_opt)
+        ref_scaler.update()
+        opt.zero_grad()
+        xs, ys = _mine(rank, x, y)
+        scaler.scale(loss_fn(model, xs, ys)).backward()
+        if clip:
+            scaler.unscale_(opt)
+            if step not in NONFINITE[model_name]:  # the averaged, unscaled gradients (ZeRO-1: all of them here)
+                grad_err = max([grad_err] + [_tensor_err(p.grad, g) for p, g in zip(model.parameters(), ref_grads)
+                                             if p.grad is not None])
+            opt.clip_grad_norm_(CLIP)
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+        ref_scales.append(ref_scaler.get_scale())
+        skipped.append(all(torch.equal(a, b) for a, b in zip(before, model.parameters())))
+    left = [k for k in ("grad_scale", "found_inf") if hasattr(opt, k) or hasattr(opt.optim, k)]
+    full = opt.state_dict(consolidated=True, to=None)
+    return _outcome(model, ref_model, init, scales=scales, ref_scales=ref_scales, skipped=skipped, left=left,
+                    state_err=_state_err(full, ref_opt.state_dict()), split=sorted(opt._split), grad_err=grad_err)
+
+
+# (optimizer, partition_grad, overlap, model, clip): torch's foreach AdamW (unscaled and skipped on the host) and
+# fused AdamW, fastopt's optimizers (on the device), split params (Wide: their pieces' gradients) under both stages.
+SCALED_CASES = [("AdamW", False, False, "Net", False), ("AdamW", True, True, "Wide", True),
+                ("AdamWFused", True, False, "Net", False), ("Adafactor", True, False, "Wide", False),
+                ("Adafactor", False, False, "Wide", True), ("Lamb8bit", True, True, "Wide", False),
+                ("GaLoreAdamW", True, False, "Net", True)]
+
+
+@pytest.mark.parametrize("name,partition_grad,overlap,model,clip", SCALED_CASES)
+def test_zero_grad_scaler_matches_single_process(pool, name, partition_grad, overlap, model, clip):
+    """Every rank skips the steps one process skips (an inf or NaN in one rank's share only) and keeps its loss
+    scale (backed off at each, grown every 2 good steps); params and state match the reference."""
+    results = pool.run(_scaled, name, partition_grad, overlap, model, clip)
+    expect_skipped = [s in NONFINITE[model] for s in range(SCALED_STEPS)]
+    for r, res in enumerate(results):
+        assert res["scales"] == res["ref_scales"], (r, res["scales"], res["ref_scales"])
+        assert res["skipped"] == expect_skipped, (r, res["skipped"])
+        assert res["err"] <= TOL[DT], f"rank {r}: relative update error {res['err']:.3g}"
+        assert res["state_err"] <= TOL[DT], f"rank {r}: state: relative error {res['state_err']:.3g}"
+        assert res["left"] == [], res["left"]
+        assert res["grad_err"] <= TOL[DT], f"rank {r}: gradients after unscale_: relative error {res['grad_err']:.3g}"
+    assert results[0]["split"] == ([0] if model == "Wide" else []), results[0]["split"]
+    assert len(set(results[0]["scales"])) > 2, results[0]["scales"]  # backed off and grown
+    _check_equal_across_ranks(results)
+
+
+def _other_scaler(rank, world, partition_grad, kind):
     ref_model, ref_opt, model, opt, init = _ref_and_zero("AdamW", partition_grad, False)
-    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    if kind == "sharded":
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+        scaler = ShardedGradScaler("cpu", init_scale=4.0)
+    else:
+        scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
     x, y = batch(0, world)
     xs, ys = _mine(rank, x, y)
     scaler.scale(loss_fn(model, xs, ys)).backward()
     if rank == 1 and model.w1.grad is not None:  # an overflow on one rank only
         model.w1.grad[0, 0] = float("inf")
-    with pytest.raises(RuntimeError, match="does not support torch.amp.GradScaler"):
+    if kind == "sharded":
+        scaler.unscale_(opt)
+    with pytest.raises(RuntimeError, match="use fastopt.ZeroGradScaler"):
         scaler.step(opt)
     left = [k for k in ("grad_scale", "found_inf") if k in opt.__dict__]
     # Every rank is still in step with the others: a plain step and a collective go through.
@@ -1241,12 +1349,14 @@ def _grad_scaler(rank, world, partition_grad):
     return left, [p.detach().clone() for p in model.parameters()]
 
 
+@pytest.mark.parametrize("kind", ["plain", "sharded"])
 @pytest.mark.parametrize("partition_grad", [False, True])
-def test_grad_scaler_fails_on_every_rank(pool, partition_grad):
-    """GradScaler skipped step() on the ranks that found an inf while the others waited in its collectives (a
-    hang): the wrapper declares `_step_supports_amp_scaling`, so GradScaler calls step() on every rank, which
-    raises alike."""
-    results = pool.run(_grad_scaler, partition_grad)
+def test_other_grad_scalers_fail_on_every_rank(pool, partition_grad, kind):
+    """torch.amp.GradScaler skipped step() on the ranks that found an inf while the others waited in its
+    collectives (a hang): the wrapper declares `_step_supports_amp_scaling`, so GradScaler calls step() on every
+    rank, which raises alike unless ZeroGradScaler made the inf check every rank's. FSDP's ShardedGradScaler
+    (whose unscale_ sums its found_inf over the ranks, but misses ZeRO-2's pieces) likewise."""
+    results = pool.run(_other_scaler, partition_grad, kind)
     assert all(left == [] for left, _ in results)
     _check_equal_across_ranks([{"params": ps} for _, ps in results])
 
@@ -2311,6 +2421,39 @@ def test_single_rank_is_the_wrapped_optimizer(device, partition_grad):
     opt2.load_state_dict(copy.deepcopy(opt.state_dict()))
     assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"] == 1e-2 * 0.5 ** (STEPS // 2)
     _same_steps(model2, opt2, model, opt, range(STEPS, STEPS + 2), device)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter on the inf step
+@pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning")
+@pytest.mark.parametrize("name", ["Adafactor", "AdamW"])
+def test_zero_grad_scaler_single_rank(device, name):
+    """One rank: ZeroGradScaler around the wrapper steps as torch's GradScaler around the bare optimizer (bitwise),
+    an inf gradient skipping its step; torch's GradScaler around the wrapper is refused here too, so that code run
+    on one rank first keeps working on several."""
+    ref_model = Net().to(device)
+    model = copy.deepcopy(ref_model)
+    ref_opt, opt = make_opt(name, ref_model), ZeroRedundancyOptimizer(make_opt(name, model))
+    ref_scaler = torch.amp.GradScaler(device.type, init_scale=2.0 ** 10, growth_interval=2)
+    scaler = fastopt.ZeroGradScaler(device.type, init_scale=2.0 ** 10, growth_interval=2)
+    for step in range(6):
+        x, y = (t.to(device) for t in batch(step, 1))
+        for m, o, sc in ((ref_model, ref_opt, ref_scaler), (model, opt, scaler)):
+            o.zero_grad()
+            sc.scale(loss_fn(m, x, y)).backward()
+            if step == 2:
+                m.w2.grad[1, 2] = float("inf")
+            if step == 4:
+                sc.unscale_(o)
+            sc.step(o)
+            sc.update()
+        assert scaler.get_scale() == ref_scaler.get_scale()
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref_model.parameters())), step
+    assert scaler.get_scale() != 2.0 ** 10
+    opt.zero_grad()
+    plain = torch.amp.GradScaler(device.type)
+    plain.scale(loss_fn(model, x, y)).backward()
+    with pytest.raises(RuntimeError, match="use fastopt.ZeroGradScaler"):
+        plain.step(opt)
 
 
 def test_add_param_group_single_rank():

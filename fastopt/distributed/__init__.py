@@ -6,6 +6,7 @@
 `FastOptimizer.setup_distributed(...)` takes ColossalAI's declaration. See layout.py.
 """
 from .layout import Layout, declare_fsdp, declare_shard, full_tensor, layout_of
-from .zero import ZeroRedundancyOptimizer
+from .zero import ZeroGradScaler, ZeroRedundancyOptimizer
 
-__all__ = ["ZeroRedundancyOptimizer", "Layout", "declare_fsdp", "declare_shard", "full_tensor", "layout_of"]
+__all__ = ["ZeroRedundancyOptimizer", "ZeroGradScaler", "Layout", "declare_fsdp", "declare_shard", "full_tensor",
+           "layout_of"]

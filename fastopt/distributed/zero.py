@@ -134,10 +134,16 @@ element-wise 8-bit codes; for torch's optimizers: tensors with the piece's numel
 order and reshaped; the others (factors, `step`, GaLore's projection and projected moments) are taken from one
 piece. Loading a consolidated or unwrapped state cuts them back into the pieces.
 
-Not supported: `torch.amp.GradScaler` (its inf check and step skip are per rank, so ranks could disagree:
-the wrapper declares `_step_supports_amp_scaling`, so GradScaler calls `step()` on every rank, and `step()`
-raises the same RuntimeError on all of them instead of the ranks that found an inf skipping it while the
-others wait in its collectives), optimizers that evaluate the closure several times
+Mixed precision with a loss scale: `ZeroGradScaler`, torch.amp.GradScaler's subclass, whose unscale and inf
+check (`_amp_unscale`) complete the reductions, unscale every gradient the rank holds and take the max of the
+verdict over the group, so that every rank skips the steps one process skips and keeps the same scale; the wrapped
+optimizer takes the verdict on the device where it can (fastopt's, torch's fused ones), else the step is skipped
+on the host. `torch.amp.GradScaler` itself is refused: its inf check and step skip are per rank, so ranks could
+disagree (the wrapper declares `_step_supports_amp_scaling`, so GradScaler calls `step()` on every rank, and
+`step()` raises the same RuntimeError on all of them instead of the ranks that found an inf skipping it while
+the others wait in its collectives).
+
+Not supported: optimizers that evaluate the closure several times
 per step (LBFGS: the wrapper runs the closure once, then reduces), DTensor params (FSDP / tensor parallelism
 shard them already: use the optimizer directly), params declared shards by hand (`declare_shard`) when the
 wrapped optimizer is a fastopt one (its pieces would be declared over this group alone; torch's element-wise
@@ -162,7 +168,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .. import checkpoint as ckpt
 from .layout import collective, eager_under_compile, layout_of, param_meta
 
-__all__ = ["ZeroRedundancyOptimizer"]
+__all__ = ["ZeroRedundancyOptimizer", "ZeroGradScaler"]
 
 _NAME = "ZeroRedundancyOptimizer"
 # param -> weakref of the newest wrapper built over it: an older wrapper still alive over the same params (a
@@ -421,8 +427,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     whole param i, or -1 for a split param.
     """
 
-    # GradScaler then sets `grad_scale` / `found_inf` and calls step() on every rank, which refuses alike
-    # (without it, GradScaler would skip step() on the ranks that found an inf: the others would hang).
+    # GradScaler then sets `grad_scale` / `found_inf` and calls step() on every rank, which takes them from
+    # ZeroGradScaler (whose inf check is every rank's) and refuses them alike otherwise (without it, GradScaler
+    # would skip step() on the ranks that found an inf: the others would hang).
     _step_supports_amp_scaling = True
 
     def __init__(self, optimizer: torch.optim.Optimizer, process_group=None, partition_grad: bool = False,
@@ -1010,14 +1017,23 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self.__dict__.get("grad_scale") is not None or self.__dict__.get("found_inf") is not None:
-            # GradScaler.step set them (on every rank, before any collective here): refuse on every rank alike,
-            # where skipping the step on the ranks that found an inf would leave the others waiting.
-            self.__dict__.pop("grad_scale", None)
-            self.__dict__.pop("found_inf", None)
-            raise RuntimeError(f"{_NAME} does not support torch.amp.GradScaler: its inf check and step skip "
-                               "would be per rank; train in bfloat16 (torch.autocast(dtype=torch.bfloat16) needs "
-                               "no scaler), or call scaler.unscale_ and check for infs yourself over all ranks")
+        amp = self._take_amp()
+        try:
+            stepped = self._step_shard(amp, kwargs)
+        except BaseException:
+            if amp is not None:  # GradScaler deletes them after a step that returns
+                self.__dict__.pop("grad_scale", None)
+                self.__dict__.pop("found_inf", None)
+            raise
+        self.__dict__.pop("_held", None)  # a consolidated state_dict held for state_dict() is stale from now on
+        self._pull_hyper()
+        if stepped:  # a step ZeroGradScaler skipped on the host skipped it on every rank: no param changed
+            self._broadcast_params()
+            self._gather_split()
+        return loss
+
+    def _step_shard(self, amp: tuple | None, kwargs: dict) -> bool:
+        """step()'s reductions and the wrapped optimizer's step of this rank's shard (`_step_inner`)."""
         from ..optim.base import FastOptimizer
         self._push_hyper()
         if isinstance(self.optim, FastOptimizer):  # a refused step leaves the gradients as they were
@@ -1029,6 +1045,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 g = self._params[i].grad
                 a, b = self._range(i)
                 piece.grad = None if g is None else g.detach().reshape(-1)[a:b]
+        if amp is not None and amp[0] is not None and not self._amp_on_device():
+            # GradScaler.step with no unscale_ before it: every gradient unscaled in place, as GradScaler does
+            # for such an optimizer (frozen params' too)
+            inv = amp[0].double().reciprocal().float()
+            self._unscale(self._present_grads(), inv, torch.zeros((), device=inv.device))
         # A frozen param is not stepped, even with a gradient left from before it was frozen: it is neither
         # averaged nor broadcast any more, so its owner alone would move it (torch's optimizers step any param
         # with a gradient). Its gradient is hidden from the wrapped optimizer for the step.
@@ -1039,15 +1060,100 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         # A FastOptimizer seeds its stochastic rounding with each param's position before the groups were cut.
         self.optim.__dict__["_zero_ids"] = self._local_to_global()
         try:
-            self.optim.step(**kwargs)
+            return self._step_inner(amp, kwargs)
         finally:
             for p, g in hidden:
                 p.grad = g
-        self.__dict__.pop("_held", None)  # a consolidated state_dict held for state_dict() is stale from now on
-        self._pull_hyper()
-        self._broadcast_params()
-        self._gather_split()
-        return loss
+
+    # ---- torch.amp: ZeroGradScaler ------------------------------------------------------------------
+    def _take_amp(self) -> tuple | None:
+        """GradScaler's `grad_scale` and `found_inf`, set on the wrapper by its step() (on every rank alike):
+        (grad_scale, found_inf), or None without a scaler. Refused on every rank unless this round's inf check
+        was ZeroGradScaler's (`_amp_unscale`): another scaler's found_inf covers the gradients this rank holds
+        alone, so ranks would skip different steps (or wait for each other) and their loss scales drift apart."""
+        grad_scale = self.__dict__.get("grad_scale")
+        found_inf = self.__dict__.get("found_inf")
+        agreed = self.__dict__.pop("_amp_agreed", False)
+        if grad_scale is None and found_inf is None:
+            return None
+        if not agreed or not isinstance(found_inf, Tensor):
+            self.__dict__.pop("grad_scale", None)
+            self.__dict__.pop("found_inf", None)
+            raise RuntimeError(f"{_NAME}: a GradScaler's inf check covers only the gradients a rank holds, so ranks "
+                               "would skip different steps; use fastopt.ZeroGradScaler (torch.amp.GradScaler's "
+                               "arguments), whose check covers all ranks, or train in bfloat16 "
+                               "(torch.autocast(dtype=torch.bfloat16) needs no scaler)")
+        return grad_scale, found_inf
+
+    def _amp_on_device(self) -> bool:
+        """Whether the wrapped optimizer takes GradScaler's verdict on the device (fastopt's, torch's fused ones)."""
+        from ..optim.base import FastOptimizer
+        return isinstance(self.optim, FastOptimizer) or bool(getattr(self.optim, "_step_supports_amp_scaling", False))
+
+    def _step_inner(self, amp: tuple | None, kwargs: dict) -> bool:
+        """The wrapped optimizer's step, with ZeroGradScaler's verdict (`amp`, every rank's) applied as GradScaler
+        applies it in one process: given to an optimizer that unscales and skips on the device, else (the
+        gradients unscaled by `_step_shard`) the step skipped on the host when any rank found an inf (the host
+        sync of GradScaler's own skip). False when skipped."""
+        if amp is None:
+            self.optim.step(**kwargs)
+            return True
+        grad_scale, found_inf = amp
+        if self._amp_on_device():
+            # A FastOptimizer declines GradScaler's on-device path for declared shards (its found_inf would be
+            # its rank's alone); this one is every rank's.
+            self.optim.grad_scale, self.optim.found_inf = grad_scale, found_inf
+            try:
+                self.optim.step(**kwargs)
+            finally:
+                del self.optim.grad_scale, self.optim.found_inf
+            return True
+        if found_inf.item():
+            return False
+        self.optim.step(**kwargs)
+        return True
+
+    def _amp_unscale(self, inv_scale: Tensor, found_inf: Tensor, allow_fp16: bool) -> dict:
+        """ZeroGradScaler's `_unscale_grads_` (its unscale_ and the inf check of its step): the gradients reduced,
+        then every one this rank holds (`_present_grads`) multiplied by `inv_scale` and checked, and the verdict
+        made every rank's (an all-reduce of the max of one flag). Returns {device: found_inf}, as GradScaler's."""
+        self._reduce_grads()
+        if not allow_fp16 and any(p.requires_grad and p.dtype == torch.float16 for p in self._params):
+            # GradScaler's refusal, decided from the params (the same on every rank), not from the gradients
+            # this rank holds (ZeRO-2: its own params')
+            raise ValueError("Attempting to unscale FP16 gradients.")
+        dev = self._comm_device()
+        found = self._unscale(self._present_grads(), inv_scale, found_inf.to(dev, copy=True))
+        if self.world_size > 1:
+            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self._pg)  # 0 or 1, as torch's fused steps read it
+        self.__dict__["_amp_agreed"] = True
+        return {found_inf.device: found.to(found_inf.device)}
+
+    @staticmethod
+    def _unscale(grads: list[Tensor], inv_scale: Tensor, found: Tensor) -> Tensor:
+        """grads *= inv_scale in place, per device and dtype (GradScaler's kernel); `found` (0-dim fp32) is set
+        to 1 where one of them is not finite. Returns `found`."""
+        by: dict = {}
+        for g in grads:
+            by.setdefault((g.device, g.dtype), []).append(g)
+        for (device, _dtype), gs in by.items():
+            here = found if device == found.device else torch.zeros((), device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(gs, here, inv_scale.to(device))
+            if here is not found:
+                torch.maximum(found, here.to(found.device), out=found)
+        return found
+
+    def _present_grads(self) -> list[Tensor]:
+        """Every gradient this rank holds, each once: its params' (ZeRO-1: all of them, averaged alike on every
+        rank; ZeRO-2: its own) and, under ZeRO-2, its pieces' (a ZeRO-1 piece's is a view of its param's)."""
+        present = [p.grad for p in self._params if p.grad is not None]
+        if self.partition_grad:
+            present += [q.grad for q in self._pieces.values() if q.grad is not None]
+        return present
+
+    def _comm_device(self) -> torch.device:
+        """Where the wrapper's small collectives (norms, flags) run: its first managed param's device."""
+        return self._params[self._managed[0]].device if self._managed else torch.device("cpu")
 
     def _frozen(self, p: Tensor) -> bool:
         """Whether a param of the wrapped optimizer (a whole param, or a piece of a split one) is frozen now."""
@@ -1059,6 +1165,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._drop_round()  # a backward that raised (no end-of-backward callback runs after an error)
         self._give_back_stashed()  # ... before its round began: its `_give_back` callback did not run either
         self._synced = False
+        self.__dict__.pop("_amp_agreed", None)  # a ZeroGradScaler.unscale_ with no step after it
         self._carried = None  # every sum is cleared here, the split params' too: nothing left to vote on
         for piece in self._pieces.values():
             if set_to_none:
@@ -1735,7 +1842,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._reduce_grads()
         grads = [self._params[i].grad for i in self._owned if self._params[i].grad is not None]
         grads += [g for g in map(self._piece_grad, self._gathered) if g is not None]  # each range counted once
-        dev = self._params[self._managed[0]].device if self._managed else torch.device("cpu")
+        dev = self._comm_device()
         # From every managed param, not the grads this rank owns: all ranks must reduce the same dtype (a rank
         # owning no grad would otherwise send 4 bytes where the others send 8).
         acc_dtype = torch.float64 if any(self._params[i].dtype == torch.float64 for i in self._managed) \
@@ -1759,11 +1866,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             raise RuntimeError(f"{_NAME}.clip_grad_norm_: the total norm of order {norm_type} is non-finite; "
                                "pass error_if_nonfinite=False to clip anyway")
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        present = [p.grad for p in self._params if p.grad is not None]  # ZeRO-1: every rank scales its copy
-        if self.partition_grad:
-            present += [q.grad for q in self._pieces.values() if q.grad is not None]
         by = {}
-        for g in present:
+        for g in self._present_grads():  # ZeRO-1: every rank scales its copy
             by.setdefault((g.device, g.dtype), []).append(g)
         for (device, dtype), gs in by.items():
             torch._foreach_mul_(gs, coef.to(device=device, dtype=dtype))
@@ -1935,6 +2039,26 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._pull_hyper()
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+
+class ZeroGradScaler(torch.amp.GradScaler):
+    """`torch.amp.GradScaler` for `ZeroRedundancyOptimizer`: the same arguments, methods and state_dict, used the
+    same way (`scale(loss).backward()`, optionally `unscale_(opt)` and `opt.clip_grad_norm_(...)`, `step(opt)`,
+    `update()`), on every rank. With the wrapper, its unscale and inf check (in `unscale_`, or in `step` when
+    `unscale_` was not called) first complete the gradients' reductions, then unscale and check every gradient
+    the rank holds (its own params' and pieces' under ZeRO-2, all of them under ZeRO-1) and take the max of the
+    verdict over the wrapper's group (one all-reduce of a flag): every rank skips the same steps and keeps the
+    same scale, those of one process on the whole batch. A wrapped optimizer that unscales and skips on the device
+    (fastopt's, torch's `fused=True` ones) gets the verdict there, with no host sync; others are skipped on the
+    host, as GradScaler skips them. Other optimizers are served as by `torch.amp.GradScaler`.
+
+    A plain `torch.amp.GradScaler` (or FSDP's `ShardedGradScaler`) is refused by the wrapper's step, on every rank:
+    its check covers the gradients of one rank."""
+
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+        if isinstance(optimizer, ZeroRedundancyOptimizer):
+            return optimizer._amp_unscale(inv_scale, found_inf, allow_fp16)
+        return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
 
 
 def _cpu(v):
