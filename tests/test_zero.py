@@ -1996,6 +1996,70 @@ def _state_dict_roundtrip(rank, world, name, partition_grad, model_cls=None):
     return out
 
 
+def _foreign_state(rank, world, split):
+    """Rank 0 reads opt.state[p] of every param (logging code), which makes empty entries for the params other
+    ranks step; then rank 1 writes a value into the state of a param it does not step."""
+    os.environ["FASTOPT_BACKEND"] = "torch"
+    model = (Wide if split else Net)()
+    opt = ZeroRedundancyOptimizer(make_opt("Adafactor", model), partition_grad=True, bucket_size_mb=BUCKET_MB)
+    _continue(model, opt, rank, world, 0, 2)
+    clean_shard = opt.state_dict()
+    clean = opt.state_dict(consolidated=True, to=None)
+    if rank == 0:
+        seen = [len(opt.state[p]) for p in model.parameters()]  # 0 for the params other ranks step
+    out = {"shard_same": _state_err(opt.state_dict(), clean_shard) == 0.0,
+           "full_same": _state_err(opt.state_dict(consolidated=True, to=None), clean) == 0.0,
+           "foreign_zero": [len(opt.state[p]) for p in model.parameters()] if rank == 0 else None,
+           "empty_seen": 0 in seen if rank == 0 else None}
+    # `big` (Wide) is split: every rank steps a piece, none the whole; Net's w1 is stepped by one rank
+    target = model.big if split else model.w1
+    mine = any(target is p for g in opt.optim.param_groups for p in g["params"])
+    writer = next(r for r in range(world) if r != opt._owner[opt._gidx[id(target)]]) if not split else 1
+    if rank == writer:
+        opt.state[target]["note"] = torch.ones(())
+    errors = {}
+    for to in (None, 0):
+        try:
+            errors[to] = opt.state_dict(consolidated=True, to=to) is None
+        except ValueError as e:
+            errors[to] = str(e)
+    try:
+        opt.state_dict()
+        errors["shard"] = None
+    except ValueError as e:
+        errors["shard"] = str(e)
+    if rank == writer:
+        del opt.state[target]
+    out.update(writer=writer, mine=mine, errors=errors,
+               after=_state_err(opt.state_dict(consolidated=True, to=None), clean) == 0.0)
+    return out
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_state_read_for_other_ranks_params(pool, split):
+    """Reading opt.state[p] for a param another rank steps made an empty entry in the wrapped optimizer's state,
+    on which its state_dict() failed with a bare KeyError, on that rank only (logging on rank 0: a consolidated
+    state_dict then hung the others). Empty entries are dropped; one written by hand is refused, naming the
+    param, and a consolidated state_dict refuses it on every rank that would get the dict (no hang)."""
+    results = pool.run(_foreign_state, split)
+    name = "param #0 (128, 257)" if split else "param #1 (13, 6)"
+    why = "is split: each rank keeps its own piece's state" if split else "is stepped by rank"
+    for r, res in enumerate(results):
+        assert res["shard_same"] and res["full_same"] and res["after"], (r, res)
+        writer = res["writer"] == r
+        assert not (writer and res["mine"])  # the writer does not step the param
+        for key, got in res["errors"].items():
+            expect = writer or key is None or (key == 0 and r == 0)
+            if key == "shard":
+                expect = writer
+            if expect:
+                assert isinstance(got, str) and f"rank {res['writer']}'s opt.state holds ['note'] for {name}" in got \
+                    and why in got, (r, key, got)
+            else:
+                assert got is None or got is True, (r, key, got)
+    assert results[0]["empty_seen"] and results[0]["foreign_zero"] is not None
+
+
 @pytest.mark.parametrize("partition_grad", [False, True])
 @pytest.mark.parametrize("name", ["Adafactor", "AdamW"])
 def test_state_dict_roundtrip(pool, name, partition_grad):

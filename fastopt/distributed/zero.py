@@ -1912,8 +1912,27 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                     sd = out
         return sd
 
+    def _drop_foreign_state(self) -> None:
+        """Entries of the wrapped optimizer's state (a defaultdict) for params this rank does not step, which reading
+        `opt.state[p]` makes (logging code on one rank, say): empty ones are dropped, as torch's state_dict would
+        fail on a key outside its groups; one holding values set by hand is refused, naming the param (its state
+        lives on the rank that steps it)."""
+        held = {id(p) for g in self.optim.param_groups for p in g["params"]}
+        for k in [k for k in self.optim.state if id(k) not in held]:
+            if self.optim.state[k]:
+                i = self._gidx.get(id(k))
+                what = f"param #{i} {tuple(k.shape)} (the wrapper's order)" if i is not None else \
+                    f"a tensor {tuple(k.shape)} that is none of its params"
+                where = ("is split: each rank keeps its own piece's state" if i in self._split else
+                         f"is stepped by rank {self._owner[i]}") if i is not None else "is not stepped"
+                raise ValueError(f"{_NAME}: rank {self.rank}'s opt.state holds {sorted(map(str, self.optim.state[k]))} "
+                                 f"for {what}, which {where}; change state through load_state_dict of a "
+                                 "consolidated state_dict instead")
+            del self.optim.state[k]
+
     def _shard(self) -> dict:
         self._push_hyper()
+        self._drop_foreign_state()
         # fastopt.checkpoint.dequantized_8bit(wrapper) reaches the wrapped optimizer's 8-bit states (a fastopt one's)
         from ..optim.base import FastOptimizer
         deq = self.__dict__.get("_dequantize_8bit") and isinstance(self.optim, FastOptimizer)
@@ -1945,19 +1964,32 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         return sd
 
     def _consolidated(self, to: int | None) -> dict | None:
-        shard = self._shard()
-        shard.pop("zero")
-        shard["state"] = {gid: {k: _cpu(v) for k, v in st.items()} for gid, st in shard["state"].items()}
+        try:
+            shard = self._shard()
+        except ValueError as e:  # refused on this rank (`_drop_foreign_state`): the others get the error, not a hang
+            if self.world_size == 1:
+                raise
+            shard, refused = None, e
+        else:
+            refused = None
+            shard.pop("zero")
+            shard["state"] = {gid: {k: _cpu(v) for k, v in st.items()} for gid, st in shard["state"].items()}
+        part = shard["state"] if refused is None else str(refused)
         if self.world_size == 1:
-            parts = [shard["state"]]
+            parts = [part]
         elif to is None:
             parts = [None] * self.world_size
-            dist.all_gather_object(parts, shard["state"], group=self._pg)
+            dist.all_gather_object(parts, part, group=self._pg)
         else:
             parts = [None] * self.world_size if self.rank == to else None
-            dist.gather_object(shard["state"], parts, dst=self._ranks[to], group=self._pg)
-            if self.rank != to:
-                return None
+            dist.gather_object(part, parts, dst=self._ranks[to], group=self._pg)
+        if refused is not None:
+            raise refused
+        if parts is None:
+            return None
+        for part in parts:
+            if isinstance(part, str):
+                raise ValueError(part)
         merged = {}
         for part in parts:
             merged.update({gid: st for gid, st in part.items() if gid not in self._split})
