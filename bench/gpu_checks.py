@@ -57,15 +57,16 @@ GALORE_MIN_8BIT = 512    # GaLoreAdamW8bit: the projected moments of the two fp3
 class Config:
     """One optimizer set-up to check. `cls`: the fastopt class `factory(params)` returns; `warmup`: eager,
     unchecked steps before the no-sync check (and before the graph's own warm-up ends); `why`: the reason;
-    `amp`: whether step() takes grad_scale/found_inf set by hand, as GradScaler sets them (the ZeRO wrapper takes
-    them only after ZeroGradScaler's inf check over its ranks, and passes them to the wrapped optimizer)."""
+    `amp`: True: step() takes grad_scale/found_inf set by hand, as GradScaler sets them; "scaler": steps through
+    a whole ZeroGradScaler loop instead (the ZeRO wrapper takes them only after that scaler's inf check over its
+    ranks, and passes them to the wrapped optimizer); False: no scaled phase."""
     name: str
     cls: str
     factory: Callable[[list], torch.optim.Optimizer]
     desc: str
     warmup: int = 0
     why: str = ""
-    amp: bool = True
+    amp: bool | str = True
 
 
 def _galore(cls, **kw):
@@ -98,7 +99,7 @@ def configurations() -> list[Config]:
                f"GaLoreAdamW8bit(min_8bit_size={GALORE_MIN_8BIT}): {galore}", warmup=1, why=svd),
         Config("ZeroRedundancyOptimizer", "ZeroRedundancyOptimizer",
                lambda ps: fastopt.ZeroRedundancyOptimizer(fastopt.Adafactor(ps, beta1=0.9)),
-               "ZeroRedundancyOptimizer(Adafactor(params, beta1=0.9)): one rank, no process group", amp=False),
+               "ZeroRedundancyOptimizer(Adafactor(params, beta1=0.9)): one rank, no process group", amp="scaler"),
     ]
 
 
@@ -155,10 +156,17 @@ def check_sync(cfg: Config) -> list[dict]:
     first = ("first step (state init, compile)" if not cfg.warmup else
              f"first step after {cfg.warmup} unchecked ({cfg.why})")
     phases = [(first, 1, False), ("4 more steps", 4, False)]
-    if cfg.amp and getattr(opt, "_step_supports_amp_scaling", False):
+    zero_scaler = None
+    if cfg.amp == "scaler":
+        import fastopt
+        zero_scaler = fastopt.ZeroGradScaler("cuda", init_scale=1024.0)
+        zero_scaler.scale(torch.ones((), device="cuda"))  # its scale tensors, made before the checked steps
+        # bf16 params get no gradient there: torch 2.11's CUDA unscale kernel (GradScaler's) has no bf16
+        phases.append(("steps through ZeroGradScaler (step, update; no bf16 grads)", 3, True))
+    elif cfg.amp and getattr(opt, "_step_supports_amp_scaling", False):
         phases.append(("steps with grad_scale/found_inf", 3, True))
     for name, steps, scaler in phases:
-        if scaler:
+        if scaler and zero_scaler is None:
             opt.grad_scale = torch.tensor(1024.0, device="cuda")
             opt.found_inf = torch.zeros((), device="cuda")
         steps_done = 0
@@ -166,7 +174,14 @@ def check_sync(cfg: Config) -> list[dict]:
             torch.cuda.set_sync_debug_mode("error")
             try:
                 for _ in range(steps):
-                    seed = _steps(opt, params, seed, 1, 1024.0 if scaler else 1.0)
+                    if scaler and zero_scaler is not None:
+                        for p, gr in zip(params, new_grads(params, seed)):
+                            p.grad = gr * 1024.0 if p.dtype != torch.bfloat16 else None
+                        seed += 1
+                        zero_scaler.step(opt)
+                        zero_scaler.update()
+                    else:
+                        seed = _steps(opt, params, seed, 1, 1024.0 if scaler else 1.0)
                     steps_done += 1
             finally:
                 torch.cuda.set_sync_debug_mode("default")

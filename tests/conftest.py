@@ -493,13 +493,15 @@ def check_bad_key_refused_after_a_step(opt, kw: dict, name: str, new_param) -> N
     unchanged()
 
 
-def check_no_host_sync(opt, params, steps: int, first_checked: int = 0, scaler: bool = True) -> None:
-    """`steps` steps of `opt` over CUDA `params` (loss: sum of p^2), through a GradScaler (`scaler`) or plain;
+def check_no_host_sync(opt, params, steps: int, first_checked: int = 0, scaler: bool | type = True) -> None:
+    """`steps` steps of `opt` over CUDA `params` (loss: sum of p^2), through a GradScaler (`scaler`: True, or the
+    GradScaler class to use) or plain;
     from step `first_checked` on, step() must not synchronize with the host
     (`torch.cuda.set_sync_debug_mode("error")` raises if it does). The loss is summed in fp32 and the scaler
     starts at 2^10: no step overflows (GradScaler's default 2^16 made fp16's first step inf, and GaLore, whose
     skipped first step moves its SVD to the next, checked)."""
-    amp = torch.amp.GradScaler("cuda", init_scale=2.0 ** 10) if scaler else None
+    cls = scaler if isinstance(scaler, type) else torch.amp.GradScaler
+    amp = cls("cuda", init_scale=2.0 ** 10) if scaler else None
     for t in range(steps):
         loss = sum((p.float() * p.float()).sum() for p in params)
         (amp.scale(loss) if amp else loss).backward()

@@ -89,6 +89,17 @@ def test_step_does_not_sync_with_the_host(name, dtype):
     check_no_host_sync(OPTS[name](params), params, steps=4, first_checked=1, scaler=dtype != torch.bfloat16)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["adafactor", "adamw8bit"])
+def test_zero_grad_scaler_step_does_not_sync_with_the_host(name):
+    """The ZeRO wrapper on one rank (no process group) through fastopt.ZeroGradScaler: the scaler's inf check,
+    the wrapper's step and the wrapped optimizer's step make no synchronizing call after the first step."""
+    shapes = [(64, 48), (7, 5), (2, 3, 16), (96,), (5,), ()]
+    params = [(torch.randn(s, device="cuda") * 0.1).requires_grad_() for s in shapes]
+    opt = fastopt.ZeroRedundancyOptimizer(OPTS[name](params))
+    check_no_host_sync(opt, params, steps=4, first_checked=1, scaler=fastopt.ZeroGradScaler)
+
+
 @pytest.mark.parametrize("name, plan", [("adafactor", "AdafactorPlan"), ("lamb", "LambPlan"), ("came", "CAMEPlan")])
 def test_two_buckets_of_one_group_keep_their_plans(name, plan, monkeypatch):
     """One param group holding a plain param and a declared shard (two buckets of the same device and dtype, as
