@@ -744,6 +744,8 @@ SPLIT_FACTORIES = {  # the 8-bit variants of CAME and Lamb (the others are in FA
     # GradScaler's verdict on the device (`_step_supports_amp_scaling`), as fastopt's optimizers take it
     "AdamWFused": lambda mats, vecs: torch.optim.AdamW(
         [{"params": mats, "weight_decay": 0.1}, {"params": vecs, "weight_decay": 0.0}], lr=1e-2, fused=True),
+    "SGDFused": lambda mats, vecs: torch.optim.SGD(
+        [{"params": mats, "weight_decay": 0.01}, {"params": vecs}], lr=0.05, momentum=0.9, fused=True),
 }
 
 # (optimizer, mode): every optimizer once, the modes spread over them (ZeRO-1 and 2, overlap or not, accumulation,
@@ -1240,6 +1242,14 @@ NONFINITE = {"Net": {1: (1, ("b2",), 0, INF), 3: (3, ("w1",), 5, NAN), 5: (0, ("
 CLIP = 0.5  # below the gradients' norm: clipping changes the steps
 
 
+def _plan(model_name, across):
+    """NONFINITE[model_name]; accumulating across steps, two of its cases moved to even steps: an odd step then
+    adds to what a taken step left (torch's fused kernels unscale the gradients of the params they step in
+    place), or to the non-finite sum of a skipped one."""
+    plan = NONFINITE[model_name]
+    return {2: plan[1], 6: plan[6]} if across else plan
+
+
 def _poison(model, plan, now, rank=None):
     """Tensor hooks that write `plan`'s value at the step now[0] (on `rank`'s share; rank None: the reference)."""
     params = dict(model.named_parameters())
@@ -1254,37 +1264,42 @@ def _poison(model, plan, now, rank=None):
             params[name].register_hook(hook)
 
 
-def _scaled(rank, world, name, partition_grad, overlap, model_name, clip):
+def _scaled(rank, world, name, partition_grad, overlap, model_name, clip, across=False):
     """SCALED_STEPS steps with a GradScaler (ZeroGradScaler around the wrapper; torch's in the one-process reference,
-    on the whole batch), three of them with a non-finite gradient element from one rank only, the scale growing
-    every 2 good steps; with `clip`, unscale_ and clipping (the wrapper's clip_grad_norm_) before each step."""
+    on the whole batch), four of them with a non-finite gradient element from one rank only, the scale growing
+    every 2 good steps; with `clip`, unscale_ and clipping (the wrapper's clip_grad_norm_) before each step; with
+    `across`, zero_grad() at even steps only (gradients accumulated across two steps, as the step left them)."""
     model_cls = {"Net": Net, "Wide": Wide}[model_name]
     ref_model, ref_opt, model, opt, init = _ref_and_zero(name, partition_grad, overlap, model_cls)
     now = [0]
-    _poison(ref_model, NONFINITE[model_name], now)
-    _poison(model, NONFINITE[model_name], now, rank)
+    plan = _plan(model_name, across)
+    _poison(ref_model, plan, now)
+    _poison(model, plan, now, rank)
     n_in = getattr(model, "N_IN", 11)
     ref_scaler = torch.amp.GradScaler("cpu", **SCALER_ARGS)
     scaler = fastopt.ZeroGradScaler("cpu", **SCALER_ARGS)
-    scales, ref_scales, skipped, grad_err = [], [], [], 0.0
+    scales, ref_scales, skipped, ref_skipped, grad_err = [], [], [], [], 0.0
     for step in range(SCALED_STEPS):
         now[0] = step
         x, y = batch(step, world, n_in=n_in)
-        ref_opt.zero_grad()
+        if not across or step % 2 == 0:
+            ref_opt.zero_grad()
+            opt.zero_grad()
         ref_scaler.scale(loss_fn(ref_model, x, y)).backward()
         if clip:
             ref_scaler.unscale_(ref_opt)
             ref_grads = [q.grad.clone() for q in ref_model.parameters()]
             torch.nn.utils.clip_grad_norm_(ref_model.parameters(), CLIP)
         before = [p.detach().clone() for p in model.parameters()]
+        ref_before = [p.detach().clone() for p in ref_model.parameters()]
         ref_scaler.step(ref_opt)
+        ref_skipped.append(all(torch.equal(a, b) for a, b in zip(ref_before, ref_model.parameters())))
         ref_scaler.update()
-        opt.zero_grad()
         xs, ys = _mine(rank, x, y)
         scaler.scale(loss_fn(model, xs, ys)).backward()
         if clip:
             scaler.unscale_(opt)
-            if step not in NONFINITE[model_name]:  # the averaged, unscaled gradients (ZeRO-1: all of them here)
+            if step not in plan:  # the averaged, unscaled gradients (ZeRO-1: all of them here)
                 grad_err = max([grad_err] + [_tensor_err(p.grad, g) for p, g in zip(model.parameters(), ref_grads)
                                              if p.grad is not None])
             opt.clip_grad_norm_(CLIP)
@@ -1295,27 +1310,35 @@ def _scaled(rank, world, name, partition_grad, overlap, model_name, clip):
         skipped.append(all(torch.equal(a, b) for a, b in zip(before, model.parameters())))
     left = [k for k in ("grad_scale", "found_inf") if hasattr(opt, k) or hasattr(opt.optim, k)]
     full = opt.state_dict(consolidated=True, to=None)
-    return _outcome(model, ref_model, init, scales=scales, ref_scales=ref_scales, skipped=skipped, left=left,
-                    state_err=_state_err(full, ref_opt.state_dict()), split=sorted(opt._split), grad_err=grad_err)
+    return _outcome(model, ref_model, init, scales=scales, ref_scales=ref_scales, skipped=skipped,
+                    ref_skipped=ref_skipped, left=left, state_err=_state_err(full, ref_opt.state_dict()),
+                    split=sorted(opt._split), grad_err=grad_err)
 
 
-# (optimizer, partition_grad, overlap, model, clip): torch's foreach AdamW (unscaled and skipped on the host) and
-# fused AdamW, fastopt's optimizers (on the device), split params (Wide: their pieces' gradients) under both stages.
-SCALED_CASES = [("AdamW", False, False, "Net", False), ("AdamW", True, True, "Wide", True),
-                ("AdamWFused", True, False, "Net", False), ("Adafactor", True, False, "Wide", False),
-                ("Adafactor", False, False, "Wide", True), ("Lamb8bit", True, True, "Wide", False),
-                ("GaLoreAdamW", True, False, "Net", True)]
+# (optimizer, partition_grad, overlap, model, clip, across): torch's foreach AdamW (unscaled and skipped on the
+# host) and fused AdamW and SGD, fastopt's optimizers (on the device), split params (Wide: their pieces' gradients)
+# under both stages. Accumulated across steps, the gradients a step leaves count: torch's fused kernels unscale the
+# gradients they step in place (under ZeRO-1 one rank's shard's alone, had the wrapper let them), fastopt's do not.
+SCALED_CASES = [("AdamW", False, False, "Net", False, False), ("AdamW", True, True, "Wide", True, False),
+                ("AdamWFused", True, False, "Net", False, False), ("Adafactor", True, False, "Wide", False, False),
+                ("Adafactor", False, False, "Wide", True, False), ("Lamb8bit", True, True, "Wide", False, False),
+                ("GaLoreAdamW", True, False, "Net", True, False), ("AdamWFused", False, False, "Wide", False, True),
+                ("SGDFused", False, True, "Net", False, True), ("AdamW", False, False, "Wide", False, True),
+                ("Adafactor", False, True, "Net", False, True)]
 
 
-@pytest.mark.parametrize("name,partition_grad,overlap,model,clip", SCALED_CASES)
-def test_zero_grad_scaler_matches_single_process(pool, name, partition_grad, overlap, model, clip):
+@pytest.mark.parametrize("name,partition_grad,overlap,model,clip,across", SCALED_CASES)
+def test_zero_grad_scaler_matches_single_process(pool, name, partition_grad, overlap, model, clip, across):
     """Every rank skips the steps one process skips (an inf or NaN in one rank's share only) and keeps its loss
     scale (backed off at each, grown every 2 good steps); params and state match the reference."""
-    results = pool.run(_scaled, name, partition_grad, overlap, model, clip)
-    expect_skipped = [s in NONFINITE[model] for s in range(SCALED_STEPS)]
+    results = pool.run(_scaled, name, partition_grad, overlap, model, clip, across)
     for r, res in enumerate(results):
+        # the poisoned steps, and with `across` the step after each (its sum holds the same non-finite element)
+        plan = _plan(model, across)
+        expect = [s in plan or (across and s % 2 == 1 and s - 1 in plan) for s in range(SCALED_STEPS)]
+        assert res["ref_skipped"] == expect, res["ref_skipped"]
         assert res["scales"] == res["ref_scales"], (r, res["scales"], res["ref_scales"])
-        assert res["skipped"] == expect_skipped, (r, res["skipped"])
+        assert res["skipped"] == expect, (r, res["skipped"])
         assert res["err"] <= TOL[DT], f"rank {r}: relative update error {res['err']:.3g}"
         assert res["state_err"] <= TOL[DT], f"rank {r}: state: relative error {res['state_err']:.3g}"
         assert res["left"] == [], res["left"]
@@ -1339,7 +1362,7 @@ def _other_scaler(rank, world, partition_grad, kind):
         model.w1.grad[0, 0] = float("inf")
     if kind == "sharded":
         scaler.unscale_(opt)
-    with pytest.raises(RuntimeError, match="use fastopt.ZeroGradScaler"):
+    with pytest.raises(RuntimeError, match="Use fastopt.ZeroGradScaler"):
         scaler.step(opt)
     left = [k for k in ("grad_scale", "found_inf") if k in opt.__dict__]
     # Every rank is still in step with the others: a plain step and a collective go through.
@@ -1359,6 +1382,82 @@ def test_other_grad_scalers_fail_on_every_rank(pool, partition_grad, kind):
     results = pool.run(_other_scaler, partition_grad, kind)
     assert all(left == [] for left, _ in results)
     _check_equal_across_ranks([{"params": ps} for _, ps in results])
+
+
+def _fp16_host(rank, world, partition_grad):
+    """fp16 params around torch's SGD (unscaled on the host), scaler.step with no unscale_ before it: GradScaler
+    refuses in one process ("Attempting to unscale FP16 gradients."); so must every rank, and stay in step."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 3)).half()
+    opt = ZeroRedundancyOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), partition_grad=partition_grad)
+    scaler = fastopt.ZeroGradScaler("cpu", init_scale=4.0)
+    x = torch.randn(5, 4).half() + rank
+    scaler.scale(model(x).float().square().mean()).backward()
+    try:
+        scaler.step(opt)
+        raised = None
+    except ValueError as e:
+        raised = str(e)
+    opt.zero_grad()
+    model(x).float().square().mean().backward()
+    opt.step()
+    return dict(raised=raised, params=[p.detach().clone() for p in model.parameters()])
+
+
+@pytest.mark.parametrize("partition_grad", [False, True])
+def test_zero_grad_scaler_refuses_fp16_gradients_on_every_rank(pool, partition_grad):
+    """As GradScaler does where it unscales for the optimizer (ZeRO-2: decided from the params, not from the
+    gradients a rank holds, so that no rank steps while the others raise)."""
+    results = pool.run(_fp16_host, partition_grad)
+    assert all(r["raised"] == "Attempting to unscale FP16 gradients." for r in results), [r["raised"] for r in results]
+    _check_equal_across_ranks(results)
+
+
+class _OldProtocol(torch.optim.Optimizer):
+    """GradScaler's older protocol (apex's fused optimizers): `_step_supports_amp_scaling`, and a step that takes
+    the scaler (`grad_scaler=`), checks the infs and unscales itself; SGD otherwise."""
+    _step_supports_amp_scaling = True
+
+    def __init__(self, params, lr):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure=None, grad_scaler=None):
+        if grad_scaler is not None:
+            if sum(v.item() for v in grad_scaler._check_inf_per_device(self).values()):
+                return
+            for g in self.param_groups:
+                for p in g["params"]:
+                    if p.grad is not None:
+                        p.grad.mul_(1.0 / grad_scaler.get_scale())
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-g["lr"])
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # GradScaler's, for the older protocol
+def test_zero_grad_scaler_around_an_optimizer_of_the_older_protocol():
+    """Such an optimizer was given neither the scaler nor grad_scale and stepped on the scaled gradients, past
+    the inf: the wrapper unscales and skips for it on the host, as for torch's unfused optimizers."""
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(4, 3).double()
+    model = copy.deepcopy(ref)
+    ref_opt = _OldProtocol(ref.parameters(), lr=0.1)
+    opt = ZeroRedundancyOptimizer(_OldProtocol(model.parameters(), lr=0.1))
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler = fastopt.ZeroGradScaler("cpu", init_scale=1024.0)
+    for step in range(3):
+        x = torch.randn(5, 4, dtype=torch.float64)
+        for m, o, sc in ((ref, ref_opt, ref_scaler), (model, opt, scaler)):
+            o.zero_grad()
+            sc.scale(m(x).square().mean()).backward()
+            if step == 1:
+                m.weight.grad[0, 0] = float("inf")
+            sc.step(o)
+            sc.update()
+        assert ref_scaler.get_scale() == scaler.get_scale()
+        assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), model.parameters())), step
 
 
 def _under_ddp(rank, world, partition_grad, overlap, ddp_first):
@@ -2513,10 +2612,18 @@ def test_zero_grad_scaler_single_rank(device, name):
         assert scaler.get_scale() == ref_scaler.get_scale()
         assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref_model.parameters())), step
     assert scaler.get_scale() != 2.0 ** 10
+    # unscale_, then zero_grad() and a new backward: the check is stale, refused (one process would step on the
+    # new gradients, scaled)
+    scaler.unscale_(opt)
+    opt.zero_grad()
+    scaler.scale(loss_fn(model, x, y)).backward()
+    with pytest.raises(RuntimeError, match="found no ZeroGradScaler inf check of these gradients"):
+        scaler.step(opt)
+    scaler.update()
     opt.zero_grad()
     plain = torch.amp.GradScaler(device.type)
     plain.scale(loss_fn(model, x, y)).backward()
-    with pytest.raises(RuntimeError, match="use fastopt.ZeroGradScaler"):
+    with pytest.raises(RuntimeError, match="Use fastopt.ZeroGradScaler"):
         plain.step(opt)
 
 

@@ -154,6 +154,7 @@ of one group spread over devices whose backward hooks run in different threads, 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import sys
 import weakref
@@ -1045,11 +1046,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 g = self._params[i].grad
                 a, b = self._range(i)
                 piece.grad = None if g is None else g.detach().reshape(-1)[a:b]
-        if amp is not None and amp[0] is not None and not self._amp_on_device():
-            # GradScaler.step with no unscale_ before it: every gradient unscaled in place, as GradScaler does
-            # for such an optimizer (frozen params' too)
-            inv = amp[0].double().reciprocal().float()
-            self._unscale(self._present_grads(), inv, torch.zeros((), device=inv.device))
+        if amp is not None and amp[0] is not None and not isinstance(self.optim, FastOptimizer):
+            amp = self._unscale_for_torch(amp)
         # A frozen param is not stepped, even with a gradient left from before it was frozen: it is neither
         # averaged nor broadcast any more, so its owner alone would move it (torch's optimizers step any param
         # with a gradient). Its gradient is hidden from the wrapped optimizer for the step.
@@ -1079,21 +1077,48 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         if not agreed or not isinstance(found_inf, Tensor):
             self.__dict__.pop("grad_scale", None)
             self.__dict__.pop("found_inf", None)
-            raise RuntimeError(f"{_NAME}: a GradScaler's inf check covers only the gradients a rank holds, so ranks "
-                               "would skip different steps; use fastopt.ZeroGradScaler (torch.amp.GradScaler's "
-                               "arguments), whose check covers all ranks, or train in bfloat16 "
-                               "(torch.autocast(dtype=torch.bfloat16) needs no scaler)")
+            raise RuntimeError(f"{_NAME}: GradScaler's step found no ZeroGradScaler inf check of these gradients. "
+                               "Use fastopt.ZeroGradScaler (torch.amp.GradScaler's arguments), whose check covers "
+                               "all ranks (a torch.amp.GradScaler's covers one rank's gradients, so ranks would "
+                               "skip different steps), and call its unscale_ after the last backward (its update() "
+                               "after a step that raised); or train in bfloat16, which needs no scaler")
         return grad_scale, found_inf
 
+    def _unscale_for_torch(self, amp: tuple) -> tuple:
+        """GradScaler.step with no unscale_ before it, around one of torch's optimizers (or another that is not
+        fastopt's): every gradient this rank holds is unscaled here, in place, as in one process (frozen params'
+        too), and the wrapped optimizer gets no grad_scale. GradScaler unscales them before it steps or skips an
+        optimizer without `_step_supports_amp_scaling` (and refuses fp16 ones there); a fused one (torch's
+        `fused=True`) unscales the gradients it steps in place, and leaves them scaled at a step it skips: the
+        same here, where it would unscale only this rank's shard's (ZeRO-1: other params' gradients, and a split
+        param's other ranges, stayed scaled and differed between ranks: accumulated across steps, the sums were
+        wrong). fastopt's kernels leave the gradients scaled, here as in one process."""
+        on_device = self._amp_on_device()
+        if not on_device and any(p.requires_grad and p.dtype == torch.float16 for p in self._params):
+            raise ValueError("Attempting to unscale FP16 gradients.")  # GradScaler's, decided on every rank alike
+        grad_scale, found_inf = amp
+        inv = grad_scale.double().reciprocal().float()
+        if on_device:  # 1 where the step is skipped
+            skip = (found_inf.to(inv.device).reshape(()) > 0).float()
+            inv = inv * (1 - skip) + skip
+        self._unscale(self._present_grads(), inv, torch.zeros((), device=inv.device))
+        return None, found_inf
+
     def _amp_on_device(self) -> bool:
-        """Whether the wrapped optimizer takes GradScaler's verdict on the device (fastopt's, torch's fused ones)."""
+        """Whether the wrapped optimizer takes GradScaler's verdict on the device (fastopt's, torch's fused ones).
+        Not one of GradScaler's older protocol, whose step takes the scaler itself (`grad_scaler=`: its own check
+        would be this rank's; given none, it stepped on the scaled gradients and past infs): the host's skip."""
         from ..optim.base import FastOptimizer
-        return isinstance(self.optim, FastOptimizer) or bool(getattr(self.optim, "_step_supports_amp_scaling", False))
+        if isinstance(self.optim, FastOptimizer):
+            return True
+        if not getattr(self.optim, "_step_supports_amp_scaling", False):
+            return False
+        return "grad_scaler" not in inspect.signature(self.optim.step).parameters
 
     def _step_inner(self, amp: tuple | None, kwargs: dict) -> bool:
         """The wrapped optimizer's step, with ZeroGradScaler's verdict (`amp`, every rank's) applied as GradScaler
         applies it in one process: given to an optimizer that unscales and skips on the device, else (the
-        gradients unscaled by `_step_shard`) the step skipped on the host when any rank found an inf (the host
+        gradients unscaled by `_unscale_for_torch`) the step skipped on the host when any rank found an inf (the host
         sync of GradScaler's own skip). False when skipped."""
         if amp is None:
             self.optim.step(**kwargs)
