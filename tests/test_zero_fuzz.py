@@ -12,6 +12,18 @@ same wrapper, or into a new wrapper over a new inner optimizer). The reference m
 choices: a frozen param is not stepped (its gradient is hidden from torch's step), and clip_grad_norm_ measures the
 params that require a gradient (and scales every gradient present).
 
+From seed 2000 on (a stream of its own, drawn after the others: the lower seeds' runs stay as they were), the
+wrapped optimizer is at times torch's fused AdamW (both sides), and most runs train with a loss scaler:
+fastopt.ZeroGradScaler around the wrapper, torch.amp.GradScaler around the reference (init_scale 2**12,
+growth_interval 2), every backward of a scaled loss, some steps with a non-finite element put into one param's
+gradient from one rank's share (a tensor hook: on that rank alone; in the reference, always), clip_grad_norm_ after
+the backward preceded by unscale_ (between micro-batches: on the scaled gradients, no unscale_), and the step
+`scaler.step(opt); scaler.update()`; the scales after each step and the steps skipped must be the same. With a
+scaler, the reference's frozen params are stepped by torch and put back (param and state), so that torch's
+scaler unscales and checks their gradients as in one process; a copy drawn after an unscale_ of its step is not
+made (the copy is a new optimizer to the scaler, which would unscale its gradients again); a step whose reference
+holds no gradient at all steps without the scaler (GradScaler refuses it: "No inf checks were recorded").
+
 A failure: a relative update error > 1e-9 (float64), ranks holding different params, an exception, or a hang.
 
     python tests/test_zero_fuzz.py FIRST_SEED COUNT [OUT.jsonl]   # many seeds, one line per seed
@@ -33,13 +45,14 @@ from torch.func import functional_call
 from conftest import TOL
 from test_zero import BUCKET_MB, LOCAL_BATCH, Net, Partial, Wide, _step_skipping_frozen, batch, make_opt
 
-from fastopt import ZeroRedundancyOptimizer
+from fastopt import ZeroGradScaler, ZeroRedundancyOptimizer
 
 DT = torch.float64
 MODELS = {"Net": Net, "Partial": Partial, "Wide": Wide}
 TOGGLE = {"Net": ["emb", "w1", "b1", "w2", "w3"], "Partial": ["w1", "b2", "w3", "odd", "first", "unused"],
           "Wide": ["big", "w", "b", "w3"]}
 DROP = {"Net": ["emb", "w1", "b2", "w3"], "Partial": ["w1", "odd", "first", "w3"], "Wide": ["big", "w", "w3", "b"]}
+SCALER_ARGS = dict(init_scale=2.0 ** 12, growth_factor=2.0, backoff_factor=0.5, growth_interval=2)
 
 
 # ---- the forward, with params detached ("unused") per call ---------------------------------------------------
@@ -112,7 +125,29 @@ def draw(seed: int, world: int = 4) -> dict:
             if kind == "Wide" and cfg["partition_grad"] and st["zero"].startswith("model"):
                 st["zero"] = "opt" + st["zero"][len("model"):]
         cfg["steps"].append(st)
+    if seed >= 2000:
+        _draw_amp(cfg, world)
     return cfg
+
+
+def _draw_amp(cfg: dict, world: int) -> None:
+    """Seeds from 2000: the wrapped optimizer (torch's AdamW, at times fused), a loss scaler, and where it is on,
+    the steps' non-finite gradient elements (step["poison"]: rank, param, place in it (0-1), value)."""
+    rnd = random.Random(f"{cfg['seed']}/amp")
+    cfg["opt"] = "AdamWFused" if rnd.random() < 0.3 else "AdamW"
+    cfg["scaler"] = rnd.random() < 0.7
+    names = [n for n, _ in MODELS[cfg["kind"]]().named_parameters()]
+    for st in cfg["steps"]:
+        if not cfg["scaler"]:
+            continue
+        if st.get("copy") and st["clip"] is not None and (st["clip"][0] == "post" or st["copy"] in ("post", "postclip")
+                                                          or st["clip"][0] == st["copy"]):
+            st["copy"] = None  # made after this step's unscale_: see the module docstring
+        if rnd.random() < 0.3:
+            r = rnd.randrange(world)
+            dropped = {n for n, rs in (st.get("drop") or ()) if r in rs}
+            name = rnd.choice([n for n in names if n not in dropped])
+            st["poison"] = (r, name, rnd.random(), rnd.choice(["inf", "-inf", "nan"]))
 
 
 # ---- one run on every rank ------------------------------------------------------------------------------
@@ -131,10 +166,52 @@ def _ref_clip(model, max_norm):
 
 def _new_wrapper(model, opt, cfg):
     full = opt.state_dict(consolidated=True, to=None)
-    new = ZeroRedundancyOptimizer(make_opt("AdamW", model), partition_grad=cfg["partition_grad"],
+    new = ZeroRedundancyOptimizer(make_opt(cfg.get("opt", "AdamW"), model), partition_grad=cfg["partition_grad"],
                                   overlap_communication=cfg["overlap"], bucket_size_mb=BUCKET_MB)
     new.load_state_dict(copy.deepcopy(full))
     return new
+
+
+def _poison(model, cfg, now, rank=None):
+    """Tensor hooks that put the steps' non-finite elements into the gradients (`rank`'s share; None: the
+    reference's, always) at the step now[0]. Registered on frozen params too (as the wrapper registers its own)."""
+    params = dict(model.named_parameters())
+    for s, st in enumerate(cfg["steps"]):
+        if not st.get("poison"):
+            continue
+        r, name, where, v = st["poison"]
+
+        def hook(g, s=s, r=r, where=where, v=float(v)):
+            if now[0] != s or (rank is not None and rank != r):
+                return g
+            g = g.clone()
+            g.view(-1)[min(int(where * g.numel()), g.numel() - 1)] = v
+            return g
+        p = params[name]
+        frozen = not p.requires_grad
+        p.requires_grad_(True)
+        p.register_hook(hook)
+        p.requires_grad_(not frozen)
+
+
+def _ref_amp_step(model, opt, scaler):
+    """scaler.step(opt) in one process, with the fuzzer's frozen params not stepped: torch steps them (its scaler
+    unscales and checks their gradients, a fused step unscales them in place), then they and their state are put
+    back."""
+    saved = []
+    for p in model.parameters():
+        if not p.requires_grad and p.grad is not None:
+            st = opt.state.get(p)
+            saved.append((p, p.detach().clone(), None if not st else
+                          {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in st.items()}))
+    scaler.step(opt)
+    with torch.no_grad():
+        for p, data, st in saved:
+            p.copy_(data)
+            if st is None:
+                opt.state.pop(p, None)
+            else:
+                opt.state[p] = st
 
 
 def _fuzz(rank, world, cfg, upto=None):
@@ -146,12 +223,25 @@ def _fuzz(rank, world, cfg, upto=None):
     model = copy.deepcopy(ref_model)
     names = [n for n, _ in model.named_parameters()]
     init = [p.detach().clone() for p in ref_model.parameters()]
-    ref_opt = make_opt("AdamW", ref_model)
-    opt = ZeroRedundancyOptimizer(make_opt("AdamW", model), partition_grad=cfg["partition_grad"],
+    ref_opt = make_opt(cfg.get("opt", "AdamW"), ref_model)
+    opt = ZeroRedundancyOptimizer(make_opt(cfg.get("opt", "AdamW"), model), partition_grad=cfg["partition_grad"],
                                   overlap_communication=cfg["overlap"], bucket_size_mb=BUCKET_MB)
-    errs = []
+    amp = cfg.get("scaler", False)
+    now = [0]
+    if amp:
+        ref_scaler = torch.amp.GradScaler("cpu", **SCALER_ARGS)
+        scaler = ZeroGradScaler("cpu", **SCALER_ARGS)
+        _poison(ref_model, cfg, now)
+        _poison(model, cfg, now, rank)
+    scaled = (lambda sc, loss: sc.scale(loss)) if amp else (lambda sc, loss: loss)  # noqa: E731
+    ref_sc = sc = None
+    if amp:
+        ref_sc, sc = ref_scaler, scaler
+    errs, ref_skips = [], []  # ref_skips: the steps that left the reference's params as they were (a scaler)
     steps = cfg["steps"] if upto is None else cfg["steps"][:upto]
     for s, st in enumerate(steps):
+        now[0] = s
+        unscaled = False  # unscale_ called in this step (both sides alike)
         x, y = batch(s, world, n_in=n_in)
         drops = [set(n for n, rs in (st.get("drop") or ()) if r in rs) for r in range(world)]
         accum = st["accum"]
@@ -165,7 +255,7 @@ def _fuzz(rank, world, cfg, upto=None):
             opt = _new_wrapper(model, opt, cfg)
 
         def at(point):
-            nonlocal model, opt
+            nonlocal model, opt, unscaled
             for pt, name in st["toggles"]:
                 if pt == point:
                     for m in (ref_model, model):
@@ -176,9 +266,15 @@ def _fuzz(rank, world, cfg, upto=None):
                 xs_ = x[rank * LOCAL_BATCH:rank * LOCAL_BATCH + 2]
                 ys_ = y[rank * LOCAL_BATCH:rank * LOCAL_BATCH + 2]
                 if ps:
-                    torch.autograd.grad(_loss(model, kind, xs_, ys_, set()), ps, allow_unused=True)
+                    torch.autograd.grad(scaled(sc, _loss(model, kind, xs_, ys_, set())), ps, allow_unused=True)
             if st["clip"] is not None and st["clip"][0] == point:
                 at("preclip")
+                # with a scaler: unscale_ first, after the backward and where the reference holds a gradient
+                # (GradScaler's step refuses an optimizer whose unscale_ recorded no inf check)
+                if amp and point == "post" and any(p.grad is not None for p in ref_model.parameters()):
+                    ref_scaler.unscale_(ref_opt)
+                    scaler.unscale_(opt)
+                    unscaled = True
                 ref_n = _ref_clip(ref_model, st["clip"][1])
                 n = opt.clip_grad_norm_(st["clip"][1])
                 at("postclip")
@@ -186,6 +282,8 @@ def _fuzz(rank, world, cfg, upto=None):
                     errs.append(("clip_norm", s, float(n), float(ref_n)))
             if st.get("copy") == point:
                 model, opt = copy.deepcopy((model, opt))
+                if amp:  # a param's copy has no hooks (the wrapper registers its own)
+                    _poison(model, cfg, now, rank)
                 if not cfg["partition_grad"]:  # ZeRO-1: the copy's params have no gradients, as in torch
                     for p in ref_model.parameters():
                         p.grad = None
@@ -202,15 +300,32 @@ def _fuzz(rank, world, cfg, upto=None):
                 ref_loss = ref_loss + _loss(ref_model, kind, xm, ym, drops[r]) * (xm.shape[0] / xr.shape[0])
             ref_loss = ref_loss / world
             if ref_loss.requires_grad:
-                ref_loss.backward()
+                scaled(ref_sc, ref_loss).backward()
             xr, yr = x[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH], y[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH]
             xm, ym = xr.chunk(accum)[m], yr.chunk(accum)[m]
             loss = _loss(model, kind, xm, ym, drops[rank]) * (xm.shape[0] / xr.shape[0])
             if loss.requires_grad:
-                loss.backward()
+                scaled(sc, loss).backward()
         at("post")
-        _step_skipping_frozen(ref_model, ref_opt)
-        opt.step()
+        before = [p.detach().clone() for p in model.parameters()]
+        ref_before = [p.detach().clone() for p in ref_model.parameters()]
+        if amp and (unscaled or any(p.grad is not None for p in ref_model.parameters())):
+            _ref_amp_step(ref_model, ref_opt, ref_scaler)
+            ref_scaler.update()
+            scaler.step(opt)
+            scaler.update()
+            if scaler.get_scale() != ref_scaler.get_scale():
+                errs.append(("scale", s, scaler.get_scale(), ref_scaler.get_scale()))
+        else:
+            _step_skipping_frozen(ref_model, ref_opt)
+            opt.step()
+        if amp:
+            skipped = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+            ref_skipped = all(torch.equal(a, b) for a, b in zip(ref_before, ref_model.parameters()))
+            if skipped != ref_skipped:
+                errs.append(("skipped", s, skipped, ref_skipped))
+            if ref_skipped:
+                ref_skips.append(s)
         at("after_step")
         if st.get("sd") == "inplace":
             full = opt.state_dict(consolidated=True, to=None)
@@ -225,6 +340,8 @@ def _fuzz(rank, world, cfg, upto=None):
                  zip(names, model.parameters(), ref_model.parameters())}
     return dict(errs=errs, err=max([e[2] for e in errs if e[0] == "step"] + [0.0]),
                 clip_bad=[e for e in errs if e[0] == "clip_norm"], per_param=per_param,
+                amp_bad=[e for e in errs if e[0] in ("scale", "skipped")],
+                ref_skips=ref_skips,
                 params=[p.detach().clone() for p in model.parameters()])
 
 
@@ -239,6 +356,8 @@ def check(results) -> list[str]:
                        f" params most off: {worst}")
         if res["clip_bad"]:
             bad.append(f"rank {r}: clip norms differ: {res['clip_bad'][:2]}")
+        if res.get("amp_bad"):
+            bad.append(f"rank {r}: scales or skipped steps differ (what, step, ours, reference): {res['amp_bad'][:3]}")
     for r, res in enumerate(results[1:], 1):
         if not all(torch.equal(a, b) for a, b in zip(res["params"], results[0]["params"])):
             bad.append(f"rank {r}: params differ from rank 0's")
@@ -251,7 +370,9 @@ def check(results) -> list[str]:
 # before a backward with no zero_grad between; 229 (0.61 off), a frozen split param's pieces cleared through the
 # model; 34 (0.0597 off), a kept gradient zeroed through the model, its owner's vote not counted. 0 and 5 passed
 # throughout.
-FIXED_SEEDS = [0, 2, 3, 4, 5, 15, 24, 34, 122, 229, 313]
+# 2018, 2056, 2109, 2120: with ZeroGradScaler (Wide's split param under ZeRO-2 with overlap and ZeRO-1, fused
+# AdamW, Partial; steps skipped for non-finite gradients from one rank)
+FIXED_SEEDS = [0, 2, 3, 4, 5, 15, 24, 34, 122, 229, 313, 2018, 2056, 2109, 2120]
 
 
 @pytest.mark.dist
@@ -282,6 +403,8 @@ def main(argv):
                 bad = ["EXC: " + " | ".join(lines[:1] + [ln for ln in lines if "Error" in ln][:4])]
             rec = dict(seed=seed, ok=not bad, bad=bad, secs=round(time.time() - t0, 1),
                        kind=cfg["kind"], pg=cfg["partition_grad"], ov=cfg["overlap"])
+            if "scaler" in cfg:
+                rec.update(opt=cfg["opt"], scaler=cfg["scaler"])
             out.write(json.dumps(rec) + "\n")
             out.flush()
 
