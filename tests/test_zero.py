@@ -1251,7 +1251,8 @@ def _plan(model_name, across):
 
 
 def _poison(model, plan, now, rank=None):
-    """Tensor hooks that write `plan`'s value at the step now[0] (on `rank`'s share; rank None: the reference)."""
+    """Tensor hooks that write `plan`'s value at the step now[0] (on `rank`'s share; rank None: the reference),
+    registered on frozen params too (they may be unfrozen later; the wrapper registers its own hooks there too)."""
     params = dict(model.named_parameters())
     for step, (r, names, k, v) in plan.items():
         def hook(g, step=step, r=r, k=k, v=v):
@@ -1261,7 +1262,11 @@ def _poison(model, plan, now, rank=None):
             g.view(-1)[k] = v
             return g
         for name in names:
-            params[name].register_hook(hook)
+            p = params[name]
+            frozen = not p.requires_grad
+            p.requires_grad_(True)  # register_hook refuses a tensor that requires no gradient
+            p.register_hook(hook)
+            p.requires_grad_(not frozen)
 
 
 def _scaled(rank, world, name, partition_grad, overlap, model_name, clip, across=False):
@@ -2108,7 +2113,6 @@ def _foreign_state(rank, world, split):
         seen = [len(opt.state[p]) for p in model.parameters()]  # 0 for the params other ranks step
     out = {"shard_same": _state_err(opt.state_dict(), clean_shard) == 0.0,
            "full_same": _state_err(opt.state_dict(consolidated=True, to=None), clean) == 0.0,
-           "foreign_zero": [len(opt.state[p]) for p in model.parameters()] if rank == 0 else None,
            "empty_seen": 0 in seen if rank == 0 else None}
     # `big` (Wide) is split: every rank steps a piece, none the whole; Net's w1 is stepped by one rank
     target = model.big if split else model.w1
@@ -2156,7 +2160,7 @@ def test_state_read_for_other_ranks_params(pool, split):
                     and why in got, (r, key, got)
             else:
                 assert got is None or got is True, (r, key, got)
-    assert results[0]["empty_seen"] and results[0]["foreign_zero"] is not None
+    assert results[0]["empty_seen"]  # rank 0's reads made empty entries
 
 
 @pytest.mark.parametrize("partition_grad", [False, True])

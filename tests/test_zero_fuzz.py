@@ -43,7 +43,7 @@ import torch
 from torch.func import functional_call
 
 from conftest import TOL
-from test_zero import BUCKET_MB, LOCAL_BATCH, Net, Partial, Wide, _step_skipping_frozen, batch, make_opt
+from test_zero import BUCKET_MB, LOCAL_BATCH, Net, Partial, Wide, _poison, _step_skipping_frozen, batch, make_opt
 
 from fastopt import ZeroGradScaler, ZeroRedundancyOptimizer
 
@@ -172,26 +172,16 @@ def _new_wrapper(model, opt, cfg):
     return new
 
 
-def _poison(model, cfg, now, rank=None):
-    """Tensor hooks that put the steps' non-finite elements into the gradients (`rank`'s share; None: the
-    reference's, always) at the step now[0]. Registered on frozen params too (as the wrapper registers its own)."""
+def _plan(model, cfg) -> dict:
+    """The steps' non-finite elements as test_zero's `_poison` takes them: step -> (rank, (param,), index, value)."""
     params = dict(model.named_parameters())
+    plan = {}
     for s, st in enumerate(cfg["steps"]):
-        if not st.get("poison"):
-            continue
-        r, name, where, v = st["poison"]
-
-        def hook(g, s=s, r=r, where=where, v=float(v)):
-            if now[0] != s or (rank is not None and rank != r):
-                return g
-            g = g.clone()
-            g.view(-1)[min(int(where * g.numel()), g.numel() - 1)] = v
-            return g
-        p = params[name]
-        frozen = not p.requires_grad
-        p.requires_grad_(True)
-        p.register_hook(hook)
-        p.requires_grad_(not frozen)
+        if st.get("poison"):
+            r, name, where, v = st["poison"]
+            n = params[name].numel()
+            plan[s] = (r, (name,), min(int(where * n), n - 1), float(v))
+    return plan
 
 
 def _ref_amp_step(model, opt, scaler):
@@ -231,8 +221,9 @@ def _fuzz(rank, world, cfg, upto=None):
     if amp:
         ref_scaler = torch.amp.GradScaler("cpu", **SCALER_ARGS)
         scaler = ZeroGradScaler("cpu", **SCALER_ARGS)
-        _poison(ref_model, cfg, now)
-        _poison(model, cfg, now, rank)
+        plan = _plan(model, cfg)
+        _poison(ref_model, plan, now)
+        _poison(model, plan, now, rank)
     scaled = (lambda sc, loss: sc.scale(loss)) if amp else (lambda sc, loss: loss)  # noqa: E731
     ref_sc = sc = None
     if amp:
@@ -283,7 +274,7 @@ def _fuzz(rank, world, cfg, upto=None):
             if st.get("copy") == point:
                 model, opt = copy.deepcopy((model, opt))
                 if amp:  # a param's copy has no hooks (the wrapper registers its own)
-                    _poison(model, cfg, now, rank)
+                    _poison(model, plan, now, rank)
                 if not cfg["partition_grad"]:  # ZeRO-1: the copy's params have no gradients, as in torch
                     for p in ref_model.parameters():
                         p.grad = None

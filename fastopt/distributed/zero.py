@@ -1094,8 +1094,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         param's other ranges, stayed scaled and differed between ranks: accumulated across steps, the sums were
         wrong). fastopt's kernels leave the gradients scaled, here as in one process."""
         on_device = self._amp_on_device()
-        if not on_device and any(p.requires_grad and p.dtype == torch.float16 for p in self._params):
-            raise ValueError("Attempting to unscale FP16 gradients.")  # GradScaler's, decided on every rank alike
+        if not on_device:
+            self._refuse_fp16()
         grad_scale, found_inf = amp
         inv = grad_scale.double().reciprocal().float()
         if on_device:  # 1 where the step is skipped
@@ -1143,10 +1143,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         then every one this rank holds (`_present_grads`) multiplied by `inv_scale` and checked, and the verdict
         made every rank's (an all-reduce of the max of one flag). Returns {device: found_inf}, as GradScaler's."""
         self._reduce_grads()
-        if not allow_fp16 and any(p.requires_grad and p.dtype == torch.float16 for p in self._params):
-            # GradScaler's refusal, decided from the params (the same on every rank), not from the gradients
-            # this rank holds (ZeRO-2: its own params')
-            raise ValueError("Attempting to unscale FP16 gradients.")
+        if not allow_fp16:
+            self._refuse_fp16()
         dev = self._comm_device()
         found = self._unscale(self._present_grads(), inv_scale, found_inf.to(dev, copy=True))
         if self.world_size > 1:
@@ -1154,14 +1152,17 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self.__dict__["_amp_agreed"] = True
         return {found_inf.device: found.to(found_inf.device)}
 
+    def _refuse_fp16(self) -> None:
+        """GradScaler's refusal to unscale fp16 gradients, where it unscales for the optimizer; decided from the
+        params (the same on every rank), not from the gradients this rank holds (ZeRO-2: its own params')."""
+        if any(p.requires_grad and p.dtype == torch.float16 for p in self._params):
+            raise ValueError("Attempting to unscale FP16 gradients.")
+
     @staticmethod
     def _unscale(grads: list[Tensor], inv_scale: Tensor, found: Tensor) -> Tensor:
         """grads *= inv_scale in place, per device and dtype (GradScaler's kernel); `found` (0-dim fp32) is set
         to 1 where one of them is not finite. Returns `found`."""
-        by: dict = {}
-        for g in grads:
-            by.setdefault((g.device, g.dtype), []).append(g)
-        for (device, _dtype), gs in by.items():
+        for (device, _dtype), gs in _by_device_dtype(grads).items():
             here = found if device == found.device else torch.zeros((), device=device)
             torch._amp_foreach_non_finite_check_and_unscale_(gs, here, inv_scale.to(device))
             if here is not found:
@@ -1872,10 +1873,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         # owning no grad would otherwise send 4 bytes where the others send 8).
         acc_dtype = torch.float64 if any(self._params[i].dtype == torch.float64 for i in self._managed) \
             else torch.float32
-        by: dict = {}
-        for g in grads:
-            by.setdefault((g.device, g.dtype), []).append(g)
-        norms = [n.to(device=dev, dtype=acc_dtype) for gs in by.values() for n in torch._foreach_norm(gs, norm_type)]
+        norms = [n.to(device=dev, dtype=acc_dtype) for gs in _by_device_dtype(grads).values()
+                 for n in torch._foreach_norm(gs, norm_type)]
         if math.isinf(norm_type):
             local = torch.stack(norms).max() if norms else torch.zeros((), dtype=acc_dtype, device=dev)
             if self.world_size > 1:
@@ -1891,10 +1890,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             raise RuntimeError(f"{_NAME}.clip_grad_norm_: the total norm of order {norm_type} is non-finite; "
                                "pass error_if_nonfinite=False to clip anyway")
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        by = {}
-        for g in self._present_grads():  # ZeRO-1: every rank scales its copy
-            by.setdefault((g.device, g.dtype), []).append(g)
-        for (device, dtype), gs in by.items():
+        for (device, dtype), gs in _by_device_dtype(self._present_grads()).items():  # ZeRO-1: every rank its copy
             torch._foreach_mul_(gs, coef.to(device=device, dtype=dtype))
         return total
 
@@ -2116,6 +2112,14 @@ class ZeroGradScaler(torch.amp.GradScaler):
         if isinstance(optimizer, ZeroRedundancyOptimizer):
             return optimizer._amp_unscale(inv_scale, found_inf, allow_fp16)
         return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+
+
+def _by_device_dtype(tensors) -> dict:
+    """{(device, dtype): [tensors]}, in first-seen order: the groups one foreach kernel takes."""
+    by: dict = {}
+    for t in tensors:
+        by.setdefault((t.device, t.dtype), []).append(t)
+    return by
 
 
 def _cpu(v):
