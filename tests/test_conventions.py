@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import io
 import os
 import pickle
 import re
@@ -910,19 +911,22 @@ def _name(case):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_numpy_scalars_step_like_python_numbers(case, backend, device):
-    """np.float32 / np.int64 hyperparameters (torch.optim takes them), in the constructor and set in a group
-    between steps, step bit for bit like the Python numbers they hold, and the groups hold those numbers; the
-    pairs and triples (betas, eps) given as lists of numpy scalars are held as tuples of Python floats."""
+    """np.float32 / np.float64 / np.int64 hyperparameters (torch.optim takes them), in the constructor and set in
+    a group between steps, step bit for bit like the Python numbers they hold, and the groups hold those numbers
+    (np.float64 subclasses float: it stayed a numpy scalar, which torch.load(weights_only=True) refused in the
+    state_dict); the pairs and triples (betas, eps) given as lists of numpy scalars are held as tuples of Python
+    floats."""
     np = pytest.importorskip("numpy")
     lr = np.float32(1e-2)
     ps, tw = make_params(device), make_params(device)
     tuples = {k: v for k, v in make(case, make_params(device)).defaults.items() if isinstance(v, tuple)}
     assert tuples  # betas or eps
-    opt = make(case, ps, lr=lr, weight_decay=np.float32(0.25),
+    opt = make(case, ps, lr=lr, weight_decay=np.float64(0.25),
                **{k: [np.float32(x) for x in v] for k, v in tuples.items()})
     twin = make(case, tw, lr=float(lr), weight_decay=0.25,
                 **{k: tuple(float(np.float32(x)) for x in v) for k, v in tuples.items()})
     assert type(opt.param_groups[0]["lr"]) is float and opt.param_groups[0]["lr"] == float(lr)
+    assert type(opt.param_groups[0]["weight_decay"]) is float
     for g, h in zip(opt.param_groups, twin.param_groups):
         for k in tuples:
             assert type(g[k]) is tuple and all(type(x) is float for x in g[k]) and g[k] == h[k], (k, g[k])
@@ -936,7 +940,12 @@ def test_numpy_scalars_step_like_python_numbers(case, backend, device):
         run(opt, ps, [t])
         run(twin, tw, [t])
     assert_same(opt, twin)
-    assert all(type(g["lr"]) is float for g in opt.param_groups)
+    assert all(type(g[k]) is float for g in opt.param_groups for k in ("lr", "weight_decay"))
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=True)  # numpy scalars are refused there
+    assert [g["weight_decay"] for g in loaded["param_groups"]] == [0.25] * len(opt.param_groups)
 
 
 def _callers_groups(case, ps):

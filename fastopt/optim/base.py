@@ -70,7 +70,9 @@ def is_int(x) -> bool:
 def plain(v):
     """A numpy scalar (an np.float32 lr, an np.int64 rank) as the Python number it holds, so that the kernels
     and the state_dict see Python numbers; anything else as it is."""
-    if isinstance(v, numbers.Number) and not isinstance(v, (int, float, complex)) and hasattr(v, "item"):
+    # type(), not isinstance: np.float64 subclasses float (and np.complex128 complex), and stays a numpy scalar
+    # in the state_dict otherwise, which torch.load(weights_only=True) refuses.
+    if isinstance(v, numbers.Number) and type(v) not in (int, float, complex, bool) and hasattr(v, "item"):
         return v.item()
     return v
 
