@@ -886,8 +886,10 @@ class FastOptimizer(torch.optim.Optimizer):
     def _zero_state_due(self, p: Tensor, group: dict) -> bool:
         """Whether `state_dict()` (and the truth test of `self.state`) makes p's zero state now: not for a lazy
         module's param before its dry run (`UninitializedParameter`: no shape yet; its first step makes it)."""
-        return (not self.state.get(p) and p.requires_grad and not torch.nn.parameter.is_lazy(p) and p.numel() > 0
-                and self._state_known(p, group))
+        # An empty piece of a sharded param too (FSDP1's on ranks without its elements, a declared one): the ranks
+        # that share a param must all make its zero state or none, or load_state_dict refuses the checkpoint.
+        return (not self.state.get(p) and p.requires_grad and not torch.nn.parameter.is_lazy(p)
+                and (p.numel() > 0 or math.prod(self._global_shape(p)) > 0) and self._state_known(p, group))
 
     def _make_zero_state(self, p: Tensor, group: dict) -> None:
         """Zero state for trainable param `p`, which has none, kept (as torch's DCP makes it with a step at lr=0):
