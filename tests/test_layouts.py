@@ -2243,6 +2243,42 @@ def test_state_dict_saved_between_declaration_and_first_step_resumes(pool, name)
     pool.run(_state_dict_after_declaration_case, name)
 
 
+def _empty_piece_reload_case(rank, world, name):
+    """A (2, 5) matrix declared as dim-0 shards over 4 ranks (ranks 2 and 3 hold none of its rows) beside a plain
+    vector, with no gradient at the first step: state_dict() then makes the matrix's zero state on every rank, not
+    only on those holding rows (load_state_dict refused the checkpoint on every rank: "state[0] holds no state here
+    and the state of step 0 on rank 0"), and the optimizer loaded from it steps on as one process does."""
+    from fastopt.distributed import declare_shard, full_tensor
+    shapes = [(2, 5), (6,)]
+    init, grads = _problem(shapes, seed=11)
+    ref = [p.clone().requires_grad_() for p in init]
+    ref_opt = _make_opt(name, ref, shapes)
+    a = declare_shard(init[0][rank:rank + 1].clone().requires_grad_(), shapes[0], dist.group.WORLD, dim=0)
+    b = init[1].clone().requires_grad_()
+    opt = _make_opt(name, [a, b], shapes)
+    for o, ps in ((opt, [a, b]), (ref_opt, ref)):
+        ps[1].grad = grads[0][1].clone()  # the matrix has no gradient at this step
+        o.step()
+    sd = copy.deepcopy(opt.state_dict())
+    opt = _make_opt(name, [a, b], shapes)
+    opt.load_state_dict(sd)  # collective: an assertion on some ranks before it would leave the others waiting
+    assert float(opt.state[a]["step"]) == 0, (rank, sorted(sd["state"]))
+    for gs in grads[1:]:
+        for o, ps in ((opt, [a, b]), (ref_opt, ref)):
+            ps[0].grad = (gs[0][rank:rank + 1] if o is opt else gs[0]).clone()
+            ps[1].grad = gs[1].clone()
+            o.step()
+    ours = [full_tensor(a, opt._layout(a)).view(shapes[0]), b]
+    err = rel_update_error(ours, ref, init)
+    assert err <= TOL_REL, (name, err)
+    return err
+
+
+@pytest.mark.parametrize("name", MODEL_OPTS)
+def test_state_dict_of_a_param_without_gradient_and_empty_pieces_reloads(pool, name):
+    pool.run(_empty_piece_reload_case, name)
+
+
 @needs_interpreter
 @pytest.mark.parametrize("name", KERNEL_OPTS + ["lamb"])
 def test_kernels_flat_ranges_match_single_process(pool, name):
