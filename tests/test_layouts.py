@@ -142,7 +142,13 @@ def _tp_groups(rank):
 
 
 def _dim_piece(full, d, group):
-    return full.chunk(dist.get_world_size(group), dim=d)[dist.get_rank(group)]
+    """This rank's piece along dim d, by torch.chunk's rule (empty past the last chunk, where chunk makes fewer
+    pieces than ranks)."""
+    w, r = dist.get_world_size(group), dist.get_rank(group)
+    n = full.shape[d]
+    c = -(-n // w)
+    lo = min(r * c, n)
+    return full.narrow(d, lo, min(lo + c, n) - lo)
 
 
 def _flat_piece(full, group):
@@ -2253,7 +2259,8 @@ def _empty_piece_reload_case(rank, world, name):
     init, grads = _problem(shapes, seed=11)
     ref = [p.clone().requires_grad_() for p in init]
     ref_opt = _make_opt(name, ref, shapes)
-    a = declare_shard(init[0][rank:rank + 1].clone().requires_grad_(), shapes[0], dist.group.WORLD, dim=0)
+    a = declare_shard(_dim_piece(init[0], 0, dist.group.WORLD).clone().requires_grad_(), shapes[0],
+                      dist.group.WORLD, dim=0)
     b = init[1].clone().requires_grad_()
     opt = _make_opt(name, [a, b], shapes)
     for o, ps in ((opt, [a, b]), (ref_opt, ref)):
@@ -2265,7 +2272,7 @@ def _empty_piece_reload_case(rank, world, name):
     assert float(opt.state[a]["step"]) == 0, (rank, sorted(sd["state"]))
     for gs in grads[1:]:
         for o, ps in ((opt, [a, b]), (ref_opt, ref)):
-            ps[0].grad = (gs[0][rank:rank + 1] if o is opt else gs[0]).clone()
+            ps[0].grad = (_dim_piece(gs[0], 0, dist.group.WORLD) if o is opt else gs[0]).clone()
             ps[1].grad = gs[1].clone()
             o.step()
     ours = [full_tensor(a, opt._layout(a)).view(shapes[0]), b]

@@ -45,7 +45,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from test_layouts import TOL_REL, TOL_STATE, _tp_groups
+from test_layouts import TOL_REL, TOL_STATE, _dim_piece, _flat_piece, _loss, _tp_groups
 
 import fastopt
 
@@ -94,11 +94,6 @@ def _data(cfg, s):
     g = torch.Generator().manual_seed(cfg["seed"] * 1000 + s)
     v = cfg["model"]["vocab"]
     return torch.randint(0, v, (BATCH, SEQ), generator=g), torch.randint(0, v, (BATCH, SEQ), generator=g)
-
-
-def _loss(model, tok, tgt):
-    logits = model(tok)
-    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
 
 
 # ---- drawing a run ----------------------------------------------------------------------------------------------
@@ -270,22 +265,6 @@ def _tp_plan(cfg, tp):
     return plan
 
 
-def _piece(full, d, group):
-    """This rank's piece along dim d, by torch.chunk's rule (empty past the last chunk)."""
-    w, r = dist.get_world_size(group), dist.get_rank(group)
-    n = full.shape[d]
-    c = -(-n // w)
-    lo = min(r * c, n)
-    return full.narrow(d, lo, min(lo + c, n) - lo)
-
-
-def _flat(full, group):
-    w, r = dist.get_world_size(group), dist.get_rank(group)
-    chunk = -(-full.numel() // w)
-    flat = torch.cat([full.reshape(-1), full.new_zeros(chunk * w - full.numel())])
-    return flat[r * chunk:(r + 1) * chunk], r * chunk
-
-
 class _ByHand:
     """Plain tensors sharded by hand: every rank runs the whole model on the whole batch; each piece adds its
     slice of the model's gradient to its own (the model's are then cleared: the pieces accumulate across steps);
@@ -300,10 +279,10 @@ class _ByHand:
         self.pieces = {}
         for n, full in self.full.items():
             if cfg["mode"] == "flat":
-                piece, off = _flat(full.detach(), dist.group.WORLD)
-                self.cut[n] = lambda g: _flat(g, dist.group.WORLD)[0]
+                piece, _ = _flat_piece(full.detach(), dist.group.WORLD)
+                self.cut[n] = lambda g: _flat_piece(g, dist.group.WORLD)[0]
                 self.pieces[n] = declare_shard(torch.nn.Parameter(piece.clone()), full.shape, dist.group.WORLD,
-                                               flat_offset=off)
+                                               flat_offset=dist.get_rank() * piece.numel())
             else:
                 dec = cfg["declare"][n]
                 if dec is None:
@@ -311,7 +290,7 @@ class _ByHand:
                     self.pieces[n] = torch.nn.Parameter(full.detach().clone())
                 else:
                     grp = self.tp if dec[0] == "tp" else dist.group.WORLD
-                    self.cut[n] = lambda g, d=dec[1], grp=grp: _piece(g, d, grp)
+                    self.cut[n] = lambda g, d=dec[1], grp=grp: _dim_piece(g, d, grp)
                     self.pieces[n] = declare_shard(torch.nn.Parameter(self.cut[n](full.detach()).clone()),
                                                    full.shape, grp, dim=dec[1])
 

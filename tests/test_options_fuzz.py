@@ -19,9 +19,9 @@ above a projected param's smaller dim, an lr given with relative_step, warmup_in
 are never drawn.
 
 After every step, for every param: ||ours - ref|| <= TOL * (the update's size) with TOL = conftest.TOL[float64] on
-both back ends (the kernels' float64 tests use it too) and the update's size the larger of ||ref - init|| and the
-reference's path length (the sum of its steps' sizes: a 0-d param clipped to +-lr * clip_threshold can step back to
-where it started, keeping its steps' rounding); the same non-finite elements where the reference has any; the step
+both back ends (the kernels' float64 tests use it too) and the update's size the reference's path length (the sum
+of its steps' sizes, at least ||ref - init||: a 0-d param clipped to +-lr * clip_threshold can step back to where it
+started, keeping its steps' rounding); the same non-finite elements where the reference has any; the step
 counts; the states, norm-wise within TOL of the largest norm the reference's state has had (a moment that cancels
 to near zero at one step keeps its terms' absolute error), 8-bit codes and GaLore's fp32 bases bit for bit. A
 failure is also an exception from fastopt, or one from the reference (reported as such).
@@ -60,11 +60,13 @@ if __name__ == "__main__":
 
 import pytest
 import torch
+from conftest import TOL as TOLS
+from conftest import through_8bit
 
 import fastopt
 from fastopt import ops
 
-TOL = 1e-9  # conftest.TOL[torch.float64]
+TOL = TOLS[torch.float64]
 
 EXTRAS_FROM = 100000  # seeds from here on also draw _draw_extras (the seeds below keep the runs they had)
 MEDIUM_TRITON_FROM = 200000
@@ -293,14 +295,9 @@ def _as_numpy(v):
 
 
 # ---------------------------------------------------------------------------------------------------- references
-def through_8bit(m, v, block_size):
-    from conftest import through_8bit as t8
-    return t8(m, v, block_size)
-
-
 def _adam_moments(s: dict, g, b1: float, b2: float):
     """The step count after this step and Adam's new m and v of a param's state `s` (made at its first step)."""
-    if not s:
+    if "step" not in s:
         s.update(step=0, exp_avg=torch.zeros_like(g), exp_avg_sq=torch.zeros_like(g))
     s["step"] += 1
     return s["step"], b1 * s["exp_avg"] + (1 - b1) * g, b2 * s["exp_avg_sq"] + (1 - b2) * g * g
@@ -380,20 +377,13 @@ class GaLore8Ref(torch.optim.Optimizer):
         GaLoreProjector = _fixed_projector()
         for gr, p, s in _stepped(self):
             b1, b2 = gr["betas"]
-            if not s:
-                s["step"] = 0
-                if "rank" in gr:
-                    s["projector"] = GaLoreProjector(gr["rank"], update_proj_gap=gr["update_proj_gap"],
-                                                     scale=gr["scale"], proj_type=gr["proj_type"])
             g = p.grad
             if "rank" in gr:
-                g = s["projector"].project(g, s["step"])
-            if "exp_avg" not in s:
-                s["exp_avg"], s["exp_avg_sq"] = torch.zeros_like(g), torch.zeros_like(g)
-            s["step"] += 1
-            t = s["step"]
-            m = b1 * s["exp_avg"] + (1 - b1) * g
-            v = b2 * s["exp_avg_sq"] + (1 - b2) * g * g
+                if "projector" not in s:
+                    s["projector"] = GaLoreProjector(gr["rank"], update_proj_gap=gr["update_proj_gap"],
+                                                     scale=gr["scale"], proj_type=gr["proj_type"])
+                g = s["projector"].project(g, s.get("step", 0))
+            t, m, v = _adam_moments(s, g, b1, b2)
             eta = gr["lr"] * math.sqrt(1 - b2 ** t) / (1 - b1 ** t) if gr["correct_bias"] else gr["lr"]
             n = m / (v.sqrt() + gr["eps"])
             if "rank" in gr:
@@ -667,12 +657,12 @@ def run(cfg: dict, stop_at_first: bool = True) -> tuple[list, float]:
                     bad.append(f"step {t + 1} param {k} {tuple(x.shape)}: non-finite pattern differs "
                                f"(ours {int((~torch.isfinite(p)).sum())}, reference {int((~torch.isfinite(q)).sum())})")
                 continue
-            # The update's size: ||ref - init||, or the reference's path length (the sum of its steps' sizes) where
-            # that is larger: a param that steps back and forth (a 0-d param clipped to +-lr * clip_threshold) can
-            # land on or next to where it started, and the rounding of its steps stays.
+            # The update's size: the reference's path length (the sum of its steps' sizes, never below ||ref -
+            # init||): a param that steps back and forth (a 0-d param clipped to +-lr * clip_threshold) can land
+            # on or next to where it started, and the rounding of its steps stays.
             path[k] += (q.detach() - prev[k]).norm().item()
             prev[k] = q.detach().clone()
-            den = max((q.detach() - x).norm().item(), path[k])
+            den = path[k]
             num = (p.detach() - q.detach()).norm().item()
             if den == 0:
                 if num != 0 or not torch.equal(p.detach(), x):
