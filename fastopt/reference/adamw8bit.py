@@ -15,6 +15,8 @@ The update uses the new m and v before they are requantized (as bitsandbytes doe
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -23,6 +25,11 @@ from .quant import dequantize_blockwise, quantize_blockwise
 
 def is_8bit(state: dict) -> bool:
     return "absmax1" in state
+
+
+def _log(beta: float) -> float:
+    """log(beta) in double; -inf for beta = 0 (then -expm1(t log(beta)) = 1: no bias correction)."""
+    return math.log(beta) if beta > 0 else -math.inf
 
 
 def _commit(dst: Tensor, new: Tensor, found_inf: Tensor | None) -> None:
@@ -50,8 +57,10 @@ def adamw8bit_step(params: list[Tensor], grads: list[Tensor], states: list[dict]
         t = s["step"].to(acc)
         m = beta1 * m + (1 - beta1) * g
         v = beta2 * v + (1 - beta2) * g * g
-        step_size = lr / (1 - beta1 ** t)
-        sqrt_bc2 = (1 - beta2 ** t).sqrt()
+        # 1 - beta^t as -expm1(t log(beta)), log(beta) in double (the extension's rule, csrc/fastopt_core.h): in
+        # fp32, beta ** t rounds beta first, and 1 - beta^t multiplies that rounding by 1 / (1 - beta)
+        step_size = lr / -torch.expm1(t * _log(beta1))
+        sqrt_bc2 = (-torch.expm1(t * _log(beta2))).sqrt()
         p_new = p.to(acc) * (1 - lr * weight_decay) - step_size * (m / (v.sqrt() / sqrt_bc2 + eps))
         if is_8bit(s):
             for key, x, signed in (("1", m, True), ("2", v, False)):
