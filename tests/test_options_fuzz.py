@@ -488,6 +488,12 @@ def _build_ours_only(cfg, params):
 
 
 # ---------------------------------------------------------------------------------------------------- comparing
+def _nonfinite_differ(a, b) -> bool:
+    """Whether a and b hold NaN, inf and -inf at other elements."""
+    pat = lambda y: (y.detach().isnan(), y.detach() == math.inf, y.detach() == -math.inf)  # noqa: E731
+    return not all(torch.equal(u, v) for u, v in zip(pat(a), pat(b)))
+
+
 def _rel(a, b, scale=None):
     """||a - b|| / ||b||, or over `scale` (the largest ||b|| this state has had: a moment that cancels to near 0
     at one step, m = beta1 m + (1 - beta1) u with the two terms nearly opposite, keeps the absolute error of its
@@ -652,8 +658,7 @@ def run(cfg: dict, stop_at_first: bool = True) -> tuple[list, float]:
                     bad.append(f"step {t + 1} param {k}: empty param changed shape")
                 continue
             if not torch.isfinite(q).all() or not torch.isfinite(p).all():
-                pat = lambda y: (y.detach().isnan(), y.detach() == math.inf, y.detach() == -math.inf)  # noqa: E731
-                if not all(torch.equal(u, v) for u, v in zip(pat(p), pat(q))):
+                if _nonfinite_differ(p, q):
                     bad.append(f"step {t + 1} param {k} {tuple(x.shape)}: non-finite pattern differs "
                                f"(ours {int((~torch.isfinite(p)).sum())}, reference {int((~torch.isfinite(q)).sum())})")
                 continue

@@ -451,8 +451,7 @@ def run(cfg: dict, backend: str | None = None, stop_at_first: bool = True, stats
                 continue
             pd = p.detach().double()
             if not torch.isfinite(r).all() or not torch.isfinite(pd).all():
-                pat = lambda y: (y.detach().isnan(), y.detach() == math.inf, y.detach() == -math.inf)  # noqa: E731
-                if not all(torch.equal(u, v) for u, v in zip(pat(pd), pat(r))):
+                if of._nonfinite_differ(pd, r):
                     bad.append(f"{tag}: non-finite pattern differs from the round-stored reference's (ours "
                                f"{int((~torch.isfinite(pd)).sum())}, reference {int((~torch.isfinite(r)).sum())})")
                 continue
