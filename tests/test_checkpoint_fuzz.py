@@ -60,7 +60,30 @@ loaded state is checked there.
 Not drawn: FSDP1 through DCP (torch 2.13 itself fails there with torch's AdamW on this model, a rank holding no
 element missing `optim.param_groups` in dcp.load: tests/repro/fsdp1_dcp.py); the full state into one process (rank 0
 alone cannot take part in torch's collectives); ZeRO through DCP (README names its state_dict routes only); ZeRO's
-split params (the model's params are all below the 4 x 4096 elements a split needs).
+split params (the model's params are all below the 4 x 4096 elements a split needs): the ZeRO stream, below.
+
+The ZeRO stream (seeds from ZERO_FROM = 5000 on, `draw_zero`; the seeds below draw as before): the model beside
+test_layouts_fuzz's has one or two r x c matrices of 16384-17600 elements (130x130, 129x131, 96x180, 160x110, each
+between fixed random maps in and out of the model's width), which fastopt.ZeroRedundancyOptimizer over the 4 ranks
+splits into 4096-aligned ranges (cutting rows; one per rank), and over ranks 0 and 1 ("zero2r", a group of its own)
+splits when there is one; every optimizer as above, with min_8bit_size drawn from 0, 4096, 10000 and 20000 for 8-bit
+Lamb, AdamW8bit and GaLoreAdamW8bit (a split param 8-bit whole and its pieces below the size, or 32-bit whole in an
+8-bit group). The route is the plain one, the one README documents for the wrapper (its shard reloads on the same
+partition; `state_dict(consolidated=True)` is the unwrapped optimizer's format, and `load_state_dict` takes it or
+one process's state_dict and cuts it into the pieces): ZeRO -> ZeRO (its shards per rank, ZeRO-1 <-> ZeRO-2 too, or
+consolidated), ZeRO over 4 <-> ZeRO over 2, ZeRO <-> one process, ZeRO <-> DDP, the consolidated state reaching rank
+0's file through `state_dict(consolidated=True, to=0)`, `to=None`, or torch's idiom (`consolidate_state_dict(to=0)`,
+then `state_dict()` on rank 0); within dequantized_8bit or not; ZeRO-1 or ZeRO-2 per side, overlap_communication and
+25 or 0.05 MiB buckets (both sides alike). Also drawn: in 3 of 10 runs of Lamb, CAME and AdamW8bit, 32- or 8-bit,
+the target built with the other state width (README: the state_dict's param groups replace the optimizer's, nbits
+and min_8bit_size included, and it resumes as saved), and in 15 of 100 the save before the first step (the zero
+state `state_dict()` makes). The same checks, and: the state right after the load against the state saved for ZeRO
+sides too (their consolidated state, 8-bit states dequantized, bit for bit: the ranges keep one process's 8-bit
+blocks), and each ZeRO side's split params and boundaries against README's rule (numel > ceil(total / world) and >=
+world x 4096; boundary r: r x numel / world to the nearest multiple of 4096); a run in which no side split a param
+fails. Not drawn there (README documents no such route): ZeRO with FSDP1 (its `opt.state_dict()` reloads under the
+same wrapping only), with FSDP2, TP or FSDP2+TP (ZeRO through DCP or the full state on rank 0), and ZeRO over
+DTensor params (refused).
 
     python tests/test_checkpoint_fuzz.py FIRST_SEED COUNT [OUT.jsonl]   # many seeds, one line per seed
     python tests/test_checkpoint_fuzz.py --show SEED                     # the drawn run of a seed
@@ -104,10 +127,51 @@ OPTS = ["adafactor", "came", "came8", "lamb", "lamb8", "adamw8bit", "adamw8bit8"
 EIGHT = ("came8", "lamb8", "adamw8bit8", "galore8")
 TRITON_OPTS = ("adafactor", "came", "came8", "lamb", "lamb8", "galore", "galore8")
 ROUTES = ["dcp", "dcp", "full", "plain"]
+ZERO_FROM = 5000  # seeds from here on: the ZeRO stream (draw_zero), a stream of its own
+ZEROS = ("zero", "zero2r")  # the ZeRO wrapper over the 4 ranks, over ranks 0 and 1
+BIG_SHAPES = [(130, 130), (129, 131), (96, 180), (160, 110)]  # >= 4 x 4096 elements: split by ZeRO over 4 ranks
+
+
+# ---- the model of the ZeRO stream -----------------------------------------------------------------------------
+class _BigNet(lf._Net):
+    """test_layouts_fuzz's model and, beside it, one or two `big` r x c matrices (>= 4 x 4096 elements: ZeRO over 4
+    ranks splits them into 4096-aligned ranges that cut rows), each between fixed random maps (buffers) from and
+    back to the model's width: x + 0.3 tanh(tanh(x P) big) Q."""
+
+    def __init__(self, m):
+        super().__init__(m["vocab"], m["d"], m["h"], m["bias_b"], m["t"], m["cube"])
+        d = m["d"]
+        self.bigs = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(r, c) / r ** 0.5) for r, c in m["big"]])
+        for i, (r, c) in enumerate(m["big"]):
+            self.register_buffer(f"big_in{i}", torch.randn(d, r) / d ** 0.5)
+            self.register_buffer(f"big_out{i}", torch.randn(c, d) / c ** 0.5)
+
+    def forward(self, tok):
+        x = self.trunk(tok)
+        for i, big in enumerate(self.bigs):
+            p_in, q_out = getattr(self, f"big_in{i}"), getattr(self, f"big_out{i}")
+            x = x + 0.3 * torch.tanh(torch.tanh(x @ p_in) @ big) @ q_out
+        return self.head(x)
+
+
+def _build(cfg):
+    """The drawn model: test_layouts_fuzz's, or (the ZeRO stream) _BigNet."""
+    if "big" not in cfg["model"]:
+        return lf._build(cfg)
+    torch.manual_seed(cfg["seed"])
+    return _BigNet(cfg["model"]).double()
+
+
+def _shapes(model: dict) -> dict:
+    shapes = lf._shapes(model)
+    shapes.update({f"bigs.{i}": tuple(s) for i, s in enumerate(model.get("big", ()))})
+    return shapes
 
 
 # ---- drawing a run ----------------------------------------------------------------------------------------------
 def draw(seed: int) -> dict:
+    if seed >= ZERO_FROM:
+        return draw_zero(seed)
     rnd = random.Random(seed)
     name = rnd.choice(OPTS)
     model = lf._draw_model(rnd, "tp")  # with the TP plan's keys, for whichever side takes TP
@@ -115,17 +179,7 @@ def draw(seed: int) -> dict:
         model.update(vocab=rnd.choice([37, 50, 67]), d=rnd.choice([9, 12, 13]), h=rnd.choice([10, 15, 16]))
     if -(-model["vocab"] // 4) * 3 >= model["vocab"]:
         model["tp_emb"] = False  # an empty shard of the embedding: see test_layouts_fuzz._draw_model
-    shapes = lf._shapes(model)
-    o = lf._draw_opt(rnd, name[:-1] if name in EIGHT else name, shapes)
-    o["variant"] = name
-    if name in EIGHT:
-        bs = rnd.choice([64, 128])
-        if name == "came8":
-            o["defaults"]["nbits"] = 8
-        elif name == "lamb8":
-            o["defaults"].update(nbits=8, block_size=bs, min_8bit_size=0)
-        else:  # AdamW8bit with 8-bit states, GaLoreAdamW8bit
-            o["defaults"].update(block_size=bs, min_8bit_size=0)
+    o = _draw_opt_of(rnd, name, model)
     route = rnd.choice(ROUTES)
     if route == "dcp":
         src, tgt = rnd.choice(PLAIN + DTENSOR), rnd.choice(PLAIN + DTENSOR)
@@ -145,6 +199,87 @@ def draw(seed: int) -> dict:
     return cfg
 
 
+def _draw_opt_of(rnd, name, model) -> dict:
+    """The optimizer `name` (OPTS) with random options over the model's params (draw's way)."""
+    shapes = _shapes(model)
+    o = lf._draw_opt(rnd, name[:-1] if name in EIGHT else name, shapes)
+    o["variant"] = name
+    if name in EIGHT:
+        bs = rnd.choice([64, 128])
+        if name == "came8":
+            o["defaults"]["nbits"] = 8
+        elif name == "lamb8":
+            o["defaults"].update(nbits=8, block_size=bs, min_8bit_size=0)
+        else:  # AdamW8bit with 8-bit states, GaLoreAdamW8bit
+            o["defaults"].update(block_size=bs, min_8bit_size=0)
+    return o
+
+
+def draw_zero(seed: int) -> dict:
+    """The ZeRO stream (seeds from ZERO_FROM on): the model has one or two params that ZeRO over 4 ranks splits, a
+    side (or both) is the ZeRO wrapper (over the 4 ranks, or over ranks 0 and 1: "zero2r"; ZeRO-1 or ZeRO-2 per
+    side), the other one process, DDP or ZeRO; the plain route (README: `state_dict(consolidated=True)` is the
+    unwrapped optimizer's format and loads into the wrapper; the shard reloads on the same partition only)."""
+    rnd = random.Random(seed)
+    name = rnd.choice(OPTS)
+    model = lf._draw_model(rnd, "single")
+    if name in EIGHT:
+        model.update(vocab=rnd.choice([37, 50, 67]), d=rnd.choice([9, 12, 13]), h=rnd.choice([10, 15, 16]))
+    pair = rnd.choice(["zz", "z-", "-z", "z-", "-z"])
+    other = ["single", "ddp", "single", "ddp", "zero", "zero2r"]
+    src = tgt = rnd.choice(ZEROS) if pair == "zz" else None
+    if pair == "z-":
+        src, tgt = rnd.choice(ZEROS), rnd.choice(other)
+    elif pair == "-z":
+        src, tgt = rnd.choice(other), rnd.choice(ZEROS)
+    model["big"] = [list(rnd.choice(BIG_SHAPES)) for _ in range(rnd.choice([1, 1, 2]))]
+    if "zero" not in (src, tgt):  # ZeRO over 2 ranks splits a param above half the total: one big param only
+        model["big"] = model["big"][:1]
+    o = _draw_opt_of(rnd, name, model)
+    stage = rnd.random() < 0.5
+    cfg = dict(seed=seed, model=model, opt=o, route="plain", src=src, tgt=tgt, zero_stream=True,
+               deq=rnd.random() < 0.5, consolidated=rnd.random() < 0.5,
+               cmode=rnd.choice(["to0", "idiom", "all"]),  # how the consolidated state reaches rank 0's file
+               stage2={"src": stage, "tgt": stage if rnd.random() < 0.5 else not stage},
+               k=rnd.randint(1, 4), n=rnd.randint(3 if name.startswith("galore") else 2, 4))
+    triton = random.Random(f"{seed}/triton")
+    cfg["backend"] = "triton" if name in TRITON_OPTS and triton.random() < 0.25 else "torch"
+    if name in ("lamb8", "adamw8bit8", "galore8"):  # also a split param below min_8bit_size, or its pieces only
+        o["defaults"]["min_8bit_size"] = random.Random(f"{seed}/min8").choice([0, 0, 4096, 10000, 20000])
+    wrap = random.Random(f"{seed}/wrap")  # the wrapper's reduction (both sides alike): overlap, small buckets
+    cfg["zero_kw"] = dict(overlap_communication=wrap.random() < 0.3, bucket_size_mb=wrap.choice([25, 0.05]))
+    if random.Random(f"{seed}/k0").random() < 0.15:  # saved before the first step: the zero state (README)
+        cfg["k"] = 0
+    bits = random.Random(f"{seed}/bits")  # the target built with the other state width (README: a plain
+    # state_dict's param groups replace the optimizer's, nbits and min_8bit_size included; it resumes as saved)
+    if name in ("came", "lamb", "adamw8bit") + EIGHT[:-1] and bits.random() < 0.3:
+        cfg["tgt_opt"] = twin32(o) if name in EIGHT else twin8(o, bits.choice([64, 128]))
+    return cfg
+
+
+def twin8(o: dict, bs: int) -> dict:
+    """The same optimizer with 8-bit state (twin32's reverse)."""
+    o = copy.deepcopy(o)
+    v, d = o["variant"], o["defaults"]
+    if v == "came":
+        d["nbits"] = 8
+    elif v == "lamb":
+        d.update(nbits=8, block_size=bs, min_8bit_size=0)
+    else:
+        d.update(block_size=bs, min_8bit_size=0)
+    o["variant"] = v + "8"
+    return o
+
+
+def _stage2(cfg, which) -> bool:
+    """ZeRO-2 (partition_grad) on side `which`: drawn per side in the ZeRO stream, for both before."""
+    return cfg["stage2"][which] if "stage2" in cfg else cfg["zero_stage2"]
+
+
+def _nranks(layout) -> int:
+    return {"single": 1, "zero2r": 2}.get(layout, WORLD)
+
+
 def approximate(cfg) -> bool:
     """8-bit state with a side whose blocks follow a local piece (FSDP2, TP, FSDP1): within the 8-bit noise only."""
     cut = DTENSOR + ("fsdp1",)
@@ -153,7 +288,8 @@ def approximate(cfg) -> bool:
 
 def same_layout(cfg) -> bool:
     """Source and target alike (FSDP2: the same units too; other units reduce in other orders)."""
-    return cfg["src"] == cfg["tgt"] and (cfg["src"] != "fsdp" or cfg["fsdp"]["src"] == cfg["fsdp"]["tgt"])
+    return cfg["src"] == cfg["tgt"] and (cfg["src"] != "fsdp" or cfg["fsdp"]["src"] == cfg["fsdp"]["tgt"]) \
+        and _stage2(cfg, "src") == _stage2(cfg, "tgt")  # (ZeRO-1 and ZeRO-2 reduce otherwise)
 
 
 def twin32(o: dict) -> dict:
@@ -182,17 +318,22 @@ def make_opt(o, params_by_name):
 def _side(rank, cfg, layout, which):
     """The model and optimizer under `layout` on this rank, or None where the rank takes no part (one process: the
     ranks after 0)."""
-    if layout in ("single", "zero"):
-        if layout == "single" and rank:
+    if layout in ("single",) + ZEROS or (layout == "ddp" and "big" in cfg["model"]):
+        pg = dist.new_group([0, 1]) if layout == "zero2r" else None  # (collective: on every rank)
+        if rank >= _nranks(layout):
             return None
-        model = lf._build(cfg)
+        model = _build(cfg)
         params = dict(model.named_parameters())
-        opt = make_opt(cfg["opt"], params)
-        part, parts = (0, 1) if layout == "single" else (rank, WORLD)
-        if layout == "zero":
-            opt = fastopt.ZeroRedundancyOptimizer(opt, partition_grad=cfg["zero_stage2"])
-        return types.SimpleNamespace(layout=layout, model=model, inner=model, params=params, opt=opt, part=part,
-                                     parts=parts)
+        opt = make_opt(cfg.get("tgt_opt", cfg["opt"]) if which == "tgt" else cfg["opt"], params)
+        part, parts = (0, 1) if layout == "single" else (rank, _nranks(layout))
+        if layout in ZEROS:
+            opt = fastopt.ZeroRedundancyOptimizer(opt, process_group=pg, partition_grad=_stage2(cfg, which),
+                                                  **cfg.get("zero_kw", {}))
+        inner = model
+        if layout == "ddp":  # (the ZeRO stream's model: test_layouts_fuzz._setup builds its own)
+            model = torch.nn.parallel.DistributedDataParallel(inner)
+        return types.SimpleNamespace(layout=layout, model=model, inner=inner, params=params, opt=opt, part=part,
+                                     parts=parts, zero_stream=cfg.get("zero_stream", False))
     sc = dict(cfg, mode=layout, **cfg["fsdp"][which])
     model, inner, params, _, part, parts = lf._setup(rank, sc)
     return types.SimpleNamespace(layout=layout, model=model, inner=inner, params=params,
@@ -233,9 +374,9 @@ def _state_bad(cfg, side, snap, ref_params):
                 bad.append((n, "step", float(local(st["step"])), float(st_ref["step"])))
         return bad
     fake = types.SimpleNamespace(state={ref_params[n]: st for n, st in snap.items()})
-    if side.layout == "zero":
+    if side.layout in ZEROS:
         sd = side.opt.state_dict(consolidated=True, to=None)
-        model = lf._build(cfg)
+        model = _build(cfg)
         params = dict(model.named_parameters())
         opt = make_opt(cfg["opt"], params)
         opt.load_state_dict(sd)
@@ -247,7 +388,7 @@ def _state_bad(cfg, side, snap, ref_params):
 # ---- the reference ------------------------------------------------------------------------------------------------
 def _reference(cfg, o, steps):
     """One process on the torch back end, uninterrupted: (its params by name, init, per step: params, states)."""
-    ref = lf._build(cfg)
+    ref = _build(cfg)
     params = dict(ref.named_parameters())
     init = {n: p.detach().clone() for n, p in params.items()}
     opt = make_opt(o, params)
@@ -279,7 +420,7 @@ def _deq(on, opt):
 
 def _per_rank(cfg) -> bool:
     """Plain route: a file per rank (each rank's own state_dict), or rank 0's for all."""
-    return cfg["src"] == cfg["tgt"] and not (cfg["src"] == "zero" and cfg["consolidated"])
+    return cfg["src"] == cfg["tgt"] and not (cfg["src"] in ZEROS and cfg["consolidated"])
 
 
 def _save(rank, cfg, side, path):
@@ -308,8 +449,15 @@ def _save(rank, cfg, side, path):
         if rank == 0:
             torch.save(full, os.path.join(path, "model.pt"))
         with _deq(cfg["deq"], side.opt):
-            if src == "zero" and not (tgt == "zero" and not cfg["consolidated"]):
-                sd = side.opt.state_dict(consolidated=True, to=0)
+            if src in ZEROS and not _per_rank(cfg):  # the consolidated state, on rank 0 (README)
+                mode = cfg.get("cmode", "to0")
+                if mode == "to0":
+                    sd = side.opt.state_dict(consolidated=True, to=0)
+                elif mode == "all":
+                    sd = side.opt.state_dict(consolidated=True, to=None)
+                else:  # torch's idiom: consolidate_state_dict(to=0) on every rank, then state_dict() on rank 0
+                    side.opt.consolidate_state_dict(to=0)
+                    sd = side.opt.state_dict() if rank == 0 else None
             else:
                 sd = side.opt.state_dict()
         if sd is not None and (rank == 0 or _per_rank(cfg)):
@@ -341,7 +489,8 @@ def _load(rank, cfg, side, path):
             set_optimizer_state_dict(side.model, side.opt, sd["optim"], options=opts)
     else:
         full = torch.load(os.path.join(path, "model.pt"), weights_only=True)
-        if tgt in ("single", "zero"):
+        if tgt in ("single",) + ZEROS or "big" in cfg["model"]:  # (the ZeRO stream's DDP too: its buffers
+            # are the model's own, not in model.pt)
             with torch.no_grad():
                 for n, p in side.params.items():
                     p.copy_(full[n])
@@ -355,15 +504,43 @@ def _load(rank, cfg, side, path):
 
 def _whole_states(side):
     """Every state by param name and key, whole, 8-bit states dequantized (test_checkpoint.full_states), or None
-    for ZeRO (its consolidated state is compared at every step instead) and FSDP1 (same-layout reloads only, held
-    bit for bit to the uninterrupted run)."""
-    if side.layout in ("zero", "fsdp1"):  # (FSDP1: torch's FSDP.optim_state_dict takes no 8-bit or factored state)
+    for ZeRO before the ZeRO stream (its consolidated state is compared at every step instead; the ZeRO stream's:
+    _zero_states) and FSDP1 (same-layout reloads only, held bit for bit to the uninterrupted run)."""
+    if side.layout in ZEROS and getattr(side, "zero_stream", False):
+        return _zero_states(side)
+    if side.layout in ZEROS + ("fsdp1",):  # (FSDP1: torch's FSDP.optim_state_dict takes no 8-bit or factored state)
         return None
     with ckpt.dequantized_8bit(side.opt):
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
         eight = {(n, k) for n, st in get_optimizer_state_dict(side.model, side.opt)["state"].items()
                  for k, v in st.items() if isinstance(v, dict)}
     return full_states(side.model, side.opt), eight
+
+
+def _zero_states(side):
+    """The ZeRO stream: the wrapper's state as _whole_states gives one process's (by param name, whole, 8-bit states
+    dequantized), from its consolidated state_dict (a collective), dequantized there."""
+    with ckpt.dequantized_8bit(side.opt):
+        sd = side.opt.state_dict(consolidated=True, to=None)
+    name = {id(p): n for n, p in side.params.items()}
+    gid = {i: name[id(p)] for sg, g in zip(sd["param_groups"], side.opt.param_groups)
+           for i, p in zip(sg["params"], g["params"])}
+    states = {gid[i]: {k: (v[ckpt.DEQUANTIZED] if isinstance(v, dict) else torch.as_tensor(v)).clone()
+                       for k, v in st.items()} for i, st in sd["state"].items()}
+    eight = {(gid[i], k) for i, st in sd["state"].items() for k, v in st.items() if isinstance(v, dict)}
+    return states, eight
+
+
+def _splits(side):
+    """ZeRO: (the split params by name with their boundaries, those the README's rule gives: numel > ceil(total /
+    world) and >= world x 4096, boundaries r * numel / world rounded to the nearest multiple of 4096)."""
+    from fractions import Fraction
+    name = {id(p): n for n, p in side.params.items()}
+    got = {name[id(side.opt._params[i])]: list(b) for i, b in side.opt._split.items()}
+    w, total = side.parts, sum(p.numel() for p in side.params.values())
+    want = {n: [0] + [round(Fraction(r * p.numel(), w * 4096)) * 4096 for r in range(1, w)] + [p.numel()]
+            for n, p in side.params.items() if p.numel() > -(-total // w) and p.numel() >= w * 4096}
+    return got, want
 
 
 def _moved(saved, loaded, cfg) -> list:
@@ -426,14 +603,16 @@ def _fuzz(rank, world, cfg, path):
             twin_bad.append(s)
 
     side = _side(rank, cfg, cfg["src"], "src")
-    saved = None
+    saved, splits = None, []
+    if side is not None and side.layout in ZEROS and side.zero_stream:
+        splits.append(("src",) + _splits(side))
     if side is not None:
         for s in range(k):
             _train(cfg, side, s)
             compare(side, s)
         saved = _whole_states(side)
-        launches, held = side.launches, _held(side)
-    if cfg["src"] == "single" and cfg["tgt"] != "single":
+        launches, held = getattr(side, "launches", 0), _held(side) if k else 0  # (k = 0: it took no step)
+    if _nranks(cfg["src"]) < _nranks(cfg["tgt"]):
         saved = [saved]  # rank 0's, to every rank
         dist.broadcast_object_list(saved, src=0)
         saved = saved[0]
@@ -441,6 +620,8 @@ def _fuzz(rank, world, cfg, path):
     del side
     side = _side(rank, cfg, cfg["tgt"], "tgt")
     moved = []
+    if side is not None and side.layout in ZEROS and side.zero_stream:
+        splits.append(("tgt",) + _splits(side))
     if side is not None:
         _load(rank, cfg, side, path)
         loaded = _whole_states(side)
@@ -449,9 +630,10 @@ def _fuzz(rank, world, cfg, path):
         for s in range(k, k + n):
             _train(cfg, side, s)
             compare(side, s)
-        launches, held = launches + side.launches, held + _held(side)
+        launches, held = launches + getattr(side, "launches", 0), held + _held(side)
     dist.barrier()
-    return dict(errs=errs, state_bad=state_bad, twin_bad=twin_bad, moved=moved, launches=launches, held=held)
+    return dict(errs=errs, state_bad=state_bad, twin_bad=twin_bad, moved=moved, launches=launches, held=held,
+                splits=splits)
 
 
 def _held(side) -> int:
@@ -479,6 +661,13 @@ def check(results, cfg) -> list[str]:
                        f"{res['twin_bad']}")
     if not any(res["errs"] for res in results):
         bad.append("nothing compared")
+    if cfg.get("zero_stream"):  # the partition is the README's, and a ZeRO side split a param
+        for r, res in enumerate(results):
+            for which, got, want in res["splits"]:
+                if got != want:
+                    bad.append(f"rank {r}: {which}'s ZeRO split {got}, the README's rule {want}")
+        if not any(got for res in results for _, got, _ in res["splits"]):
+            bad.append("no ZeRO side split a param")
     return bad
 
 
@@ -510,8 +699,12 @@ def _backend_here(cfg):
 # Lamb), 11 (ZeRO-2 shard -> ZeRO, GaLore), 13 (DDP -> ZeRO through dequantized 8-bit Lamb state), 22 (full state TP
 # -> FSDP2+TP, CAME 8-bit), 25 (ZeRO -> ZeRO, 8-bit AdamW8bit), 28 (DCP FSDP2+TP -> FSDP2+TP, CAME, bit for bit),
 # 44 (DCP FSDP2 -> one process, flattened, 8-bit AdamW8bit), 48 (DCP DDP -> TP, GaLoreAdamW8bit), 60 (full state
-# FSDP2 -> DDP, 8-bit Lamb on the embedding: see the docstring), 85 (FSDP1 -> FSDP1, Lamb).
-FIXED_SEEDS = [2, 4, 5, 11, 13, 22, 25, 28, 44, 48, 60, 85]
+# FSDP2 -> DDP, 8-bit Lamb on the embedding: see the docstring), 85 (FSDP1 -> FSDP1, Lamb). The ZeRO stream, split
+# params: 5013 (one process -> ZeRO-1 over 4, 8-bit Lamb with min_8bit_size 10000, two split params, codes, into a
+# Lamb built 32-bit), 5014 (ZeRO-1 shards -> ZeRO-1, bit for bit, dequantized 8-bit CAME into a CAME built 32-bit,
+# 0.05 MiB buckets), 5100 (ZeRO-1 over 4 -> ZeRO-2 over 2, consolidated, dequantized GaLoreAdamW8bit, refreshing
+# before and after the load, overlap).
+FIXED_SEEDS = [2, 4, 5, 11, 13, 22, 25, 28, 44, 48, 60, 85, 5013, 5014, 5100]
 
 
 @pytest.mark.dist
@@ -558,9 +751,11 @@ def main(argv):
             t0 = time.time()
             bad, worst = _run_cfg(pool, cfg, me)
             rec = dict(seed=seed, ok=not bad, bad=bad, worst=float(f"{worst:.3g}"), secs=round(time.time() - t0, 1),
-                       route=cfg["route"],
+                       route=cfg["route"], stage2=cfg.get("stage2"), cmode=cfg.get("cmode"),
+                       consolidated=cfg.get("consolidated"), deq=cfg.get("deq"),
+                       big=cfg["model"].get("big"),
                        src=cfg["src"], tgt=cfg["tgt"], opt=cfg["opt"]["variant"], backend=cfg["backend"],
-                       flat=cfg["flat"], approx=approximate(cfg))
+                       flat=cfg.get("flat"), approx=approximate(cfg))
             out.write(json.dumps(rec) + "\n")
             out.flush()
 

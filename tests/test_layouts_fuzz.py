@@ -74,13 +74,17 @@ class _Net(torch.nn.Module):
         self.cube = torch.nn.Parameter(torch.randn(*cube, d) * 0.5) if cube else None
         self.head = torch.nn.Linear(d, vocab, bias=False)
 
-    def forward(self, tok):
+    def trunk(self, tok):
+        """The model up to its LM head."""
         x = self.emb(tok)
         x = x + self.b(torch.tanh(self.a(self.norm(x))))
         x = x + torch.tanh(x @ self.tiny.t()) @ self.tiny
         if self.cube is not None:
             x = x + 0.3 * torch.tanh(torch.einsum("bsd,kjd->bsj", x, self.cube)).sum(-1, keepdim=True)
-        return self.head(x)
+        return x
+
+    def forward(self, tok):
+        return self.head(self.trunk(tok))
 
 
 def _build(cfg):
