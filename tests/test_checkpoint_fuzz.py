@@ -201,11 +201,16 @@ def draw(seed: int) -> dict:
 
 def _draw_opt_of(rnd, name, model) -> dict:
     """The optimizer `name` (OPTS) with random options over the model's params (draw's way)."""
-    shapes = _shapes(model)
+    return draw_variant(rnd, name, _shapes(model), (64, 128))
+
+
+def draw_variant(rnd, name, shapes, blocks) -> dict:
+    """The optimizer `name` (OPTS) with test_layouts_fuzz's random options over params of these shapes; 8-bit
+    variants with blocks of a size drawn from `blocks` (min_8bit_size 0)."""
     o = lf._draw_opt(rnd, name[:-1] if name in EIGHT else name, shapes)
     o["variant"] = name
     if name in EIGHT:
-        bs = rnd.choice([64, 128])
+        bs = rnd.choice(blocks)
         if name == "came8":
             o["defaults"]["nbits"] = 8
         elif name == "lamb8":

@@ -69,7 +69,10 @@ exposed views; a rank that finds all of its exposed gradients written in place s
 accumulators' version counters moved) and holding zeros only votes, in the same reduce-scatter, for zeroing the
 split params' sums too, which happens when every rank holding an exposed owner's gradient so voted (one rank's
 gradients zeroed, or all zero and scaled in place, say by clip_grad_norm_ between micro-batches, are not the
-model's; checked on the device, only where split params exist). The gradients kept for frozen params (below) vote
+model's; checked on the device, only where split params exist). The wrapper's `clip_grad_norm_` marks no gradient
+written: its coefficient is 0 when the total norm is not finite, and the gradients so zeroed on every rank,
+carried into the next step's backward after a skipped step, must not zero the split params' sums (one process
+keeps their NaN = inf * 0 and skips again). The gradients kept for frozen params (below) vote
 as exposed ones, and a frozen split param's kept pieces take the votes in one small all-reduce of their own. The
 votes are cast when a round starts: gradients cleared or zeroed through the model after the last backward, with
 no backward before the step, leave the split params' sums as they were (the wrapper's `zero_grad()` reaches them).
@@ -1890,8 +1893,20 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             raise RuntimeError(f"{_NAME}.clip_grad_norm_: the total norm of order {norm_type} is non-finite; "
                                "pass error_if_nonfinite=False to clip anyway")
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        # ZeRO-2: scaling here is no zeroing through the model (`_zeroed_vote`). A coefficient of 0 (a non-finite
+        # norm) leaves every owner's gradient zero: the accumulators not written in place since their round
+        # ended stay unmoved, or the next round would zero the split params' sums (their inf * 0 = NaN, which one
+        # process keeps, lost: the wrapper would step where torch's GradScaler skips).
+        still = [b for b in self._red if b.version is not None and b.acc is not None
+                 and b.acc._version == b.version] if self.partition_grad else []
+        kept_still = [gidx for gidx, v in self._kept.items()
+                      if v._version == self._kept_ver.get(gidx)] if self.partition_grad else []
         for (device, dtype), gs in _by_device_dtype(self._present_grads()).items():  # ZeRO-1: every rank its copy
             torch._foreach_mul_(gs, coef.to(device=device, dtype=dtype))
+        for b in still:
+            b.version = b.acc._version
+        for gidx in kept_still:
+            self._kept_ver[gidx] = self._kept[gidx]._version
         return total
 
     def _piece_grad(self, i: int) -> Tensor | None:
@@ -1954,6 +1969,12 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     def _shard(self) -> dict:
         self._push_hyper()
         self._drop_foreign_state()
+        # A piece keeps the requires_grad its param had when it was made: a split param frozen since, and never
+        # stepped, would get the zero state that the wrapped optimizer's state_dict() makes for trainable params
+        # (one process makes none for it, nor does a frozen whole param here).
+        for i, piece in self._pieces.items():
+            if piece.requires_grad != self._params[i].requires_grad:
+                piece.requires_grad_(self._params[i].requires_grad)
         # fastopt.checkpoint.dequantized_8bit(wrapper) reaches the wrapped optimizer's 8-bit states (a fastopt one's)
         from ..optim.base import FastOptimizer
         deq = self.__dict__.get("_dequantize_8bit") and isinstance(self.optim, FastOptimizer)
