@@ -332,7 +332,10 @@ class _Torch:
         os.environ["FASTOPT_BACKEND"] = "torch"
 
     def __exit__(self, *exc):
-        os.environ["FASTOPT_BACKEND"] = self.was
+        if self.was is None:
+            os.environ.pop("FASTOPT_BACKEND", None)
+        else:
+            os.environ["FASTOPT_BACKEND"] = self.was
 
 
 def _fuzz(rank, world, cfg, upto=None):
