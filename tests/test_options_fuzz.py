@@ -693,15 +693,21 @@ FIXED_SEEDS = [678, 1043, 1051, 2365,
                100698, 101916]
 
 
-@pytest.mark.filterwarnings("ignore:invalid value encountered")
-@pytest.mark.parametrize("seed", FIXED_SEEDS)
-def test_options_fuzz_fixed_seeds(seed, monkeypatch):
-    cfg = draw(seed)
+def seed_env(cfg, monkeypatch) -> None:
+    """A fixed seed's test: skipped where its Triton kernels cannot run (no TRITON_INTERPRET=1 on CPU), on its
+    back end, with the kernels' POISON put back after it."""
     if cfg["backend"] == "triton" and not (ops.triton_available() and ops.interpreting()):
         pytest.skip("Triton seeds need TRITON_INTERPRET=1")
     monkeypatch.setenv("FASTOPT_BACKEND", cfg["backend"])
     from fastopt.kernels import common
     monkeypatch.setattr(common, "POISON", common.POISON)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered")
+@pytest.mark.parametrize("seed", FIXED_SEEDS)
+def test_options_fuzz_fixed_seeds(seed, monkeypatch):
+    cfg = draw(seed)
+    seed_env(cfg, monkeypatch)
     bad, _ = run(cfg)
     assert not bad, "\n".join([json.dumps(cfg)] + bad)
 

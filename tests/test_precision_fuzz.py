@@ -121,7 +121,6 @@ import torch
 import test_options_fuzz as of
 from conftest import TOL, snapshot
 
-from fastopt import ops
 from fastopt.reference.common import stochastic_round_bf16
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
@@ -599,12 +598,8 @@ FIXED_SEEDS = [296, 270, 242, 245, 276, 252, 339, 299, 251, 247, 287, 283, 263, 
 @pytest.mark.parametrize("seed", FIXED_SEEDS)
 def test_precision_fuzz_fixed_seeds(seed, monkeypatch):
     cfg = draw(seed)
-    if cfg["backend"] == "triton" and not (ops.triton_available() and ops.interpreting()):
-        pytest.skip("Triton seeds need TRITON_INTERPRET=1")
-    monkeypatch.setenv("FASTOPT_BACKEND", cfg["backend"])
+    of.seed_env(cfg, monkeypatch)
     monkeypatch.setenv("FASTOPT_GALORE_DOT", "ieee")
-    from fastopt.kernels import common
-    monkeypatch.setattr(common, "POISON", common.POISON)
     bad = run_both(cfg) if cfg["backend"] == "triton" else run(cfg)
     assert not bad, "\n".join([json.dumps(cfg)] + bad)
 

@@ -1688,6 +1688,19 @@ def test_zero2_zeroed_vote(pool, how, overlap):
         assert err <= TOL[DT], err
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_loss_scale_unscaling_moves_no_version_counter(dtype):
+    """ZeRO-2's 'zeroed' vote reads the accumulators' version counters; the wrapper's clip_grad_norm_ keeps their
+    marks by hand, its unscaling (`_unscale`: GradScaler's kernel) needs not: that kernel moves none. Were a torch
+    release to move them, gradients left all zero by a clip by 0 on the scaled gradients (no unscale_ before it)
+    would be unscaled in the step, taken for a zeroing through the model, and the split params' sums zeroed."""
+    g = torch.zeros(4, dtype=dtype)
+    before = g._version
+    found = torch.zeros(())
+    torch._amp_foreach_non_finite_check_and_unscale_([g], found, torch.tensor(0.5))
+    assert g._version == before
+
+
 def _group_added_after_backward(rank, world, partition_grad, overlap):
     """add_param_group between backward and step (torch allows it), of params unfrozen before that backward; two
     groups, one after the other (ZeRO-2: b2, added first, shares its owner's bucket with w3, whose sum the first

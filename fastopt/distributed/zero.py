@@ -1896,7 +1896,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         # ZeRO-2: scaling here is no zeroing through the model (`_zeroed_vote`). A coefficient of 0 (a non-finite
         # norm) leaves every owner's gradient zero: the accumulators not written in place since their round
         # ended stay unmoved, or the next round would zero the split params' sums (their inf * 0 = NaN, which one
-        # process keeps, lost: the wrapper would step where torch's GradScaler skips).
+        # process keeps, lost: the wrapper would step where torch's GradScaler skips). The wrapper's other
+        # in-place scaling, the loss scale's (`_unscale`), moves no version counter (GradScaler's kernel,
+        # torch._amp_foreach_non_finite_check_and_unscale_, torch 2.13).
         still = [b for b in self._red if b.version is not None and b.acc is not None
                  and b.acc._version == b.version] if self.partition_grad else []
         kept_still = [gidx for gidx, v in self._kept.items()
