@@ -753,31 +753,39 @@ def test_dtensor_placements_match_single_process(pool, name):
     pool.run(_placements_case, name)
 
 
-AMP_CASES = ["tp_rows_uneven", "vector", "dp_x_tp_rows", "fsdp_rows_tp_cols"]
+AMP_CASES = ["fsdp_x_tp_strided", "fsdp_rows_tp_cols"]  # one mesh, sharded along each dim: found_inf agreed
 AMP_INF_STEP = 3
+
+
+def _amp_problem(name, case_names, seed):
+    """The loss-scaler tests' problem: the cases' initial params and per-step grads, the single process's params
+    stepped on every step but AMP_INF_STEP's, the cases' meshes and placements, and fastopt's optimizer over the
+    initial params distributed so."""
+    from torch.distributed.tensor import distribute_tensor
+    cases = [CASES[c] for c in case_names]
+    init, grads = _problem([c[0] for c in cases], seed=seed)
+    ref = [p.clone() for p in init]
+    ref_opt = _make_opt(name, ref)
+    for t, gs in enumerate(grads):
+        if t != AMP_INF_STEP:
+            for p, g in zip(ref, gs):
+                p.grad = g.clone()
+            ref_opt.step()
+    plc = _meshes_and_placements(cases)
+    params = [torch.nn.Parameter(distribute_tensor(p0.clone(), m, pl, src_data_rank=None))
+              for p0, (m, pl) in zip(init, plc)]
+    return init, grads, ref, plc, params, _make_opt(name, params)
 
 
 def _grad_scaler_case(rank, world, name):
     """DTensor params stepped through torch.amp.GradScaler, which hands step() its grad_scale and found_inf
-    (`_step_supports_amp_scaling`: a DTensor's found_inf is agreed over its mesh): the grads, scaled by 2^12, are
+    (`_step_supports_amp_scaling`: params on one mesh, each sharded along every dim of it, whose found_inf DTensor's
+    unscale agrees over the mesh; `_one_rank_inf_case` for others): the grads, scaled by 2^12, are
     unscaled in the sharded step, and the step whose grads hold an inf (every element of every grad, so on every
     rank) changes nothing, its step counters neither; against the single process stepping the unscaled grads and
     leaving that step out."""
-    from torch.distributed.tensor import distribute_tensor
-    cases = [CASES[c] for c in AMP_CASES]
-    init, grads = _problem([c[0] for c in cases], seed=5)
-    ref = [p.clone() for p in init]
-    ref_opt = _make_opt(name, ref)
-    for t, gs in enumerate(grads):
-        if t == AMP_INF_STEP:
-            continue
-        for p, g in zip(ref, gs):
-            p.grad = g.clone()
-        ref_opt.step()
-    plc = _meshes_and_placements(cases)
-    params = [torch.nn.Parameter(distribute_tensor(p0.clone(), m, pl, src_data_rank=None))
-              for p0, (m, pl) in zip(init, plc)]
-    opt = _make_opt(name, params)
+    init, grads, ref, plc, params, opt = _amp_problem(name, AMP_CASES, 5)
+    assert opt._step_supports_amp_scaling
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
     for t, gs in enumerate(grads):
         scaled_dtensor_step(scaler, opt, params, gs, plc, t == AMP_INF_STEP)
@@ -794,6 +802,40 @@ def _grad_scaler_case(rank, world, name):
 @pytest.mark.parametrize("name", ["adafactor", "lamb", "galore"])
 def test_grad_scaler_on_dtensor_params_matches_single_process(pool, name):
     pool.run(_grad_scaler_case, name)
+
+
+def _one_rank_inf_case(rank, world, name):
+    """An inf in one element of ONE rank's piece (rank 3's, of a param sharded over both dims of a 2 x 2 mesh),
+    beside a param Replicate over dp, placed first: DTensor's unscale reduces found_inf over the dims that shard
+    the first gradient only (tp here), so ranks 0 and 1 did not see it, stepped, and grew their scale. fastopt takes
+    GradScaler's own path there (`_found_inf_agreed`), where FSDP's ShardedGradScaler sums the infs over the
+    ranks: every rank skips that step, with one scale, as the single process leaving it out."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+    from torch.distributed.tensor import distribute_tensor
+
+    from fastopt.distributed.layout import local
+    init, grads, ref, plc, params, opt = _amp_problem(name, ["dp_x_tp_rows", "fsdp_rows_tp_cols"], 6)
+    scaler = ShardedGradScaler("cpu", init_scale=2.0 ** 12, growth_interval=2)
+    for t, gs in enumerate(grads):
+        scale = float(scaler.scale(torch.ones(())))
+        for p, g, (m, pl) in zip(params, gs, plc):
+            p.grad = distribute_tensor(g * scale, m, pl, src_data_rank=None)
+        if t == AMP_INF_STEP and rank == 3:
+            local(params[1].grad).view(-1)[0] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+    scales = [None] * world
+    dist.all_gather_object(scales, scaler.get_scale())
+    err = rel_update_error([p.detach().full_tensor() for p in params], ref, init)
+    assert scales == [scales[0]] * world, scales
+    assert err <= TOL_REL, (name, err)
+    assert all(float(opt.state[p]["step"]) == STEPS - 1 for p in params), name
+    assert not opt._step_supports_amp_scaling, name
+
+
+@pytest.mark.parametrize("name", ["adafactor", "lamb"])
+def test_grad_scaler_inf_on_one_rank_skips_on_every_rank(pool, name):
+    pool.run(_one_rank_inf_case, name)
 
 
 @pytest.mark.parametrize("name", ["adafactor", "came", "lamb", "galore"])
@@ -2247,6 +2289,36 @@ def _state_dict_after_declaration_case(rank, world, name):
 @pytest.mark.parametrize("name", ["adafactor", "came", "lamb"])
 def test_state_dict_saved_between_declaration_and_first_step_resumes(pool, name):
     pool.run(_state_dict_after_declaration_case, name)
+
+
+def _low_level_zero_one_process_case(rank, world, name):
+    """LowLevelZeroPlugin on one process: its masters are flattened working params (a ZeRO group of one), and it
+    declares them with is_zero=False (`dp_size > 1 and zero_stage > 0`), the dicts given. Each rank alone, its
+    dp group one rank: the single process's steps (fastopt refused the mapping before: not the same shape)."""
+    from fastopt.distributed import full_tensor
+    ones = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
+    shapes = [(7, 5), (6,), (2, 3, 4)]
+    init, grads = _problem(shapes, seed=11)
+    ref = [p.clone() for p in init]
+    step_all(_make_opt(name, ref), ref, grads)
+    masters = [p0.reshape(-1).clone().requires_grad_() for p0 in init]
+    works = [p0.clone() for p0 in init]
+    opt = _make_opt(name, masters, shapes)
+    opt.setup_distributed(None, ones[rank], {id(q): w for q, w in zip(masters, works)}, {id(w): 0 for w in works},
+                          False)
+    for gs in grads:
+        for q, g in zip(masters, gs):
+            q.grad = g.reshape(-1).clone()
+        opt.step()
+    full = [full_tensor(q, opt._layout(q)).view(s) for q, s in zip(masters, shapes)]
+    err = rel_update_error(full, ref, init)
+    assert err <= TOL_REL, (name, err)
+    return err
+
+
+@pytest.mark.parametrize("name", ["adafactor", "lamb", "galore"])
+def test_low_level_zero_plugin_on_one_process_steps_as_one_process(pool, name):
+    pool.run(_low_level_zero_one_process_case, name)
 
 
 def _empty_piece_reload_case(rank, world, name):

@@ -176,6 +176,24 @@ def _other_classes_keys(cls: type, keys: set) -> dict:
     return found
 
 
+def _found_inf_agreed(params: list) -> bool:
+    """Whether GradScaler's found_inf is the same on every rank that holds a piece of `params`: no DTensor among
+    them, or all DTensors on one mesh, sharded along the same dims of it (those of more than one rank; replicas
+    along the others hold the same gradients). DTensor's unscale (`found_inf_reduce_handler`, torch 2.13) reduces
+    found_inf over the dims that shard the FIRST gradient of each device and dtype only: a param Replicate along a
+    dim that shards another (TP's replicated params beside its sharded ones), or on another mesh (under FSDP2 + TP
+    the params TP leaves whole lie on the dp mesh alone), coming first, an inf in one rank's piece of another
+    param is seen by that rank (and those it reduces with) alone."""
+    from torch.distributed.tensor import Replicate
+    meshes = [p.device_mesh for p in params if ckpt.is_dtensor(p)]
+    if not meshes:
+        return True
+    if len(meshes) < len(params) or any(m != meshes[0] for m in meshes):
+        return False
+    return len({tuple(d for d, pl in enumerate(p.placements) if not isinstance(pl, Replicate) and m.size(d) > 1)
+                for p, m in zip(params, meshes)}) == 1
+
+
 class FastOptimizer(torch.optim.Optimizer):
     _name = "FastOptimizer"
 
@@ -183,18 +201,20 @@ class FastOptimizer(torch.optim.Optimizer):
     def _step_supports_amp_scaling(self) -> bool:
         """GradScaler then sets `self.grad_scale` and `self.found_inf` and lets step() unscale and skip on device,
         with no host sync. Not with params sharded as plain tensors (FSDP1, `declare_shard`,
-        `setup_distributed`): each rank's found_inf covers its own pieces alone (a DTensor's is agreed over its
-        mesh), so ranks would skip different steps and their loss scales drift apart; GradScaler then unscales
-        first (FSDP1's ShardedGradScaler sums the infs over its ranks there) and steps only when no rank found
-        one, as for torch's optimizers (its host sync, outside step()). Read at every GradScaler.step: the answer
-        is kept until the params or their known layouts change (`_declare_group` forgets it)."""
+        `setup_distributed`): each rank's found_inf covers its own pieces alone, so ranks would skip different
+        steps and their loss scales drift apart; GradScaler then unscales first (FSDP1's ShardedGradScaler sums
+        the infs over its ranks there) and steps only when no rank found one, as for torch's optimizers (its host
+        sync, outside step()). Nor with DTensor params whose found_inf torch does not agree over their ranks
+        (`_found_inf_agreed`). Read at every GradScaler.step: the answer is kept until the params or their known
+        layouts change (`_declare_group` forgets it)."""
         key = (len(self.__dict__.get("_layout_cache", ())),) + tuple(
             (id(g["params"]), len(g["params"])) for g in self.param_groups)
         memo = self.__dict__.get("_amp_memo")
         if memo is None or memo[0] != key:
-            plain = any((lay := self._layout(p)) is not None and lay.mesh is None and not lay.outside
-                        for g in self.param_groups for p in g["params"])
-            memo = self.__dict__["_amp_memo"] = ((len(self.__dict__["_layout_cache"]),) + key[1:], not plain)
+            ps = [p for g in self.param_groups for p in g["params"]]
+            plain = any((lay := self._layout(p)) is not None and lay.mesh is None and not lay.outside for p in ps)
+            memo = self.__dict__["_amp_memo"] = ((len(self.__dict__["_layout_cache"]),) + key[1:],
+                                                 not plain and _found_inf_agreed(ps))
         return memo[1]
 
     def __init__(self, params, defaults: dict):
@@ -706,7 +726,9 @@ class FastOptimizer(torch.optim.Optimizer):
             padding_map: {id(p) or id(working param): padding}: elements appended to the flattened working
                 param so that it splits evenly over dp_group (default: inferred from the sizes, and checked).
             is_zero: p holds the range [rank * p.numel(), (rank + 1) * p.numel()) of the flattened (padded)
-                working param, rank = its rank in dp_group (ColossalAI's low-level ZeRO).
+                working param, rank = its rank in dp_group (ColossalAI's low-level ZeRO). False with a dp_group of
+                one rank and 1-D masters mapped to working params of another shape (LowLevelZeroPlugin on one
+                process, whose masters are flattened) is taken as ZeRO over that group.
 
         Groups added later (`add_param_group`) are declared the same way, from the same (live) dicts.
         """
@@ -749,7 +771,12 @@ class FastOptimizer(torch.optim.Optimizer):
             where = f"param_groups[{gi}]['params'][{pi}]"
             working = mapping.get(id(p), p)
             tp_lay = _working_layout(working, tp_group, n, where)
-            if not is_zero:
+            # LowLevelZeroPlugin on one process passes is_zero=False (its `dp_size > 1 and zero_stage > 0`), yet
+            # flattens every master: a 1-D master of all of its working param's elements, over a dp group of one,
+            # is ZeRO's range of that group
+            one = (not is_zero and dp_group is not None and dist.get_world_size(dp_group) == 1 and p.dim() == 1
+                   and tuple(local(working).shape) != tuple(local(p).shape))
+            if not is_zero and not one:
                 if tuple(local(working).shape) != tuple(local(p).shape):
                     raise ValueError(f"{n}: shard_to_working_param maps {where} of shape {tuple(p.shape)} to a "
                                      f"working param of shape {tuple(working.shape)}; without is_zero=True "
