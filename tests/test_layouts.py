@@ -804,38 +804,66 @@ def test_grad_scaler_on_dtensor_params_matches_single_process(pool, name):
     pool.run(_grad_scaler_case, name)
 
 
+def _sharded_scaler_inf_run(name, case_names, seed, first_grad_replicate_until):
+    """ShardedGradScaler over fastopt's optimizer on `case_names`' DTensor params, an inf in one element of rank
+    3's piece of the second param's gradient at AMP_INF_STEP, the first param's gradient placed Replicate up to
+    step `first_grad_replicate_until` (its param's placements after): every rank's scale, the update and the step
+    counters must be one process's leaving that step out. Returns whether each step took the fused path."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from fastopt.distributed.layout import local
+    init, grads, ref, plc, params, opt = _amp_problem(name, case_names, seed)
+    scaler = ShardedGradScaler("cpu", init_scale=2.0 ** 12, growth_interval=2)
+    fused = []
+    for t, gs in enumerate(grads):
+        scale = float(scaler.scale(torch.ones(())))
+        for i, (p, g, (m, pl)) in enumerate(zip(params, gs, plc)):
+            p.grad = distribute_tensor(g * scale, m, [Replicate()] if i == 0 and t <= first_grad_replicate_until
+                                       else pl, src_data_rank=None)
+        if t == AMP_INF_STEP and dist.get_rank() == 3:
+            local(params[1].grad).view(-1)[0] = float("inf")
+        fused.append(opt._step_supports_amp_scaling)
+        scaler.step(opt)
+        scaler.update()
+    scales = [None] * dist.get_world_size()
+    dist.all_gather_object(scales, scaler.get_scale())
+    err = rel_update_error([p.detach().full_tensor() for p in params], ref, init)
+    assert scales == [scales[0]] * len(scales), scales
+    assert err <= TOL_REL, (name, err)
+    assert all(float(opt.state[p]["step"]) == STEPS - 1 for p in params), name
+    return fused
+
+
 def _one_rank_inf_case(rank, world, name):
     """An inf in one element of ONE rank's piece (rank 3's, of a param sharded over both dims of a 2 x 2 mesh),
     beside a param Replicate over dp, placed first: DTensor's unscale reduces found_inf over the dims that shard
     the first gradient only (tp here), so ranks 0 and 1 did not see it, stepped, and grew their scale. fastopt takes
     GradScaler's own path there (`_found_inf_agreed`), where FSDP's ShardedGradScaler sums the infs over the
     ranks: every rank skips that step, with one scale, as the single process leaving it out."""
-    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-    from torch.distributed.tensor import distribute_tensor
-
-    from fastopt.distributed.layout import local
-    init, grads, ref, plc, params, opt = _amp_problem(name, ["dp_x_tp_rows", "fsdp_rows_tp_cols"], 6)
-    scaler = ShardedGradScaler("cpu", init_scale=2.0 ** 12, growth_interval=2)
-    for t, gs in enumerate(grads):
-        scale = float(scaler.scale(torch.ones(())))
-        for p, g, (m, pl) in zip(params, gs, plc):
-            p.grad = distribute_tensor(g * scale, m, pl, src_data_rank=None)
-        if t == AMP_INF_STEP and rank == 3:
-            local(params[1].grad).view(-1)[0] = float("inf")
-        scaler.step(opt)
-        scaler.update()
-    scales = [None] * world
-    dist.all_gather_object(scales, scaler.get_scale())
-    err = rel_update_error([p.detach().full_tensor() for p in params], ref, init)
-    assert scales == [scales[0]] * world, scales
-    assert err <= TOL_REL, (name, err)
-    assert all(float(opt.state[p]["step"]) == STEPS - 1 for p in params), name
-    assert not opt._step_supports_amp_scaling, name
+    fused = _sharded_scaler_inf_run(name, ["dp_x_tp_rows", "fsdp_rows_tp_cols"], 6, -1)
+    assert not any(fused), (name, fused)
 
 
 @pytest.mark.parametrize("name", ["adafactor", "lamb"])
 def test_grad_scaler_inf_on_one_rank_skips_on_every_rank(pool, name):
     pool.run(_one_rank_inf_case, name)
+
+
+def _grad_placements_inf_case(rank, world, name):
+    """Params all sharded along the one dim of a mesh of 4 (found_inf agreed, by their placements), the first
+    one's gradient Replicate (as torch 2.13 leaves an embedding's under RowwiseParallel(input_layouts=Replicate())):
+    DTensor's unscale reads the FIRST gradient's placements, so it reduced found_inf over no dim, and an inf in rank
+    3's piece of the second gradient was seen by rank 3 alone: it skipped, the others stepped (fused path, its scale
+    apart). fastopt reads the gradients' placements at each GradScaler.step: GradScaler's own path there, where
+    ShardedGradScaler sums the infs over the ranks; the fused path again once they are the params'."""
+    fused = _sharded_scaler_inf_run(name, ["tp_cols_uneven", "tp_rows_uneven"], 7, AMP_INF_STEP)
+    assert fused == [t > AMP_INF_STEP for t in range(STEPS)], fused
+
+
+@pytest.mark.parametrize("name", ["adafactor", "lamb"])
+def test_grad_scaler_reads_the_gradients_placements(pool, name):
+    pool.run(_grad_placements_inf_case, name)
 
 
 @pytest.mark.parametrize("name", ["adafactor", "came", "lamb", "galore"])
@@ -2294,9 +2322,14 @@ def test_state_dict_saved_between_declaration_and_first_step_resumes(pool, name)
 def _low_level_zero_one_process_case(rank, world, name):
     """LowLevelZeroPlugin on one process: its masters are flattened working params (a ZeRO group of one), and it
     declares them with is_zero=False (`dp_size > 1 and zero_stage > 0`), the dicts given. Each rank alone, its
-    dp group one rank: the single process's steps (fastopt refused the mapping before: not the same shape)."""
+    dp group one rank: the single process's steps (fastopt refused the mapping before: not the same shape). A 1-D
+    master of more elements than its working param is no such master (one rank pads nothing): still refused."""
     from fastopt.distributed import full_tensor
     ones = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
+    longer = torch.zeros(16, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(ValueError, match="without is_zero=True they must be the same tensor"):
+        _make_opt(name, [longer], [(3, 5)]).setup_distributed(None, ones[rank], {id(longer): torch.zeros(3, 5)}, None,
+                                                             False)
     shapes = [(7, 5), (6,), (2, 3, 4)]
     init, grads = _problem(shapes, seed=11)
     ref = [p.clone() for p in init]

@@ -176,22 +176,39 @@ def _other_classes_keys(cls: type, keys: set) -> dict:
     return found
 
 
+def _sharded_dims(t: Tensor) -> tuple:
+    """The dims of DTensor t's mesh (those of more than one rank) that t is not Replicate along: those over which
+    DTensor's unscale reduces found_inf when t is the first gradient (replicas along the others hold the same)."""
+    from torch.distributed.tensor import Replicate
+    m = t.device_mesh
+    return tuple(d for d, pl in enumerate(t.placements) if not isinstance(pl, Replicate) and m.size(d) > 1)
+
+
 def _found_inf_agreed(params: list) -> bool:
     """Whether GradScaler's found_inf is the same on every rank that holds a piece of `params`: no DTensor among
-    them, or all DTensors on one mesh, sharded along the same dims of it (those of more than one rank; replicas
-    along the others hold the same gradients). DTensor's unscale (`found_inf_reduce_handler`, torch 2.13) reduces
-    found_inf over the dims that shard the FIRST gradient of each device and dtype only: a param Replicate along a
-    dim that shards another (TP's replicated params beside its sharded ones), or on another mesh (under FSDP2 + TP
-    the params TP leaves whole lie on the dp mesh alone), coming first, an inf in one rank's piece of another
-    param is seen by that rank (and those it reduces with) alone."""
-    from torch.distributed.tensor import Replicate
+    them, or all DTensors on one mesh, sharded along the same dims of it (`_sharded_dims`), and so their
+    gradients (`_grads_placed_as_params`, read at each step). DTensor's unscale (`found_inf_reduce_handler`, torch
+    2.13) reduces found_inf over the dims that shard the FIRST gradient of each device and dtype only: a param
+    Replicate along a dim that shards another (TP's replicated params beside its sharded ones), or on another mesh
+    (under FSDP2 + TP the params TP leaves whole lie on the dp mesh alone), coming first, an inf in one rank's
+    piece of another param is seen by that rank (and those it reduces with) alone."""
     meshes = [p.device_mesh for p in params if ckpt.is_dtensor(p)]
     if not meshes:
         return True
     if len(meshes) < len(params) or any(m != meshes[0] for m in meshes):
         return False
-    return len({tuple(d for d, pl in enumerate(p.placements) if not isinstance(pl, Replicate) and m.size(d) > 1)
-                for p, m in zip(params, meshes)}) == 1
+    return len({_sharded_dims(p) for p in params}) == 1
+
+
+def _grads_placed_as_params(params: list) -> bool:
+    """Whether each DTensor gradient of these DTensor params is on its param's mesh, sharded along its dims: a
+    gradient can differ (torch 2.13 leaves a Replicate one on an embedding sharded by
+    RowwiseParallel(input_layouts=Replicate()), Partial ones on SequenceParallel's norm weights: `_local_grad`),
+    and DTensor's unscale reads the first gradient's placements (`_found_inf_agreed`). Gradients change at every
+    step: read at each GradScaler.step, over the params that are DTensors only."""
+    return all(not ckpt.is_dtensor(g := p.grad) or (
+        (g.placements == p.placements or _sharded_dims(g) == _sharded_dims(p)) and g.device_mesh == p.device_mesh)
+        for p in params)
 
 
 class FastOptimizer(torch.optim.Optimizer):
@@ -206,7 +223,7 @@ class FastOptimizer(torch.optim.Optimizer):
         the infs over its ranks there) and steps only when no rank found one, as for torch's optimizers (its host
         sync, outside step()). Nor with DTensor params whose found_inf torch does not agree over their ranks
         (`_found_inf_agreed`). Read at every GradScaler.step: the answer is kept until the params or their known
-        layouts change (`_declare_group` forgets it)."""
+        layouts change (`_declare_group` forgets it); the DTensor gradients' placements are read each time."""
         key = (len(self.__dict__.get("_layout_cache", ())),) + tuple(
             (id(g["params"]), len(g["params"])) for g in self.param_groups)
         memo = self.__dict__.get("_amp_memo")
@@ -214,8 +231,9 @@ class FastOptimizer(torch.optim.Optimizer):
             ps = [p for g in self.param_groups for p in g["params"]]
             plain = any((lay := self._layout(p)) is not None and lay.mesh is None and not lay.outside for p in ps)
             memo = self.__dict__["_amp_memo"] = ((len(self.__dict__["_layout_cache"]),) + key[1:],
-                                                 not plain and _found_inf_agreed(ps))
-        return memo[1]
+                                                 not plain and _found_inf_agreed(ps),
+                                                 [p for p in ps if ckpt.is_dtensor(p)])
+        return memo[1] and _grads_placed_as_params(memo[2])
 
     def __init__(self, params, defaults: dict):
         if isinstance(params, (set, frozenset)):  # torch refuses one in a group, and from 2.15 warns here
@@ -727,8 +745,8 @@ class FastOptimizer(torch.optim.Optimizer):
                 param so that it splits evenly over dp_group (default: inferred from the sizes, and checked).
             is_zero: p holds the range [rank * p.numel(), (rank + 1) * p.numel()) of the flattened (padded)
                 working param, rank = its rank in dp_group (ColossalAI's low-level ZeRO). False with a dp_group of
-                one rank and 1-D masters mapped to working params of another shape (LowLevelZeroPlugin on one
-                process, whose masters are flattened) is taken as ZeRO over that group.
+                one rank and 1-D masters mapped to working params of another shape, as many elements (LowLevelZeroPlugin
+                on one process, whose masters are flattened) is taken as ZeRO over that group.
 
         Groups added later (`add_param_group`) are declared the same way, from the same (live) dicts.
         """
@@ -772,10 +790,11 @@ class FastOptimizer(torch.optim.Optimizer):
             working = mapping.get(id(p), p)
             tp_lay = _working_layout(working, tp_group, n, where)
             # LowLevelZeroPlugin on one process passes is_zero=False (its `dp_size > 1 and zero_stage > 0`), yet
-            # flattens every master: a 1-D master of all of its working param's elements, over a dp group of one,
-            # is ZeRO's range of that group
+            # flattens every master: a 1-D master of all of its working param's elements (no padding over one
+            # rank), over a dp group of one, is ZeRO's range of that group
             one = (not is_zero and dp_group is not None and dist.get_world_size(dp_group) == 1 and p.dim() == 1
-                   and tuple(local(working).shape) != tuple(local(p).shape))
+                   and tuple(local(working).shape) != tuple(local(p).shape)
+                   and p.numel() == (tp_lay.count if tp_lay is not None else working.numel()))
             if not is_zero and not one:
                 if tuple(local(working).shape) != tuple(local(p).shape):
                     raise ValueError(f"{n}: shard_to_working_param maps {where} of shape {tuple(p.shape)} to a "
