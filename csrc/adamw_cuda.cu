@@ -81,6 +81,9 @@ __global__ void __launch_bounds__(kThreads, KMAX == 4 ? 3 : 1)
       new2 = fmaxf(new2, fabsf(vq[k]));
     }
     store_tile(L, st.vec, lane, st.lim, p, [&](int k) { return pv[k]; });
+    if (inv_scale != nullptr)  // GradScaler's fused path: the unscaled gradient stored over it, as torch's fused steps
+      store_tile(L, st.vec, lane, st.lim, const_cast<T*>(static_cast<const T*>(e.g)) + start,
+                 [&](int k) { return st.gv[k] * inv; });
     // Every thread of the group has read the old absmax (its value feeds new1/new2) before lane 0 writes.
     float amax[2] = {new1, new2};
     group_max_n<2>(amax, L.G, red);
@@ -114,7 +117,7 @@ __global__ void __launch_bounds__(kThreads)
     const AdamWEntry e = entries[cur.i];
     if (moved) s = adamw_scalars<C>(h, *e.step);
     T* p = static_cast<T*>(e.p);
-    const T* g = static_cast<const T*>(e.g);
+    T* g = static_cast<T*>(const_cast<void*>(e.g));
     C* m = static_cast<C*>(e.s1);
     C* v = static_cast<C*>(e.s2);
     const int64_t base = (tile - cur.lo) * kTile32 + threadIdx.x;
@@ -132,7 +135,9 @@ __global__ void __launch_bounds__(kThreads)
     for (int k = 0; k < K; ++k) {
       const int64_t j = base + (int64_t)k * kThreads;
       if (j < e.n) {
-        st(p, j, adamw_element<C>(pv[k], gv[k] * inv, mv[k], vv[k], s));
+        const C gk = gv[k] * inv;
+        if (inv_scale != nullptr) st(g, j, gk);  // GradScaler's fused path: the unscaled gradient stored over it
+        st(p, j, adamw_element<C>(pv[k], gk, mv[k], vv[k], s));
         m[j] = mv[k];
         v[j] = vv[k];
       }

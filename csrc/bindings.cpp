@@ -409,7 +409,8 @@ void adamw8bit_step_(TensorList params, TensorList grads, TensorList state1, Ten
     cpu::build_search_tables(map1.data_ptr<float>(), &t1);
     cpu::build_search_tables(map2.data_ptr<float>(), &t2);
     parallel_tiles(tab.total, quant_tile(block_size), [&](int64_t b, int64_t e) {
-      cpu::adamw8bit_tiles(dt, tab.host_entries(), tab.host_tile_start(), tab.n, block_size, t1, t2, h, inv, b, e);
+      cpu::adamw8bit_tiles(dt, tab.host_entries(), tab.host_tile_start(), tab.n, block_size, t1, t2, h, inv,
+                           inv_scale.has_value(), b, e);
     });
     return;
   }
@@ -443,7 +444,7 @@ void adamw32_step_(TensorList params, TensorList grads, TensorList exp_avg, Tens
     if (host_scalar(found_inf, 0.0f) != 0.0f) return;
     const float inv = host_scalar(inv_scale, 1.0f);
     parallel_tiles(tab.total, kTile32, [&](int64_t b, int64_t e) {
-      cpu::adamw32_tiles(dt, tab.host_entries(), tab.host_tile_start(), tab.n, h, inv, b, e);
+      cpu::adamw32_tiles(dt, tab.host_entries(), tab.host_tile_start(), tab.n, h, inv, inv_scale.has_value(), b, e);
     });
     return;
   }
@@ -476,11 +477,11 @@ TORCH_LIBRARY(fastopt, m) {
         "int block_size, Tensor? found_inf=None) -> ()");
   m.def("dequantize_blockwise_multi_(Tensor[] codes, Tensor[] absmax, Tensor(a!)[] out, Tensor map, "
         "int block_size) -> ()");
-  m.def("adamw8bit_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] state1, Tensor(c!)[] state2, "
+  m.def("adamw8bit_step_(Tensor(a!)[] params, Tensor(f!)[] grads, Tensor(b!)[] state1, Tensor(c!)[] state2, "
         "Tensor(d!)[] absmax1, Tensor(e!)[] absmax2, Tensor[] steps, Tensor map1, Tensor map2, float lr, "
         "float beta1, float beta2, float eps, float weight_decay, int block_size, Tensor? inv_scale=None, "
         "Tensor? found_inf=None, Tensor? table=None) -> ()");
-  m.def("adamw32_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avg, Tensor(c!)[] exp_avg_sq, "
+  m.def("adamw32_step_(Tensor(a!)[] params, Tensor(d!)[] grads, Tensor(b!)[] exp_avg, Tensor(c!)[] exp_avg_sq, "
         "Tensor[] steps, float lr, float beta1, float beta2, float eps, float weight_decay, "
         "Tensor? inv_scale=None, Tensor? found_inf=None, Tensor? table=None) -> ()");
   m.def("adamw8bit_table(Tensor[] params, Tensor[] grads, Tensor[] state1, Tensor[] state2, Tensor[] absmax1, "

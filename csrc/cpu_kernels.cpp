@@ -136,7 +136,9 @@ void dequantize_impl(const QuantEntry* entries, const int64_t* tile_start, int n
   });
 }
 
-template <typename T>
+// STORE (GradScaler's fused path, a scale given): the unscaled gradient, in the gradient's dtype, is written back
+// over the gradient as the pass reads it (torch's fused optimizers leave p.grad so). Without a scale, no store.
+template <typename T, bool STORE>
 void adamw8bit_impl(const AdamWEntry* entries, const int64_t* tile_start, int n_tensors, int64_t B,
                     const SearchTables& t1, const SearchTables& t2, const AdamWHyper& h, float inv_scale,
                     int64_t tile_begin, int64_t tile_end) {
@@ -152,7 +154,7 @@ void adamw8bit_impl(const AdamWEntry* entries, const int64_t* tile_start, int n_
       last = i;
     }
     T* p = static_cast<T*>(e.p);
-    const T* g = static_cast<const T*>(e.g);
+    T* g = static_cast<T*>(const_cast<void*>(e.g));
     uint8_t* c1 = static_cast<uint8_t*>(e.s1);
     uint8_t* c2 = static_cast<uint8_t*>(e.s2);
     const int64_t end = local * tile + tile < e.n ? local * tile + tile : e.n;
@@ -165,6 +167,7 @@ void adamw8bit_impl(const AdamWEntry* entries, const int64_t* tile_start, int n_
         C m = (C)(dequantize_code(t1, c1[j]) * am1);
         C v = (C)(dequantize_code(t2, c2[j]) * am2);
         const C gj = (C)load(g, j) * (C)inv_scale;
+        if (STORE) store(g, j, gj);
         store(p, j, adamw_element<C>((C)load(p, j), gj, m, v, s));
         const float mf = (float)m, vf = (float)v;
         mq[j - start] = mf;
@@ -180,7 +183,7 @@ void adamw8bit_impl(const AdamWEntry* entries, const int64_t* tile_start, int n_
   });
 }
 
-template <typename T>
+template <typename T, bool STORE>
 void adamw32_impl(const AdamWEntry* entries, const int64_t* tile_start, int n_tensors, const AdamWHyper& h,
                   float inv_scale, int64_t tile_begin, int64_t tile_end) {
   using C = typename ComputeOf<T>::type;
@@ -193,13 +196,15 @@ void adamw32_impl(const AdamWEntry* entries, const int64_t* tile_start, int n_te
       last = i;
     }
     T* p = static_cast<T*>(e.p);
-    const T* g = static_cast<const T*>(e.g);
+    T* g = static_cast<T*>(const_cast<void*>(e.g));
     C* m = static_cast<C*>(e.s1);
     C* v = static_cast<C*>(e.s2);
     const int64_t end = local * kTile32 + kTile32 < e.n ? local * kTile32 + kTile32 : e.n;
     for (int64_t j = local * kTile32; j < end; ++j) {
       C mj = m[j], vj = v[j];
-      store(p, j, adamw_element<C>((C)load(p, j), (C)load(g, j) * (C)inv_scale, mj, vj, s));
+      const C gj = (C)load(g, j) * (C)inv_scale;
+      if (STORE) store(g, j, gj);
+      store(p, j, adamw_element<C>((C)load(p, j), gj, mj, vj, s));
       m[j] = mj;
       v[j] = vj;
     }
@@ -231,6 +236,13 @@ void build_search_tables(const float* map, SearchTables* out) {
     case DType::BF16: F<bf16>(__VA_ARGS__); break;       \
     case DType::F16: F<f16>(__VA_ARGS__); break;         \
   }
+#define FASTOPT_DISPATCH_STORE(dtype, store, F, ...)                                     \
+  switch (dtype) {                                                                      \
+    case DType::F32: (store ? F<float, true> : F<float, false>)(__VA_ARGS__); break;    \
+    case DType::F64: (store ? F<double, true> : F<double, false>)(__VA_ARGS__); break;  \
+    case DType::BF16: (store ? F<bf16, true> : F<bf16, false>)(__VA_ARGS__); break;     \
+    case DType::F16: (store ? F<f16, true> : F<f16, false>)(__VA_ARGS__); break;        \
+  }
 
 void quantize_tiles(DType dtype, const QuantEntry* entries, const int64_t* tile_start, int n_tensors,
                     int64_t block_size, const SearchTables& tables, int64_t tile_begin, int64_t tile_end) {
@@ -245,17 +257,19 @@ void dequantize_tiles(DType dtype, const QuantEntry* entries, const int64_t* til
 
 void adamw8bit_tiles(DType dtype, const AdamWEntry* entries, const int64_t* tile_start, int n_tensors,
                      int64_t block_size, const SearchTables& t1, const SearchTables& t2, const AdamWHyper& h,
-                     float inv_scale, int64_t tile_begin, int64_t tile_end) {
-  FASTOPT_DISPATCH(dtype, adamw8bit_impl, entries, tile_start, n_tensors, block_size, t1, t2, h, inv_scale,
-                   tile_begin, tile_end)
+                     float inv_scale, bool store_grad, int64_t tile_begin, int64_t tile_end) {
+  FASTOPT_DISPATCH_STORE(dtype, store_grad, adamw8bit_impl, entries, tile_start, n_tensors, block_size, t1, t2, h,
+                         inv_scale, tile_begin, tile_end)
 }
 
 void adamw32_tiles(DType dtype, const AdamWEntry* entries, const int64_t* tile_start, int n_tensors,
-                   const AdamWHyper& h, float inv_scale, int64_t tile_begin, int64_t tile_end) {
-  FASTOPT_DISPATCH(dtype, adamw32_impl, entries, tile_start, n_tensors, h, inv_scale, tile_begin, tile_end)
+                   const AdamWHyper& h, float inv_scale, bool store_grad, int64_t tile_begin, int64_t tile_end) {
+  FASTOPT_DISPATCH_STORE(dtype, store_grad, adamw32_impl, entries, tile_start, n_tensors, h, inv_scale, tile_begin,
+                         tile_end)
 }
 
 #undef FASTOPT_DISPATCH
+#undef FASTOPT_DISPATCH_STORE
 
 }  // namespace cpu
 }  // namespace fastopt

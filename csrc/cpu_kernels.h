@@ -25,14 +25,15 @@ void dequantize_tiles(DType dtype, const QuantEntry* entries, const int64_t* til
                       int64_t block_size, const SearchTables& tables, int64_t tile_begin, int64_t tile_end);
 
 // Fused 8-bit AdamW (params of `dtype`, grads of the same dtype): per element dequantize m (t1, signed map)
-// and v (t2, unsigned map), AdamW, write p, then requantize m and v with their new block absmax.
+// and v (t2, unsigned map), AdamW, write p, then requantize m and v with their new block absmax. `store_grad`
+// (GradScaler's fused path): the gradient times inv_scale is written back over the gradient in the same pass.
 void adamw8bit_tiles(DType dtype, const AdamWEntry* entries, const int64_t* tile_start, int n_tensors,
                      int64_t block_size, const SearchTables& t1, const SearchTables& t2, const AdamWHyper& h,
-                     float inv_scale, int64_t tile_begin, int64_t tile_end);
+                     float inv_scale, bool store_grad, int64_t tile_begin, int64_t tile_end);
 
 // AdamW with full-precision state: fp32 m, v (fp64 for fp64 params).
 void adamw32_tiles(DType dtype, const AdamWEntry* entries, const int64_t* tile_start, int n_tensors,
-                   const AdamWHyper& h, float inv_scale, int64_t tile_begin, int64_t tile_end);
+                   const AdamWHyper& h, float inv_scale, bool store_grad, int64_t tile_begin, int64_t tile_end);
 
 // Storage conversions, round to nearest even (exposed for the unit tests).
 float bf16_to_float(uint16_t b);

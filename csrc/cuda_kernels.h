@@ -4,7 +4,8 @@
 // (n_tensors + 1 int64) and `entries` are device arrays, `total_tiles` = tile_start[n_tensors] (known on
 // the host). A persistent grid walks the tiles; each tile finds its tensor by binary search in tile_start.
 // `found_inf` (device fp32 scalar, may be null): when nonzero the kernels return before writing anything.
-// `inv_scale` (device fp32 scalar, may be null) multiplies the gradients. Nothing here synchronizes.
+// `inv_scale` (device fp32 scalar, may be null) multiplies the gradients, which the AdamW kernels then store
+// unscaled (as torch's fused optimizers leave p.grad). Nothing here synchronizes.
 // Each returns the launch status (cudaGetLastError).
 #pragma once
 

@@ -132,6 +132,32 @@ def _dense(params: list, grads: list) -> tuple[list, list]:
              for p, g in zip(params, grads)])
 
 
+def unscale_grads_(grads: list, inv_scale: torch.Tensor | None, found_inf: torch.Tensor | None = None) -> None:
+    """grads *= GradScaler's 1/scale in place, each in its own dtype, unless found_inf (0. or 1., on the device) is
+    set: after a step on GradScaler's fused path, p.grad holds the unscaled gradient where the step was taken and is
+    left as it was where it was skipped, as after torch's fused optimizers. The kernels store it in the pass that
+    reads the gradient; this separate op (one more read and write of each of `grads`, on the fused path only, no
+    host sync) covers what they cannot: gradients entering through a matmul (GaLore's projected params), copies a
+    kernel read instead of the gradient itself (`_dense`, a cast or redistributed gradient)."""
+    if inv_scale is None or not grads:
+        return
+    factor = inv_scale if found_inf is None else torch.where(found_inf > 0, torch.ones_like(inv_scale), inv_scale)
+    by_dtype: dict = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for dtype, gs in by_dtype.items():
+        if dtype == torch.float16:  # in fp32, then rounded once: 1/scale is below fp16's range past a scale of 2^24
+            for g in gs:
+                g.copy_(g.float().mul_(factor))
+        else:  # 1/scale, a power of 2, is exact in every other float dtype: the product is rounded once
+            torch._foreach_mul_(gs, factor)
+
+
+def _unscale_copies(grads: list, dense: list, inv_scale, found_inf) -> None:
+    """After a kernel that stored the unscaled gradient into `dense` (`_dense`'s): the grads it read as copies."""
+    unscale_grads_([g for g, d in zip(grads, dense) if d is not g], inv_scale, found_inf)
+
+
 def _write_back(params: list, work: list) -> None:
     for p, w in zip(params, work):
         if w is not p:
@@ -150,10 +176,11 @@ def adafactor_phases(params, grads, states, *, inv_scale=None, found_inf=None, s
     params, grads, states = real_elements(params, grads, states, layouts, ("exp_avg", "exp_avg_sq"))
     if use_triton(params[0]):
         from .kernels import adafactor as k
-        work, grads = _dense(params, grads)
-        yield from k.adafactor_phases(work, grads, states, inv_scale=inv_scale, found_inf=found_inf,
+        work, dense = _dense(params, grads)
+        yield from k.adafactor_phases(work, dense, states, inv_scale=inv_scale, found_inf=found_inf,
                                       sharded=sharded, cache=cache, layouts=layouts, **hyper)
         _write_back(params, work)
+        _unscale_copies(grads, dense, inv_scale, found_inf)
     else:
         from .reference import adafactor as r
         yield from r.adafactor_phases(params, grads, states, inv_scale=inv_scale, found_inf=found_inf,
@@ -180,10 +207,11 @@ def lamb_phases(params, grads, states, *, inv_scale=None, found_inf=None, sharde
     params, grads, states = real_elements(params, grads, states, layouts, ("exp_avg", "exp_avg_sq"), absmax)
     if use_triton(params[0]):
         from .kernels import lamb as k
-        work, grads = _dense(params, grads)
-        yield from k.lamb_phases(work, grads, states, inv_scale=inv_scale, found_inf=found_inf, sharded=sharded,
+        work, dense = _dense(params, grads)
+        yield from k.lamb_phases(work, dense, states, inv_scale=inv_scale, found_inf=found_inf, sharded=sharded,
                                  cache=cache, layouts=layouts, **hyper)
         _write_back(params, work)
+        _unscale_copies(grads, dense, inv_scale, found_inf)
     else:
         from .reference import lamb as r
         yield from r.lamb_phases(params, grads, states, inv_scale=inv_scale, found_inf=found_inf, sharded=sharded,
@@ -208,10 +236,11 @@ def came_phases(params, grads, states, *, inv_scale=None, found_inf=None, sharde
                                           {"exp_avg_absmax": QBLOCK})
     if use_triton(params[0]):
         from .kernels import came as k
-        work, grads = _dense(params, grads)
-        yield from k.came_phases(work, grads, states, inv_scale=inv_scale, found_inf=found_inf, sharded=sharded,
+        work, dense = _dense(params, grads)
+        yield from k.came_phases(work, dense, states, inv_scale=inv_scale, found_inf=found_inf, sharded=sharded,
                                  cache=cache, layouts=layouts, **hyper)
         _write_back(params, work)
+        _unscale_copies(grads, dense, inv_scale, found_inf)
     else:
         from .reference import came as r
         yield from r.came_phases(params, grads, states, inv_scale=inv_scale, found_inf=found_inf, sharded=sharded,
@@ -324,23 +353,24 @@ def adamw8bit_step(params, grads, states, *, lr, betas, eps, weight_decay, block
     from .reference import quant as q
     fo = _ext_ops()
     beta1, beta2 = betas
-    work, grads = _dense(params, grads)
+    work, dense = _dense(params, grads)
     eight = [i for i, s in enumerate(states) if "absmax1" in s]
     full = [i for i, s in enumerate(states) if "absmax1" not in s]
     if eight:
         dev = params[0].device
-        lists = ([work[i] for i in eight], [grads[i] for i in eight], [states[i]["state1"] for i in eight],
+        lists = ([work[i] for i in eight], [dense[i] for i in eight], [states[i]["state1"] for i in eight],
                  [states[i]["state2"] for i in eight], [states[i]["absmax1"] for i in eight],
                  [states[i]["absmax2"] for i in eight], [states[i]["step"] for i in eight])
         table = _ext_table(cache, "adamw8bit_table", lists, block_size)
         fo.adamw8bit_step_(*lists, q.dynamic_map(True, dev), q.dynamic_map(False, dev),
                            lr, beta1, beta2, eps, weight_decay, block_size, inv_scale, found_inf, table)
     if full:
-        lists = ([work[i] for i in full], [grads[i] for i in full], [states[i]["state1"] for i in full],
+        lists = ([work[i] for i in full], [dense[i] for i in full], [states[i]["state1"] for i in full],
                  [states[i]["state2"] for i in full], [states[i]["step"] for i in full])
         table = _ext_table(cache, "adamw32_table", lists)
         fo.adamw32_step_(*lists, lr, beta1, beta2, eps, weight_decay, inv_scale, found_inf, table)
     _write_back(params, work)
+    _unscale_copies(grads, dense, inv_scale, found_inf)  # the extension stored the unscaled gradient in `dense`
 
 
 def _ext_table(cache: dict | None, op: str, lists: tuple, *args):
@@ -393,6 +423,11 @@ def galore_phases(params, grads, states, *, inv_scale=None, found_inf=None, cach
         from .kernels import galore as k
         yield from k.galore_phases(params, grads, states, inv_scale=inv_scale, found_inf=found_inf, cache=cache,
                                    layouts=layouts, sharded=sharded, **hyper)
+        # The kernels store the unscaled gradient of the params without a projection that they read in place;
+        # a projected param's enters through the projection's matmul, which cannot store it.
+        from .reference.galore import is_projected
+        unscale_grads_([g for g, s in zip(grads, states) if is_projected(s) or not g.is_contiguous()], inv_scale,
+                       found_inf)
     else:
         from .reference import galore as r
         yield from r.galore_phases(params, grads, states, inv_scale=inv_scale, found_inf=found_inf, layouts=layouts,

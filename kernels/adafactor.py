@@ -29,7 +29,7 @@ import triton.language as tl
 
 from . import common
 from .common import (FP_FUSION, INTERPRET, cached_plan, keep_limit, load_ptr, param_of_program, ptr_table, round_to,
-                     segment_sum, sr_round, unscale_factor)
+                     segment_sum, sr_round, store_grad, unscale_factor)
 from .factored import (BucketPlan, col_map, global_numel, in_piece, launch_factors, launch_sq_stats, launch_usq,
                        row_block, row_map, store_param_tile)
 
@@ -133,7 +133,9 @@ def _apply_kernel(g_ptrs, g_ref, p_ptrs, m_ptrs, step_ptrs, meta_ptr, maps_ptr, 
         keep = in_piece(offs, (rows < R_keep)[:, None] & cmask[None, :], meta_ptr, i, MAPPED, ALIGNED)
         cslot = col_map(meta_ptr, maps_ptr, i, b, cols, cmask, C, col_off, MAPPED)
         cfac = tl.load(stats_ptr + cslot, mask=cmask, other=0.0)
-        u = tl.load(g_ptr + offs, mask=mask, other=0.0).to(acc_t) * inv * rfac[:, None] * cfac[None, :]
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(acc_t) * inv
+        store_grad(g_ptr, offs, g, keep, HAS_SCALE)  # the last pass that reads it
+        u = g * rfac[:, None] * cfac[None, :]
         if HAS_MOM:
             m_ptr = load_ptr(m_ptrs, i, stats_ptr, ALIGNED)
             u = beta1 * tl.load(m_ptr + offs, mask=mask, other=0.0) + omb1 * u
@@ -169,7 +171,9 @@ def _vec_apply_kernel(g_ptrs, g_ref, p_ptrs, v_ptrs, m_ptrs, step_ptrs, vmeta_pt
     omb1 = tl.load(hyper_ptr + H_OMB1).to(acc_t)
     weight_decay = tl.load(hyper_ptr + H_WD).to(acc_t)
     v = tl.load(load_ptr(v_ptrs, j, sums_ptr, ALIGNED) + offs, mask=mask, other=1.0)
-    g = tl.load(load_ptr(g_ptrs, j, g_ref, ALIGNED) + offs, mask=mask, other=0.0).to(acc_t) * inv
+    g_ptr = load_ptr(g_ptrs, j, g_ref, ALIGNED)
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(acc_t) * inv
+    store_grad(g_ptr, offs, g, keep, HAS_SCALE)  # the last pass that reads it
     u = g / tl.sqrt(v) * scale
     if HAS_MOM:
         m_ptr = load_ptr(m_ptrs, j, sums_ptr, ALIGNED)

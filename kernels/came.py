@@ -47,7 +47,7 @@ from fastopt.reference.came import QBLOCK as QBLOCK_
 from . import common
 from .common import (FP_FUSION, INTERPRET, cached_plan, divmod_near, keep_limit, load_ptr, map_values, multiples,
                      param_of_program, program_table, ptr_table, quantize_rows, round_to, search_table, segment_sum,
-                     sr_round, to_device, unscale_factor)
+                     sr_round, store_grad, to_device, unscale_factor)
 from .factored import (BucketPlan, col_map, global_numel, in_piece, launch_col_reduce, launch_factors,
                        launch_sq_stats, launch_usq, load_meta, row_block, row_map, store_param_tile)
 
@@ -141,13 +141,15 @@ def _res_stats_kernel(g_ptrs, g_ref, m_ptrs, m_ref, absmax_ptrs, qmap_ptr, meta_
         mask = in_piece(offs, rmask[:, None] & cmask[None, :], meta_ptr, i, MAPPED, ALIGNED)
         cfac = tl.load(stats_ptr + col_map(meta_ptr, maps_ptr, i, b, cols, cmask, C, col_off, MAPPED), mask=cmask,
                        other=0.0)
-        u = tl.load(g_ptr + offs, mask=mask, other=0.0).to(acc_t) * inv * rfac[:, None] * cfac[None, :]
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(acc_t) * inv
+        u = g * rfac[:, None] * cfac[None, :]
         if Q8:
             m = beta1 * _dequant8(m_ptr, absmax_ptr, qmap_ptr, offs, mask).to(acc_t) + omb1 * u
         else:
+            keep = in_piece(offs, (rows < R_keep)[:, None] & cmask[None, :], meta_ptr, i, MAPPED, ALIGNED)
             m = beta1 * tl.load(m_ptr + offs, mask=mask, other=0.0) + omb1 * u
-            tl.store(m_ptr + offs, m, mask=in_piece(offs, (rows < R_keep)[:, None] & cmask[None, :], meta_ptr, i,
-                                                    MAPPED, ALIGNED))
+            tl.store(m_ptr + offs, m, mask=keep)
+            store_grad(g_ptr, offs, g, keep, HAS_SCALE)  # the last pass that reads it (Q8: _apply8_kernel)
         d = u - m
         sq = d * d
         acc_r += tl.sum(sq, 1)
@@ -235,7 +237,9 @@ def _vec_apply_kernel(g_ptrs, g_ref, p_ptrs, p_ref, v_ptrs, m_ptrs, step_ptrs, v
     scale = _clip_scale(tl.load(sums_ptr + sums_base + j), tl.load(vmeta_ptr + j * 3 + 2).to(acc_t),
                         tl.load(hyper_ptr + H_CLIP))
     v = tl.load(load_ptr(v_ptrs, j, sums_ptr, ALIGNED) + offs, mask=mask, other=1.0)
-    g = tl.load(load_ptr(g_ptrs, j, g_ref, ALIGNED) + offs, mask=mask, other=0.0).to(acc_t) * inv
+    g_ptr = load_ptr(g_ptrs, j, g_ref, ALIGNED)
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(acc_t) * inv
+    store_grad(g_ptr, offs, g, keep, HAS_SCALE)  # the last pass that reads it
     u = g / tl.sqrt(v) * scale
     m_ptr = load_ptr(m_ptrs, j, sums_ptr, ALIGNED)
     u = beta1 * tl.load(m_ptr + offs, mask=mask, other=0.0) + omb1 * u
@@ -276,7 +280,9 @@ def _apply8_kernel(g_ptrs, g_ref, p_ptrs, p_ref, code_ptrs, code_ref, absmax_ptr
     step = _load_step(step_ptrs, j, acc_t)
     scale = _clip_scale(tl.load(sums_ptr + sums_base + j), tl.load(qmeta_ptr + j * 3 + 2).to(acc_t),
                         tl.load(hyper_ptr + H_CLIP))
-    g = tl.load(load_ptr(g_ptrs, j, g_ref, ALIGNED) + offs, mask=mask, other=0.0).to(acc_t) * inv
+    g_ptr = load_ptr(g_ptrs, j, g_ref, ALIGNED)
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(acc_t) * inv
+    store_grad(g_ptr, offs, g, offs < n_keep, HAS_SCALE)  # the last pass that reads it
     if FACTORED:
         B, R, C, row_off, col_off, _po, _ps, _cps, _fps = load_meta(meta_ptr, j)
         # The element at offs (view element vo, MAPPED) is in row vo // C (b * R + r) and column b * C + vo % C of

@@ -177,6 +177,16 @@ def unscale_factor(inv_scale_ptr, HAS_SCALE: tl.constexpr):
 
 
 @triton.jit
+def store_grad(g_ptr, offs, g, keep, HAS_SCALE: tl.constexpr):
+    """GradScaler's fused path (HAS_SCALE): the gradient times 1/scale (`g`, as the step uses it) stored over the
+    gradient in its own dtype, masked like the param's store (`keep`: nothing where found_inf is set), in the
+    pass that reads it last: torch's fused optimizers leave p.grad unscaled after a step. Nothing without a
+    scale."""
+    if HAS_SCALE:
+        tl.store(g_ptr + offs, round_to(g, g_ptr.dtype.element_ty), mask=keep)
+
+
+@triton.jit
 def divmod_near(x, d, rcp):
     """(x // d, x % d) for integers x >= 0 and a scalar d >= 1 of x's dtype with x / d < 2^12 (an offset past a row's
     start within one program's span, in rows of d; int32 needs x + d < 2^31): the quotient estimated in fp32 from

@@ -79,7 +79,7 @@ import triton
 import triton.language as tl
 
 from . import common
-from .common import FP_FUSION, INTERPRET, keep_limit, load16, round_to, search_table, to_device
+from .common import FP_FUSION, INTERPRET, keep_limit, load16, round_to, search_table, store_grad, to_device
 from .lamb import _dequantize, _quantize_store
 
 DOT_PRECISIONS = ("auto", "ieee", "tf32", "tf32x3")
@@ -320,7 +320,8 @@ def _galore_adam_kernel(table_ptr, base, r_ref, m_ref, ma_ref, out_ref, step_ref
     m = tl.where(mask, m, 0.0)
     v = tl.where(mask, v, 0.0)
     nrm = m / (tl.sqrt(v) + tl.load(hyper_ptr + 7).to(acc_t))
-    if APPLY:
+    if APPLY:  # r is the gradient (params without a projection): stored unscaled under GradScaler (`store_grad`)
+        store_grad(r_ptr, offs, r, keep, HAS_SCALE)
         p = tl.load(out_ptr + offs, mask=mask, other=0.0).to(acc_t)
         p = p - _eta(step_ptr, hyper_ptr).to(acc_t) * nrm
         if HAS_WD:

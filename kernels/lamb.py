@@ -43,7 +43,7 @@ import triton.language as tl
 from . import common
 from .common import (FP_FUSION, INTERPRET, GradTable, SRTable, aligned, cached_plan, keep_limit, load_ptr, map_values,
                      multiples, param_of_program, program_table, ptr_table, quantize_rows, round_to, search_table,
-                     segment_sum, sr_round, to_device, unscale_factor)
+                     segment_sum, sr_round, store_grad, to_device, unscale_factor)
 
 # Elements per program. Small under the interpreter so that the tests' small params span several programs.
 BLOCK = 128 if INTERPRET else 2048
@@ -117,7 +117,8 @@ def _load_step(step_ptrs, j):
 def _lamb_stats_kernel(g_ptrs, g_ref, p_ptrs, p_ref, m_ptrs, v_ptrs, meta_ptr, prog_param_ptr, hyper_ptr, parts_ptr,
                        inv_scale_ptr, found_inf_ptr, HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr,
                        HAS_WD: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
-    """m_t, v_t of this program's elements (stored unless GradScaler found an inf) and partial sums of p^2, a^2."""
+    """m_t, v_t of this program's elements (stored unless GradScaler found an inf) and partial sums of p^2, a^2.
+    HAS_SCALE: the unscaled gradient is stored over the gradient too (`store_grad`)."""
     pid = tl.program_id(0)
     j, n, prog_start, _k = param_of_program(meta_ptr, prog_param_ptr, ALIGNED)
     offs = (pid - prog_start).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -125,7 +126,9 @@ def _lamb_stats_kernel(g_ptrs, g_ref, p_ptrs, p_ref, m_ptrs, v_ptrs, meta_ptr, p
     keep = offs < keep_limit(n, found_inf_ptr, HAS_INF)
     acc_t = parts_ptr.dtype.element_ty
     inv = unscale_factor(inv_scale_ptr, HAS_SCALE)
-    g = tl.load(load_ptr(g_ptrs, j, g_ref, ALIGNED) + offs, mask=mask, other=0.0).to(acc_t) * inv
+    g_ptr = load_ptr(g_ptrs, j, g_ref, ALIGNED)
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(acc_t) * inv
+    store_grad(g_ptr, offs, g, keep, HAS_SCALE)
     p = tl.load(load_ptr(p_ptrs, j, p_ref, ALIGNED) + offs, mask=mask, other=0.0).to(acc_t)
     m_ptr = load_ptr(m_ptrs, j, parts_ptr, ALIGNED)
     v_ptr = load_ptr(v_ptrs, j, parts_ptr, ALIGNED)
@@ -181,13 +184,15 @@ def _dequantize(codes_ptr, absmax_ptr, offs, mask, blk, bmask, map_ptr):
 @triton.jit
 def _moments8(j, g_ptrs, g_ref, m_ptrs, v_ptrs, ma_ptrs, va_ptrs, offs, mask, blk, bmask, hyper_ptr, inv,
               map_s_ptr, map_u_ptr, acc_t: tl.constexpr, ALIGNED: tl.constexpr = False):
-    """m_t, v_t (acc_t, zero past the end) from the stored 8-bit m_{t-1}, v_{t-1} and the gradient."""
-    g = tl.load(load_ptr(g_ptrs, j, g_ref, ALIGNED) + offs, mask=mask, other=0.0).to(acc_t) * inv
+    """m_t, v_t (acc_t, zero past the end) from the stored 8-bit m_{t-1}, v_{t-1} and the gradient; and the
+    gradient times `inv` with its pointer (`store_grad`)."""
+    g_ptr = load_ptr(g_ptrs, j, g_ref, ALIGNED)
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(acc_t) * inv
     m_old = _dequantize(_u8_ptr(m_ptrs, j, ALIGNED), _f32_ptr(ma_ptrs, j), offs, mask, blk, bmask, map_s_ptr).to(acc_t)
     v_old = _dequantize(_u8_ptr(v_ptrs, j, ALIGNED), _f32_ptr(va_ptrs, j), offs, mask, blk, bmask, map_u_ptr).to(acc_t)
     m = tl.load(hyper_ptr + 1).to(acc_t) * m_old + tl.load(hyper_ptr + 3).to(acc_t) * g
     v = tl.load(hyper_ptr + 2).to(acc_t) * v_old + tl.load(hyper_ptr + 4).to(acc_t) * g * g
-    return tl.where(mask, m, 0.0), tl.where(mask, v, 0.0)
+    return tl.where(mask, m, 0.0), tl.where(mask, v, 0.0), g, g_ptr
 
 
 @triton.jit
@@ -211,8 +216,8 @@ def _lamb8_stats_kernel(g_ptrs, g_ref, p_ptrs, p_ref, m_ptrs, v_ptrs, ma_ptrs, v
     bmask = blk * QB < n
     acc_t = parts_ptr.dtype.element_ty
     inv = unscale_factor(inv_scale_ptr, HAS_SCALE)
-    m, v = _moments8(j, g_ptrs, g_ref, m_ptrs, v_ptrs, ma_ptrs, va_ptrs, offs, mask, blk, bmask, hyper_ptr, inv,
-                     map_s_ptr, map_u_ptr, acc_t, ALIGNED)
+    m, v, _g, _g_ptr = _moments8(j, g_ptrs, g_ref, m_ptrs, v_ptrs, ma_ptrs, va_ptrs, offs, mask, blk, bmask,
+                                 hyper_ptr, inv, map_s_ptr, map_u_ptr, acc_t, ALIGNED)
     p = tl.load(load_ptr(p_ptrs, j, p_ref, ALIGNED) + offs, mask=mask, other=0.0).to(acc_t)
     a = tl.where(mask, _adam_update(m, v, p, tl.load(hyper_ptr + 7).to(acc_t), tl.load(hyper_ptr + 8).to(acc_t),
                                     HAS_WD), 0.0)
@@ -227,7 +232,8 @@ def _lamb8_apply_kernel(g_ptrs, g_ref, p_ptrs, p_ref, m_ptrs, v_ptrs, ma_ptrs, v
                         sr_ptr, HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr, HAS_WD: tl.constexpr,
                         BIAS_CORRECTION: tl.constexpr, HAS_MAX: tl.constexpr, SR: tl.constexpr, GMAP: tl.constexpr,
                         ALIGNED: tl.constexpr, QB: tl.constexpr, NQ: tl.constexpr):
-    """m_t, v_t again, p -= eta * r * a, then m_t, v_t requantized (new block absmax) and stored."""
+    """m_t, v_t again, p -= eta * r * a, then m_t, v_t requantized (new block absmax) and stored. HAS_SCALE: the
+    unscaled gradient is stored over the gradient too, here, the last pass that reads it (`store_grad`)."""
     j, k, n, blk, offs = _tile8(meta_ptr, prog_param_ptr, QB, NQ, ALIGNED)
     mask = offs < n
     bmask = blk * QB < n
@@ -236,8 +242,9 @@ def _lamb8_apply_kernel(g_ptrs, g_ref, p_ptrs, p_ref, m_ptrs, v_ptrs, ma_ptrs, v
     bkeep = blk * QB < limit
     acc_t = sums_ptr.dtype.element_ty
     inv = unscale_factor(inv_scale_ptr, HAS_SCALE)
-    m, v = _moments8(j, g_ptrs, g_ref, m_ptrs, v_ptrs, ma_ptrs, va_ptrs, offs, mask, blk, bmask, hyper_ptr, inv,
-                     map_s_ptr, map_u_ptr, acc_t, ALIGNED)
+    m, v, g, g_ptr = _moments8(j, g_ptrs, g_ref, m_ptrs, v_ptrs, ma_ptrs, va_ptrs, offs, mask, blk, bmask,
+                               hyper_ptr, inv, map_s_ptr, map_u_ptr, acc_t, ALIGNED)
+    store_grad(g_ptr, offs, g, keep, HAS_SCALE)
     step = _load_step(step_ptrs, j)
     scale = _trust_scale(step, k, hyper_ptr, sums_ptr, BIAS_CORRECTION, HAS_MAX)
     p_ptr = load_ptr(p_ptrs, j, p_ref, ALIGNED)

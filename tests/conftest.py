@@ -185,7 +185,8 @@ def assert_tracks(ours, truth, init, dtype, ref_lowp=None, what="params"):
 def step_with_inf_at(opt, params, grads, inf_step, device, poison=(0, 0, 0)) -> None:
     """Run `grads` (one list per step) through `opt` under `torch.amp.GradScaler`, with an inf written into
     `params[poison[0]].grad` at index `poison[1:]` on step `inf_step`, and check that this step changed
-    nothing: params, state keys (a param without state may get its first) and state values, bit for bit."""
+    nothing: params, state keys (a param without state may get its first) and state values, bit for bit. After
+    every step, p.grad as torch's fused optimizers leave it (`check_unscaled_grads`)."""
     scaler = torch.amp.GradScaler(device.type, init_scale=2.0 ** 12)
     for t, step_grads in enumerate(grads):
         loss = sum((p * gr.to(device=device, dtype=torch.float32)).sum() for p, gr in zip(params, step_grads))
@@ -194,8 +195,10 @@ def step_with_inf_at(opt, params, grads, inf_step, device, poison=(0, 0, 0)) -> 
             params[poison[0]].grad[poison[1:]] = float("inf")
             before = ([p.detach().clone() for p in params],
                       [{k: v.clone() for k, v in opt.state[p].items()} for p in params])
+        scaled, scale = [p.grad.clone() for p in params], scaler.get_scale()
         scaler.step(opt)
         scaler.update()
+        check_unscaled_grads([p.grad for p in params], scaled, scale, t == inf_step)
         if t == inf_step:
             for p, p0, s0 in zip(params, *before):
                 assert torch.equal(p, p0)
@@ -203,6 +206,16 @@ def step_with_inf_at(opt, params, grads, inf_step, device, poison=(0, 0, 0)) -> 
                 for k, v in s0.items():
                     assert torch.equal(opt.state[p][k], v), k
         opt.zero_grad(set_to_none=True)
+
+
+def check_unscaled_grads(grads, scaled, scale: float, skipped: bool, what: str = "") -> None:
+    """The gradients after `scaler.step` on GradScaler's fused path, as torch's fused optimizers leave them: the
+    `scaled` ones (before the step) times 1/scale in their own dtype, bit for bit (the scale is a power of 2), on a
+    step taken; as they were on one skipped."""
+    for k, (g, s) in enumerate(zip(grads, scaled)):
+        want = s if skipped else s * (1.0 / scale)
+        assert torch.equal(g, want), (f"{what}grad {k} after a {'skipped' if skipped else 'taken'} step: "
+                                      f"{(g.double() - want.double()).abs().max().item():.3g} off (scale {scale})")
 
 
 def through_8bit(m, v, block_size: int) -> tuple:

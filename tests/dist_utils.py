@@ -245,15 +245,20 @@ def whole(t):
     return t.full_tensor()
 
 
-def scaled_dtensor_step(scaler, opt, params, grads, plc, all_inf: bool) -> None:
+def scaled_dtensor_step(scaler, opt, params, grads, plc, all_inf: bool) -> list[int]:
     """One `scaler.step(opt)` of torch.amp.GradScaler over DTensor params: each whole gradient of `grads`
     multiplied by the current scale (or, with `all_inf`, every element inf, so on every rank) and distributed
-    with its param's (mesh, placements) of `plc`; then `scaler.update()`."""
+    with its param's (mesh, placements) of `plc`; then `scaler.update()`. Returns the indices of the params whose
+    DTensor grad's local tensor is not, after the step, as torch's fused optimizers leave it (the scaled one times
+    1/scale, bit for bit; as it was on the skipped step): for the caller to assert after its collectives."""
     import torch
     from torch.distributed.tensor import distribute_tensor
     scale = float(scaler.scale(torch.ones(())))
     for p, g, (m, pl) in zip(params, grads, plc):
         g = torch.full_like(g, float("inf")) if all_inf else g * scale
         p.grad = distribute_tensor(g, m, pl, src_data_rank=None)
+    scaled = [p.grad.to_local().clone() for p in params]
     scaler.step(opt)
     scaler.update()
+    return [k for k, (p, s) in enumerate(zip(params, scaled))
+            if not torch.equal(p.grad.to_local(), s if all_inf else s * (1.0 / scale))]

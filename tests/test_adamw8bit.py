@@ -12,7 +12,8 @@ import re
 import pytest
 import torch
 from conftest import (TOL, adam_8bit_reference, assert_matches_8bit_reference, assert_unchanged,
-                      check_bad_key_refused_after_a_step, group_key, rel_update_error, save_load, snapshot)
+                      check_bad_key_refused_after_a_step, check_unscaled_grads, group_key, rel_update_error, save_load,
+                      snapshot)
 
 import fastopt
 
@@ -517,7 +518,8 @@ def test_state_dict_roundtrip_weights_only(impl):
 def test_grad_scaler_inf_skips_cleanly(impl):
     """torch.amp.GradScaler: a step whose gradients hold an inf changes no param and no state (step count
     included); the run then continues bitwise like a run that never saw that step (the scale is a power of
-    two, so unscaling is exact)."""
+    two, so unscaling is exact). p.grad after each step as torch's fused optimizers leave it
+    (`check_unscaled_grads`)."""
     init, grads = _problem(seed=4, steps=6)
     ref = [torch.nn.Parameter(x.float()) for x in init]
     ref_opt = _ours(ref)
@@ -532,8 +534,10 @@ def test_grad_scaler_inf_skips_cleanly(impl):
             ps[2].grad[0, 0] = float("inf")
             before = ([p.detach().clone() for p in ps],
                       {i: {k: v.clone() for k, v in opt.state[p].items()} for i, p in enumerate(ps)})
+        scaled, scale = [p.grad.clone() for p in ps], scaler.get_scale()
         scaler.step(opt)
         scaler.update()
+        check_unscaled_grads([p.grad for p in ps], scaled, scale, t == 3)
         if t == 3:
             for i, p in enumerate(ps):
                 assert torch.equal(p, before[0][i])

@@ -37,8 +37,8 @@ import warnings
 
 import pytest
 import torch
-from conftest import (TOL, assert_unchanged, check_no_host_sync, compiled_step_ops, rel_update_error, save_load,
-                      snapshot)
+from conftest import (TOL, assert_unchanged, check_no_host_sync, check_unscaled_grads, compiled_step_ops,
+                      rel_update_error, save_load, snapshot)
 
 import fastopt
 
@@ -1358,6 +1358,42 @@ def test_grads_in_another_dtype_step_as_their_copy_in_the_param_dtype(case, back
         opt.step()
         ref.step()
     assert_same(opt, ref)
+
+
+GRAD_KINDS = [("plain", F32), ("plain", torch.bfloat16), ("plain", torch.float16), ("plain", F64),
+              ("strided", F32), ("bf16_grads", F32)]
+
+
+@pytest.mark.parametrize("kind, dtype", GRAD_KINDS, ids=[f"{k}-{str(d)[6:]}" for k, d in GRAD_KINDS])
+@pytest.mark.parametrize("case", list(CASES))
+def test_grad_scaler_leaves_grads_unscaled_as_torch(case, kind, dtype, backend, device):
+    """Under torch.amp.GradScaler (its fused path: grad_scale and found_inf handed to step()), p.grad after each
+    of 4 steps is as torch's fused AdamW leaves it (pinned here too): the scaled gradient times 1/scale in its own
+    dtype, bit for bit, on the steps taken; unchanged on the skipped one (an inf at step 2). The kernels store it
+    as they read it; `strided` (transposed params and grads: the kernels read contiguous copies) and `bf16_grads`
+    (bf16 grads of fp32 params, read as fp32 copies) take the separate op on p.grad."""
+    ps = make_params(device, dtype)
+    twin = [p.detach().float().requires_grad_() for p in ps]
+    if kind == "strided":
+        ps = [p.detach().t().contiguous().t().requires_grad_() if p.dim() == 2 else p for p in ps]
+    opts = [make(case, ps), torch.optim.AdamW(twin, lr=1e-3, fused=True)]
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0 ** 12)
+    for t in range(4):
+        scale = float(scaler.scale(torch.ones((), device=device)))  # (the scaler's first call makes its scale)
+        for p, q, g in zip(ps, twin, grads_at(ps, t)):
+            p.grad = (g.t().contiguous().t() if kind == "strided" and g.dim() == 2 else g) * scale
+            if kind == "bf16_grads":
+                p.grad.data = p.grad.to(torch.bfloat16)
+            q.grad = g.float() * scale
+            if t == 2:
+                p.grad[(0,) * p.dim()] = q.grad[(0,) * p.dim()] = float("inf")
+        for o, qs in zip(opts, (ps, twin)):
+            grads = [q.grad for q in qs]
+            scaled = [g.clone() for g in grads]
+            scaler.step(o)
+            assert all(q.grad is g for q, g in zip(qs, grads))  # in place
+            check_unscaled_grads(grads, scaled, scale, t == 2, f"{type(o).__name__} step {t}: ")
+        scaler.update()
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -1477,7 +1477,7 @@ def _dtensor_skipped_refresh(rank, world, backend, init, grads):
               (2, 2): init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))}
     plc = [(meshes[m], [placement(s) for s in pls]) for _, m, pls in DIST_CASES]
     os.environ["FASTOPT_BACKEND"] = backend
-    history = []
+    history, bad = [], []
     try:
         params = [torch.nn.Parameter(distribute_tensor(x.clone(), m, pl, src_data_rank=None))
                   for x, (m, pl) in zip(init, plc)]
@@ -1485,13 +1485,14 @@ def _dtensor_skipped_refresh(rank, world, backend, init, grads):
                                   lr=LR, weight_decay=WD)
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
         for t, step_grads in enumerate(grads):
-            scaled_dtensor_step(scaler, opt, params, step_grads, plc, t == DIST_INF_STEP)
+            bad += [(t, k) for k in scaled_dtensor_step(scaler, opt, params, step_grads, plc, t == DIST_INF_STEP)]
             # copies: the full_tensor() of a replicated DTensor may be its local tensor, which later steps change
             history.append(([p.detach().full_tensor().clone() for p in params],
                             [{k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone()
                               for k, v in opt.state[p].items()} for p in params]))
     finally:
         os.environ["FASTOPT_BACKEND"] = "torch"
+    assert not bad, ("grads not unscaled as torch leaves them (step, param)", bad)
     return history
 
 

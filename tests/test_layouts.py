@@ -787,8 +787,8 @@ def _grad_scaler_case(rank, world, name):
     init, grads, ref, plc, params, opt = _amp_problem(name, AMP_CASES, 5)
     assert opt._step_supports_amp_scaling
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
-    for t, gs in enumerate(grads):
-        scaled_dtensor_step(scaler, opt, params, gs, plc, t == AMP_INF_STEP)
+    bad = [(t, scaled_dtensor_step(scaler, opt, params, gs, plc, t == AMP_INF_STEP)) for t, gs in enumerate(grads)]
+    assert not any(b for _t, b in bad), (name, "grads not unscaled as torch leaves them (step, params)", bad)
     assert scaler.get_scale() == 2.0 ** 11  # the inf was seen: the scale halved once
     full = [p.detach().full_tensor() for p in params]
     num = sum((a - b).square().sum() for a, b in zip(full, ref)) ** 0.5

@@ -692,14 +692,21 @@ class _Amp:
 
     def ref_step(self, ref_opt):
         """The reference's scaler.step and update; where the run takes GradScaler's own path, after its unscale_
-        (the grads unscaled in place, as that path leaves them: fastopt's step unscales them in its kernels only;
-        and as torch's fused optimizers do, it makes the zero state of a param whose first step is skipped)."""
+        (the grads unscaled in place, as that path leaves them; and as torch's fused optimizers do, it makes the
+        zero state of a param whose first step is skipped)."""
         if self.torch_path and not self.unscaled:
             self.ref_scaler.unscale_(ref_opt)
         self.ref_scaler.step(ref_opt)
         self.ref_scaler.update()
 
     def step(self, opt):
+        """scaler.step and update, the gradients kept before (their local tensors) for `after`'s check, except
+        where GradScaler's own path unscales them inside step() (`torch_path` without unscale_ before)."""
+        from fastopt.distributed.layout import local
+        self.grads = None
+        if self.unscaled or not self.torch_path:
+            self.grads = ({n: local(p.grad).clone() for n, p in self.params.items() if p.grad is not None},
+                          self.scaler.get_scale())
         self.scaler.step(opt)
         self.scaler.update()
 
@@ -728,7 +735,9 @@ class _Amp:
 
     def after(self, s):
         """("scale", s, ours, reference's) and ("skipped", s, ours, reference's) where they differ: a step is
-        skipped where no rank's params moved."""
+        skipped where no rank's params moved. ("grad", s, name) where the gradient (its local tensor) is not as
+        torch's fused optimizers leave it, bit for bit: the scaled one times 1/scale after a step taken on
+        GradScaler's fused path, as it was after one skipped or after unscale_ (`step` kept them)."""
         from fastopt.distributed.layout import local
         ref_b, b = self.before
         ref_moved = any(not torch.equal(a, p) for a, p in zip(ref_b, self.ref_params.values()))
@@ -739,6 +748,14 @@ class _Amp:
             out.append(("scale", s, self.scaler.get_scale(), self.ref_scaler.get_scale()))
         if bool(moved) != ref_moved:
             out.append(("skipped", s, not bool(moved), not ref_moved))
+        if self.grads is not None:
+            grads, scale = self.grads
+            for n, g in grads.items():
+                q = self.params[n].grad
+                want = g if self.unscaled or not bool(moved) else g * (1.0 / scale)
+                # NaN where it was: a skipped step's gradients may hold NaN (an inf times 0 in the backward)
+                if q is None or not torch.isclose(local(q), want, rtol=0, atol=0, equal_nan=True).all():
+                    out.append(("grad", s, n))
         self.log.append((s, not ref_moved, self.ref_scaler.get_scale()))
         return out
 

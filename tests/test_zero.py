@@ -1273,7 +1273,10 @@ def _scaled(rank, world, name, partition_grad, overlap, model_name, clip, across
     """SCALED_STEPS steps with a GradScaler (ZeroGradScaler around the wrapper; torch's in the one-process reference,
     on the whole batch), four of them with a non-finite gradient element from one rank only, the scale growing
     every 2 good steps; with `clip`, unscale_ and clipping (the wrapper's clip_grad_norm_) before each step; with
-    `across`, zero_grad() at even steps only (gradients accumulated across two steps, as the step left them)."""
+    `across`, zero_grad() at even steps only (gradients accumulated across two steps, as the step left them). After
+    each step the reference's gradients are as GradScaler leaves them in one process (`ref_grad_bad`: the steps where
+    they are not, bit for bit, the scaled ones times 1/scale, or as unscale_ left them; skipped steps not checked:
+    torch's unfused AdamW unscales those, its fused ones do not), and the wrapper's match them (`post_grad_err`)."""
     model_cls = {"Net": Net, "Wide": Wide}[model_name]
     ref_model, ref_opt, model, opt, init = _ref_and_zero(name, partition_grad, overlap, model_cls)
     now = [0]
@@ -1283,7 +1286,7 @@ def _scaled(rank, world, name, partition_grad, overlap, model_name, clip, across
     n_in = getattr(model, "N_IN", 11)
     ref_scaler = torch.amp.GradScaler("cpu", **SCALER_ARGS)
     scaler = fastopt.ZeroGradScaler("cpu", **SCALER_ARGS)
-    scales, ref_scales, skipped, ref_skipped, grad_err = [], [], [], [], 0.0
+    scales, ref_scales, skipped, ref_skipped, grad_err, post_grad_err, ref_grad_bad = [], [], [], [], 0.0, 0.0, []
     for step in range(SCALED_STEPS):
         now[0] = step
         x, y = batch(step, world, n_in=n_in)
@@ -1297,9 +1300,14 @@ def _scaled(rank, world, name, partition_grad, overlap, model_name, clip, across
             torch.nn.utils.clip_grad_norm_(ref_model.parameters(), CLIP)
         before = [p.detach().clone() for p in model.parameters()]
         ref_before = [p.detach().clone() for p in ref_model.parameters()]
+        ref_scaled = [(q.grad.clone(), 1.0 if clip else 1.0 / ref_scaler.get_scale()) for q in ref_model.parameters()
+                      if q.grad is not None]
         ref_scaler.step(ref_opt)
         ref_skipped.append(all(torch.equal(a, b) for a, b in zip(ref_before, ref_model.parameters())))
         ref_scaler.update()
+        if not ref_skipped[-1] and not all(torch.equal(q.grad, g * inv) for q, (g, inv) in zip(
+                [q for q in ref_model.parameters() if q.grad is not None], ref_scaled)):
+            ref_grad_bad.append(step)
         xs, ys = _mine(rank, x, y)
         scaler.scale(loss_fn(model, xs, ys)).backward()
         if clip:
@@ -1313,17 +1321,21 @@ def _scaled(rank, world, name, partition_grad, overlap, model_name, clip, across
         scales.append(scaler.get_scale())
         ref_scales.append(ref_scaler.get_scale())
         skipped.append(all(torch.equal(a, b) for a, b in zip(before, model.parameters())))
+        if not ref_skipped[-1]:  # every gradient this rank holds (ZeRO-2: its own params') as one process's
+            post_grad_err = max([post_grad_err] + [_tensor_err(p.grad, q.grad) for p, q in zip(
+                model.parameters(), ref_model.parameters()) if p.grad is not None])
     left = [k for k in ("grad_scale", "found_inf") if hasattr(opt, k) or hasattr(opt.optim, k)]
     full = opt.state_dict(consolidated=True, to=None)
     return _outcome(model, ref_model, init, scales=scales, ref_scales=ref_scales, skipped=skipped,
                     ref_skipped=ref_skipped, left=left, state_err=_state_err(full, ref_opt.state_dict()),
-                    split=sorted(opt._split), grad_err=grad_err)
+                    split=sorted(opt._split), grad_err=grad_err, post_grad_err=post_grad_err,
+                    ref_grad_bad=ref_grad_bad)
 
 
 # (optimizer, partition_grad, overlap, model, clip, across): torch's foreach AdamW (unscaled and skipped on the
 # host) and fused AdamW and SGD, fastopt's optimizers (on the device), split params (Wide: their pieces' gradients)
 # under both stages. Accumulated across steps, the gradients a step leaves count: torch's fused kernels unscale the
-# gradients they step in place (under ZeRO-1 one rank's shard's alone, had the wrapper let them), fastopt's do not.
+# gradients they step in place (under ZeRO-1 one rank's shard's alone, had the wrapper let them), fastopt's too.
 SCALED_CASES = [("AdamW", False, False, "Net", False, False), ("AdamW", True, True, "Wide", True, False),
                 ("AdamWFused", True, False, "Net", False, False), ("Adafactor", True, False, "Wide", False, False),
                 ("Adafactor", False, False, "Wide", True, False), ("Lamb8bit", True, True, "Wide", False, False),
@@ -1348,6 +1360,8 @@ def test_zero_grad_scaler_matches_single_process(pool, name, partition_grad, ove
         assert res["state_err"] <= TOL[DT], f"rank {r}: state: relative error {res['state_err']:.3g}"
         assert res["left"] == [], res["left"]
         assert res["grad_err"] <= TOL[DT], f"rank {r}: gradients after unscale_: relative error {res['grad_err']:.3g}"
+        assert res["ref_grad_bad"] == [], f"one process: gradients not unscaled after steps {res['ref_grad_bad']}"
+        assert res["post_grad_err"] <= TOL[DT], f"rank {r}: gradients after the steps: {res['post_grad_err']:.3g}"
     assert results[0]["split"] == ([0] if model == "Wide" else []), results[0]["split"]
     assert len(set(results[0]["scales"])) > 2, results[0]["scales"]  # backed off and grown
     _check_equal_across_ranks(results)
@@ -2628,6 +2642,9 @@ def test_zero_grad_scaler_single_rank(device, name):
             sc.update()
         assert scaler.get_scale() == ref_scaler.get_scale()
         assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref_model.parameters())), step
+        # the gradients as GradScaler leaves them around the bare optimizer: unscaled (on a skipped step: as
+        # torch's unfused AdamW leaves them, unscaled; as fastopt's and torch's fused ones, scaled)
+        assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), ref_model.parameters())), step
     assert scaler.get_scale() != 2.0 ** 10
     # unscale_, then zero_grad() and a new backward: the check is stale, refused (one process would step on the
     # new gradients, scaled)

@@ -391,7 +391,7 @@ static void test_adamw8bit() {
   for (int it = 0; it < 12; ++it) {
     for (auto& v : g) v = nd(rng);
     step += 1.0f;
-    cpu::adamw8bit_tiles(DType::F64, &e, ts, 1, B, t1, t2, h, 0.5f, 0, total);
+    cpu::adamw8bit_tiles(DType::F64, &e, ts, 1, B, t1, t2, h, 0.5f, false, 0, total);
     const double bc1 = 1.0 - pow(0.9, step), bc2 = 1.0 - pow(0.999, step);
     for (int64_t b = 0; b < ceil_div(n, B); ++b) {
       const int64_t lo = b * B, hi = std::min(n, lo + B);
@@ -443,7 +443,7 @@ static void test_adamw32() {
   for (int it = 0; it < 10; ++it) {
     for (auto& x : g) x = nd(rng);
     step += 1.0f;
-    cpu::adamw32_tiles(DType::F64, &e, ts, 1, h, 1.0f, 0, total);
+    cpu::adamw32_tiles(DType::F64, &e, ts, 1, h, 1.0f, false, 0, total);
     for (int64_t i = 0; i < n; ++i) {
       pr[i] *= 1.0 - 3e-3 * 0.05;
       mr[i] = 0.8 * mr[i] + 0.2 * g[i];

@@ -272,14 +272,17 @@ static void test_adamw(int64_t B, const std::vector<float>& m1, const std::vecto
   };
   launch(d_fi);  // found_inf set: nothing is written
   for (size_t i = 0; i < ns.size(); ++i)
-    CHECK(p[i].download() == p[i].host && s1[i].download() == s1[i].host && a2[i].download() == a2[i].host,
+    CHECK(p[i].download() == p[i].host && s1[i].download() == s1[i].host && a2[i].download() == a2[i].host &&
+              g[i].download() == g[i].host,
           "adamw B=%lld %s tensor %zu: found_inf launch wrote", (long long)B, dtype_name(dtype), i);
-  if (eight) cpu::adamw8bit_tiles(dtype, host_e.data(), ts.data(), n, B, t1, t2, h, inv, 0, total);
-  else cpu::adamw32_tiles(dtype, host_e.data(), ts.data(), n, h, inv, 0, total);
+  // with an inv_scale the kernels store the unscaled gradient over the gradient (GradScaler's fused path)
+  if (eight) cpu::adamw8bit_tiles(dtype, host_e.data(), ts.data(), n, B, t1, t2, h, inv, true, 0, total);
+  else cpu::adamw32_tiles(dtype, host_e.data(), ts.data(), n, h, inv, true, 0, total);
   launch(nullptr);
   const char* what = eight ? "adamw8bit" : "adamw32";
   for (size_t i = 0; i < ns.size(); ++i) {
     check_values(p[i], what, B, shift, i);
+    check_values(g[i], what, B, shift, i);
     if (eight) {
       check_codes(s1[i], what, B, shift, dtype, i);
       check_codes(s2[i], what, B, shift, dtype, i);

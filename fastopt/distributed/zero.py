@@ -1049,8 +1049,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 g = self._params[i].grad
                 a, b = self._range(i)
                 piece.grad = None if g is None else g.detach().reshape(-1)[a:b]
-        if amp is not None and amp[0] is not None and not isinstance(self.optim, FastOptimizer):
-            amp = self._unscale_for_torch(amp)
+        if amp is not None and amp[0] is not None:
+            amp = self._unscale_here(amp)
         # A frozen param is not stepped, even with a gradient left from before it was frozen: it is neither
         # averaged nor broadcast any more, so its owner alone would move it (torch's optimizers step any param
         # with a gradient). Its gradient is hidden from the wrapped optimizer for the step.
@@ -1087,15 +1087,15 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                                "after a step that raised); or train in bfloat16, which needs no scaler")
         return grad_scale, found_inf
 
-    def _unscale_for_torch(self, amp: tuple) -> tuple:
-        """GradScaler.step with no unscale_ before it, around one of torch's optimizers (or another that is not
-        fastopt's): every gradient this rank holds is unscaled here, in place, as in one process (frozen params'
-        too), and the wrapped optimizer gets no grad_scale. GradScaler unscales them before it steps or skips an
-        optimizer without `_step_supports_amp_scaling` (and refuses fp16 ones there); a fused one (torch's
-        `fused=True`) unscales the gradients it steps in place, and leaves them scaled at a step it skips: the
-        same here, where it would unscale only this rank's shard's (ZeRO-1: other params' gradients, and a split
-        param's other ranges, stayed scaled and differed between ranks: accumulated across steps, the sums were
-        wrong). fastopt's kernels leave the gradients scaled, here as in one process."""
+    def _unscale_here(self, amp: tuple) -> tuple:
+        """GradScaler.step with no unscale_ before it: every gradient this rank holds is unscaled here, in place,
+        as in one process (frozen params' too), and the wrapped optimizer gets no grad_scale. GradScaler unscales
+        them before it steps or skips an optimizer without `_step_supports_amp_scaling` (and refuses fp16 ones
+        there); a fused one (torch's `fused=True`, fastopt's) unscales the gradients it steps in place, and leaves
+        them scaled at a step it skips: the same here, where it would unscale only this rank's shard's (ZeRO-1:
+        other params' gradients, and a split param's other ranges, stayed scaled and differed between ranks:
+        accumulated across steps, the sums were wrong). For fastopt's optimizers this is one pass over the
+        gradients more than in one process, where their kernels store the unscaled gradients as they read them."""
         on_device = self._amp_on_device()
         if not on_device:
             self._refuse_fp16()
@@ -1120,9 +1120,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
     def _step_inner(self, amp: tuple | None, kwargs: dict) -> bool:
         """The wrapped optimizer's step, with ZeroGradScaler's verdict (`amp`, every rank's) applied as GradScaler
-        applies it in one process: given to an optimizer that unscales and skips on the device, else (the
-        gradients unscaled by `_unscale_for_torch`) the step skipped on the host when any rank found an inf (the host
-        sync of GradScaler's own skip). False when skipped."""
+        applies it in one process (the gradients unscaled by `_unscale_here`, or by unscale_ before): its found_inf
+        given to an optimizer that skips on the device, else the step skipped on the host when any rank found an inf
+        (the host sync of GradScaler's own skip). False when skipped."""
         if amp is None:
             self.optim.step(**kwargs)
             return True

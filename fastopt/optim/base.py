@@ -869,6 +869,7 @@ class FastOptimizer(torch.optim.Optimizer):
                 buckets.append((group, device, group_key, params, layouts))
         scalers: dict = {}
         sharded = []  # the steps of the sharded buckets, run together: one collective per phase and groups
+        copied = []  # (p.grad's local tensors the kernels read as a copy, ScalerArgs) under GradScaler's fused path
         # Stochastic rounding is seeded by ids that every layout of these params gives alike.
         ids = self._param_ids() if any(g.get("bf16_stochastic_round") for g in self.param_groups) else None
         for group, device, group_key, params, layouts in buckets:
@@ -882,6 +883,8 @@ class FastOptimizer(torch.optim.Optimizer):
                              for g, lay in zip(grads, layouts)]
                 states = [ckpt.local_state(self._init_state(p, group), p) for p in params]
                 scaler = self._scaler_args(device, scalers)
+                if scaler.inv_scale is not None:
+                    copied.append((_copied_grads(params, grads), scaler))
                 self._advance_steps([s["step"] for s in states], scaler)
                 sr = {"sr_ids": [ids[id(p)] for p in params]} if group.get("bf16_stochastic_round") else {}
                 if group_key is None:
@@ -893,6 +896,8 @@ class FastOptimizer(torch.optim.Optimizer):
                                                      layouts=layouts, sharded=True, **sr), group_key,
                                     layouts[0].reduce))
         phases.run(sharded)
+        for grads, scaler in copied:  # the kernels left the unscaled gradient in the copies they read
+            ops.unscale_grads_(grads, scaler.inv_scale, scaler.found_inf)
 
     # ---- state_dict -----------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -1173,6 +1178,22 @@ def _local_grad(p: Tensor) -> Tensor:
                                                         or g.device_mesh != p.device_mesh):
         g = g.redistribute(p.device_mesh, p.placements)
     return local(g)
+
+
+def _copied_grads(params: list[Tensor], grads: list[Tensor]) -> list[Tensor]:
+    """The local tensors of the params' own gradients (the DTensor grad's, under DTensor) that `grads`, what the
+    kernels read (`_local_grad`, made contiguous for flat layouts), are not: a grad cast to its param's dtype,
+    redistributed to its param's placements, or copied contiguous. The kernels store the unscaled gradient into
+    what they read; these get it by a separate op after the step."""
+    out = []
+    for p, g in zip(params, grads):
+        if p.grad is None:
+            continue
+        own = local(p.grad)
+        if own is not g and not (own.dtype == g.dtype and own.data_ptr() == g.data_ptr() and own.shape == g.shape
+                                 and own.stride() == g.stride()):
+            out.append(own)
+    return out
 
 
 def _state_diff(have: dict, want: dict, dev) -> str:

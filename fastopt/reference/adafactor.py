@@ -25,7 +25,7 @@ import math
 import torch
 from torch import Tensor
 
-from .common import sr_args, stochastic_round_bf16
+from .common import sr_args, stochastic_round_bf16, store_unscaled
 
 
 def is_factored(p: Tensor) -> bool:
@@ -171,3 +171,5 @@ def adafactor_phases(params: list[Tensor], grads: list[Tensor], states: list[dic
         if bf16_sr:
             p_new = stochastic_round_bf16(p_new, s["step"], *sr[i])
         _commit(p, p_new, found_inf)
+        if inv_scale is not None:
+            store_unscaled(grads[i], g, found_inf)

@@ -20,6 +20,7 @@ import math
 import torch
 from torch import Tensor
 
+from .common import store_unscaled
 from .quant import dequantize_blockwise, quantize_blockwise
 
 
@@ -44,11 +45,12 @@ def adamw8bit_step(params: list[Tensor], grads: list[Tensor], states: list[dict]
                    inv_scale: Tensor | None = None, found_inf: Tensor | None = None) -> None:
     """One step over params of one device and dtype; `states[i]['step']` is already advanced."""
     beta1, beta2 = betas
-    for p, g, s in zip(params, grads, states):
+    for p, grad, s in zip(params, grads, states):
         acc = torch.float64 if p.dtype == torch.float64 else torch.float32
-        g = g.to(acc)
+        g = grad.to(acc)
         if inv_scale is not None:
             g = g * inv_scale.to(acc)
+            store_unscaled(grad, g, found_inf)
         if is_8bit(s):
             m = dequantize_blockwise(s["state1"], s["absmax1"], block_size, signed=True, dtype=acc)
             v = dequantize_blockwise(s["state2"], s["absmax2"], block_size, signed=False, dtype=acc)

@@ -34,7 +34,7 @@ from torch import Tensor
 
 from . import quant
 from .adafactor import _commit, factored_sizes, gather_factors, scatter_rows_cols
-from .common import sr_args, stochastic_round_bf16
+from .common import sr_args, stochastic_round_bf16, store_unscaled
 
 QBLOCK = 256  # bitsandbytes' block size for 8-bit optimizer states
 
@@ -157,6 +157,8 @@ def came_phases(params: list[Tensor], grads: list[Tensor], states: list[dict], *
         if bf16_sr:
             p_new = stochastic_round_bf16(p_new, s["step"], *sr[i])
         _commit(p, p_new, found_inf)
+        if inv_scale is not None:
+            store_unscaled(grads[i], g, found_inf)
 
 
 def _load_momentum(s: dict, dtype: torch.dtype, nbits: int) -> Tensor:

@@ -69,3 +69,11 @@ def sr_args(ids: list | None, layouts: list | None, device, n: int) -> list[tupl
     ids = range(n) if ids is None else ids
     layouts = layouts or [None] * n
     return [(i, None if lay is None else lay.element_map(device)) for i, lay in zip(ids, layouts)]
+
+
+def store_unscaled(grad: Tensor, g: Tensor, found_inf: Tensor | None) -> None:
+    """grad <- g (the gradient times GradScaler's 1/scale, in the step's math dtype) in grad's own dtype, unless
+    found_inf is set: GradScaler's fused path leaves p.grad unscaled after a step it takes and as it was after one
+    it skips, as torch's fused optimizers do."""
+    g = g.to(grad.dtype).view_as(grad)
+    grad.copy_(g if found_inf is None else torch.where(found_inf > 0, grad, g))

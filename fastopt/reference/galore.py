@@ -48,6 +48,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..distributed.phases import Exchange
+from .common import store_unscaled
 from .lamb import _commit, load_moments, step_size, store_moments
 
 PROJ_TYPES = ("std", "reverse_std", "left", "right", "full")
@@ -623,6 +624,7 @@ def galore_phases(params: list[Tensor], grads: list[Tensor], states: list[dict],
         g = grads[i].to(acc)
         if inv_scale is not None:
             g = g * inv_scale.to(acc)
+            store_unscaled(grads[i], g, found_inf)
         partial_projection(g.contiguous(), states[i], shapes[i], rects[i], rs[i])
     mine = yield from plan.reduce(buf, sharded)
     # Phase 2: Adam on the projected gradients (the rows kept here), N written over them; plain AdamW for the
@@ -634,6 +636,7 @@ def galore_phases(params: list[Tensor], grads: list[Tensor], states: list[dict],
             r = g.to(acc)
             if inv_scale is not None:
                 r = r * inv_scale.to(acc)
+                store_unscaled(g, r, found_inf)
         m_old, v_old = load_moments(s, acc, block_size)
         m = beta1 * m_old.reshape(r.shape) + (1 - beta1) * r
         v = beta2 * v_old.reshape(r.shape) + (1 - beta2) * r * r

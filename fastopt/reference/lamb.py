@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .common import sr_args, stochastic_round_bf16
+from .common import sr_args, stochastic_round_bf16, store_unscaled
 from .quant import dequantize_blockwise, quantize_blockwise
 
 
@@ -103,8 +103,10 @@ def lamb_phases(params: list[Tensor], grads: list[Tensor], states: list[dict], *
 
     # Phase 1: new moments, the update a, and the squared norms of p and a, in one flat buffer.
     moments, updates, sums = [], [], []
-    for p, g, s in zip(params, grads, states):
-        g = g.to(acc) * inv_scale if inv_scale is not None else g.to(acc)
+    for p, grad, s in zip(params, grads, states):
+        g = grad.to(acc) * inv_scale if inv_scale is not None else grad.to(acc)
+        if inv_scale is not None:
+            store_unscaled(grad, g, found_inf)
         m_old, v_old = load_moments(s, acc, block_size)
         m = beta1 * m_old + (1 - beta1) * g
         v = beta2 * v_old + (1 - beta2) * g * g
